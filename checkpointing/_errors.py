@@ -1,0 +1,33 @@
+"""Error types and the one helper for impossible states.
+
+``CheckpointError`` is the parity exception type (a ``RuntimeError``, as in torch). Every module
+that raises a user-facing checkpoint error imports it from here; ``internal_assert`` is the single
+way to state an invariant of our own, so that a broken one always says it is our bug.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+__all__ = ["CheckpointError", "internal_assert", "internal_error"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpointed region could not be recomputed faithfully (parity with torch)."""
+
+
+_MSG_INTERNAL = (
+    "checkpointing: internal invariant violated: {what}. "
+    "This is a bug in checkpointing, please report it with the code that triggered it."
+)
+
+
+def internal_error(what: str) -> NoReturn:
+    """Raise the "this is our bug" error for an impossible state described by ``what``."""
+    raise AssertionError(_MSG_INTERNAL.format(what=what))
+
+
+def internal_assert(cond: bool, what: str) -> None:
+    """Check an invariant of ours; never use this on user input."""
+    if not cond:
+        internal_error(what)

@@ -1,0 +1,281 @@
+"""Forward-time global state, captured once and restored for recompute.
+
+Owns ``ForwardState``: the CPU RNG state, the RNG state of each accelerator device the inputs live
+on, the autocast state (the inputs' device type and CPU), and the active ``torch.device(...)``
+context. Every mechanism (reentrant ``CheckpointFunction``, the non-reentrant frame, the scope)
+captures through ``ForwardState.capture`` and re-enters through ``ForwardState.restored``; no other
+module reads or sets RNG or autocast state.
+
+It also owns the parity helpers of ``torch.utils.checkpoint`` that are about this state:
+``DefaultDeviceType``, ``get_device_states``, ``set_device_states``, ``detach_variable``,
+``check_backward_validity`` and ``noop_context_fn``.
+
+NOTE [RNG state kept only when used]
+  Rule 1. The CPU RNG state is captured before the region runs (we cannot know in advance
+          whether it draws random numbers).
+  Rule 2. After the forward, ``drop_unused_rng`` compares the CPU state with the one captured; if
+          they are equal the region drew nothing from the CPU generator, so replay needs no
+          state and the ~5 KB copy is released. torch keeps it for every call.
+  Rule 3. When the state did change, it is kept and restored bit-for-bit for recompute, and the
+          caller's own RNG stream is put back afterwards, as torch does.
+  Rejected: detecting random ops with a dispatch mode (a per-op cost on every forward, and it
+  misses generators used outside dispatch); comparing takes ~4 us once per region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
+
+import torch
+
+from ._compat import (
+    DeviceContext,
+    accelerator_initialized,
+    active_device_context,
+    tree_flatten,
+)
+
+__all__ = [
+    "DefaultDeviceType",
+    "ForwardState",
+    "check_backward_validity",
+    "detach_variable",
+    "get_device_states",
+    "infer_device_type",
+    "noop_context_fn",
+    "set_device_states",
+]
+
+_MSG_MIXED_DEVICE_TYPES = (
+    "Tensor arguments, excluding CPU tensors, are detected on at least two types of devices. "
+    "Device state will only be saved for devices of a single device type, and the remaining "
+    "devices will be ignored. Consequently, if any checkpointed functions involve randomness, "
+    "this may result in incorrect gradients. (Note that if CUDA devices are among the devices "
+    "detected, it will be prioritized; otherwise, the first device encountered will be "
+    "selected.)\nDevice types: {types} first device type: {first}"
+)
+
+
+def noop_context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """The default ``context_fn``: run forward and recompute under no extra context."""
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Detach every tensor of a tuple, keeping its ``requires_grad`` (parity helper)."""
+    if not isinstance(inputs, tuple):
+        raise RuntimeError(
+            "Only tuple of tensors is supported. Got Unsupported input type: "
+            f"{type(inputs).__name__}"
+        )
+    out: list[Any] = []
+    for inp in inputs:
+        if isinstance(inp, torch.Tensor):
+            detached = inp.detach()
+            detached.requires_grad = inp.requires_grad
+            out.append(detached)
+        else:
+            out.append(inp)
+    return tuple(out)
+
+
+def check_backward_validity(inputs: Iterable[Any]) -> None:
+    """Warn when no tensor input requires grad: the checkpointed part gets no gradient."""
+    if not any(inp.requires_grad for inp in inputs if isinstance(inp, torch.Tensor)):
+        warnings.warn(
+            "None of the inputs have requires_grad=True. Gradients will be None", stacklevel=2
+        )
+
+
+class DefaultDeviceType:
+    """The device type whose RNG and autocast state is captured when no input is on an
+    accelerator: the current accelerator if there is one, else ``"cpu"`` (parity class)."""
+
+    _default_device_type: str | None = None
+
+    @staticmethod
+    def set_device_type(device: str = "cuda") -> None:
+        """Set the default device type for checkpointing."""
+        DefaultDeviceType._default_device_type = device
+
+    @staticmethod
+    def get_device_type() -> str:
+        """The default device type, resolved lazily without initialising an accelerator."""
+        if not DefaultDeviceType._default_device_type:
+            acc = torch.accelerator.current_accelerator(True)
+            DefaultDeviceType._default_device_type = acc.type if acc is not None else "cpu"
+        return DefaultDeviceType._default_device_type
+
+
+def _tensors_in(args: tuple[Any, ...]) -> Iterator[torch.Tensor]:
+    """The tensors in ``args``, looking inside containers only when there are any."""
+    if all(isinstance(a, torch.Tensor) or not _is_container(a) for a in args):
+        leaves: Iterable[Any] = args
+    else:
+        leaves = tree_flatten(args)[0]
+    return (a for a in leaves if isinstance(a, torch.Tensor))
+
+
+def _is_container(obj: object) -> bool:
+    return isinstance(obj, (tuple, list, dict))
+
+
+def infer_device_type(*args: Any) -> str:
+    """The accelerator type of the inputs (CUDA first), else the default device type."""
+    device_types = [t.device.type for t in _tensors_in(args) if t.device.type != "cpu"]
+    if not device_types:
+        return DefaultDeviceType.get_device_type()
+    unique = set(device_types)
+    if len(unique) > 1:
+        warnings.warn(
+            _MSG_MIXED_DEVICE_TYPES.format(types=sorted(unique), first=device_types[0]),
+            stacklevel=3,
+        )
+    return "cuda" if "cuda" in unique else device_types[0]
+
+
+def _device_module(device_type: str) -> Any:
+    """``torch.cuda``, ``torch.xpu``, ... for a device type (``meta`` has no RNG)."""
+    if device_type == "meta":
+        return torch.device("meta")
+    return getattr(torch, device_type)
+
+
+def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """The ids of the accelerator devices the inputs live on, and each one's RNG state."""
+    device_ids = [
+        t.get_device() for t in _tensors_in(args) if t.device.type not in ("cpu", "meta")
+    ]
+    module = _device_module(infer_device_type(*args))
+    states = []
+    for device_id in device_ids:
+        with module.device(device_id):
+            states.append(module.get_rng_state())
+    return device_ids, states
+
+
+def set_device_states(
+    devices: list[int], states: list[torch.Tensor], *, device_type: str | None = None
+) -> None:
+    """Set the RNG state of each device id (parity helper; ``meta`` is a no-op)."""
+    if device_type is None:
+        device_type = DefaultDeviceType.get_device_type()
+    if device_type == "meta":
+        return
+    module = _device_module(device_type)
+    for device, state in zip(devices, states, strict=False):
+        with module.device(device):
+            module.set_rng_state(state)
+
+
+class _Autocast(NamedTuple):
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+
+def _autocast_now(device_type: str) -> _Autocast:
+    return _Autocast(
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+class ForwardState:
+    """What a region's forward saw, to be seen again by its recompute.
+
+    See NOTE [RNG state kept only when used].
+    """
+
+    __slots__ = (
+        "cpu_autocast",
+        "cpu_rng",
+        "device_autocast",
+        "device_ctx",
+        "device_ids",
+        "device_rng",
+        "device_type",
+        "had_device",
+    )
+
+    def __init__(self, args: tuple[Any, ...], preserve_rng_state: bool) -> None:
+        self.device_type = infer_device_type(*args)
+        self.device_autocast: _Autocast | None = (
+            _autocast_now(self.device_type)
+            if self.device_type != "cpu" and torch.amp.is_autocast_available(self.device_type)
+            else None
+        )
+        self.cpu_autocast = _autocast_now("cpu")
+        self.device_ctx: DeviceContext | None = active_device_context()
+        self.cpu_rng: torch.Tensor | None = None
+        self.device_ids: list[int] = []
+        self.device_rng: list[torch.Tensor] = []
+        # Never initialise an accelerator by accident: only read its RNG if it already runs.
+        self.had_device = preserve_rng_state and accelerator_initialized(
+            _device_module(self.device_type)
+        )
+        if preserve_rng_state:
+            self.cpu_rng = torch.get_rng_state()  # See NOTE [RNG state ...], Rule 1
+            if self.had_device:
+                self.device_ids, self.device_rng = get_device_states(*args)
+
+    def device_initialized_during(self, preserve_rng_state: bool) -> bool:
+        """True when the accelerator was started inside the region (its RNG was not saved)."""
+        return (
+            preserve_rng_state
+            and not self.had_device
+            and accelerator_initialized(_device_module(self.device_type))
+        )
+
+    def drop_unused_rng(self) -> None:
+        """Release the CPU RNG copy if the forward drew nothing from it (Rule 2)."""
+        if self.cpu_rng is not None and torch.equal(self.cpu_rng, torch.get_rng_state()):
+            self.cpu_rng = None
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run the body under the forward's RNG, autocast and device context; afterwards the
+        caller's RNG streams are as they were (See NOTE [RNG state ...], Rule 3)."""
+        with contextlib.ExitStack() as stack:
+            if self.cpu_rng is not None:
+                stack.enter_context(_cpu_rng_set_to(self.cpu_rng))
+            if self.device_rng:
+                stack.enter_context(
+                    torch.random.fork_rng(devices=self.device_ids, device_type=self.device_type)
+                )
+                set_device_states(self.device_ids, self.device_rng, device_type=self.device_type)
+            for ctx in self._autocast_contexts():
+                stack.enter_context(ctx)
+            if self.device_ctx is not None and active_device_context() is not self.device_ctx:
+                stack.enter_context(self.device_ctx)
+            yield
+
+    def _autocast_contexts(self) -> list[AbstractContextManager[Any]]:
+        # Entering autocast costs a few microseconds; skip it when the state already matches.
+        wanted: list[tuple[str, _Autocast]] = []
+        if self.device_autocast is not None:
+            wanted.append((self.device_type, self.device_autocast))
+        wanted.append(("cpu", self.cpu_autocast))
+        return [
+            torch.amp.autocast(device_type, **state._asdict())
+            for device_type, state in wanted
+            if _autocast_now(device_type) != state
+        ]
+
+
+@contextlib.contextmanager
+def _cpu_rng_set_to(state: torch.Tensor) -> Iterator[None]:
+    outer = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(outer)
+
+
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
