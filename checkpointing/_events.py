@@ -1,0 +1,35 @@
+"""Observation points: mechanisms announce what they do with each tensor autograd saves.
+
+Owns the one ``ContextVar`` that a report (``checkpointing``'s saved-tensor report) sets while it
+watches a step. The frame, the scope and the selective modes call ``announce`` from their pack
+paths; with no listener that costs one ``ContextVar.get``. This module knows nothing about how a
+report is built or printed: that belongs to the report's own module.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Literal, Protocol
+
+import torch
+
+__all__ = ["Decision", "Listener", "announce", "listener"]
+
+Decision = Literal["saved", "recomputed", "offloaded"]
+
+
+class Listener(Protocol):
+    """Receives one call per tensor a mechanism of ours takes charge of."""
+
+    def on_tensor(self, tensor: torch.Tensor, *, region: str, decision: Decision) -> None:
+        """``tensor`` (the real one, not a holder) was saved, dropped for recompute, or moved."""
+
+
+listener: ContextVar[Listener | None] = ContextVar("checkpointing_listener", default=None)
+
+
+def announce(tensor: torch.Tensor, region: str, decision: Decision) -> None:
+    """Tell the active listener, if any, what happened to ``tensor`` in ``region``."""
+    current = listener.get()
+    if current is not None:
+        current.on_tensor(tensor, region=region, decision=decision)
