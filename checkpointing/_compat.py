@@ -15,7 +15,7 @@ import torch
 from torch._C._autograd import SavedTensor as SavedTensor
 from torch._C._autograd import _make_saved_tensor
 from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext
+from torch.utils._device import DeviceContext as DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_map as tree_map
@@ -45,12 +45,13 @@ def current_graph_task_id() -> int:
 
 def get_graph_exec_group() -> object | None:
     """The active ``GraphExecGroup`` (a thread-local kept by autograd's C++ side, 2.13)."""
-    return torch._C._get_graph_exec_group()  # type: ignore[no-any-return]
+    return torch._C._get_graph_exec_group()
 
 
 def set_graph_exec_group(group: object | None) -> None:
     """Set or clear the active ``GraphExecGroup`` (2.13)."""
-    torch._C._set_graph_exec_group(group)
+    # The stub names torch's own GraphExecGroup; the C++ side stores any object.
+    torch._C._set_graph_exec_group(group)  # type: ignore[arg-type]
 
 
 def is_checkpoint_valid() -> bool:
@@ -62,13 +63,15 @@ def is_checkpoint_valid() -> bool:
 def disable_dynamo(fn: _F) -> _F:
     """Keep dynamo out of ``fn``: hook-based machinery breaks the graph instead of being traced
     (2.13: ``torch._disable_dynamo``)."""
-    return torch._disable_dynamo(fn)  # type: ignore[no-any-return]
+    disable: Callable[[_F], _F] = torch._disable_dynamo  # type: ignore[attr-defined,assignment]  # private, overloaded
+    return disable(fn)
 
 
 def active_device_context() -> DeviceContext | None:
     """The innermost ``with torch.device(...)`` mode on the function-mode stack, if any (2.13:
     ``torch.overrides._get_current_function_mode_stack`` and ``torch.utils._device``)."""
-    for mode in reversed(_get_current_function_mode_stack()):
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]  # untyped in 2.13
+    for mode in reversed(stack):
         if isinstance(mode, DeviceContext):
             return mode
     return None
@@ -82,7 +85,7 @@ def accelerator_initialized(device_module: Any) -> bool:
 
 def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The innermost default saved-tensors hook pair on this thread, or None (2.13)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)  # type: ignore[no-any-return]
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def push_saved_tensors_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:

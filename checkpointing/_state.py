@@ -28,6 +28,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "detach_variable",
     "get_device_states",
     "infer_device_type",
+    "is_recomputing",
     "noop_context_fn",
     "set_device_states",
 ]
@@ -58,6 +60,18 @@ _MSG_MIXED_DEVICE_TYPES = (
     "detected, it will be prioritized; otherwise, the first device encountered will be "
     "selected.)\nDevice types: {types} first device type: {first}"
 )
+
+
+_recompute_depth: ContextVar[int] = ContextVar("checkpointing_recompute_depth", default=0)
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed region (any mechanism) is being re-run for backward.
+
+    User code can use it to tell the original forward from recompute, e.g. to skip logging or
+    a forward hook's side effect the second time.
+    """
+    return _recompute_depth.get() > 0
 
 
 def noop_context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
@@ -239,8 +253,9 @@ class ForwardState:
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
-        """Run the body under the forward's RNG, autocast and device context; afterwards the
-        caller's RNG streams are as they were (See NOTE [RNG state ...], Rule 3)."""
+        """Run the body (a recompute) under the forward's RNG, autocast and device context, with
+        ``is_recomputing()`` true; afterwards the caller's RNG streams are as they were (See
+        NOTE [RNG state ...], Rule 3)."""
         with contextlib.ExitStack() as stack:
             if self.cpu_rng is not None:
                 stack.enter_context(_cpu_rng_set_to(self.cpu_rng))
@@ -253,7 +268,11 @@ class ForwardState:
                 stack.enter_context(ctx)
             if self.device_ctx is not None and active_device_context() is not self.device_ctx:
                 stack.enter_context(self.device_ctx)
-            yield
+            token = _recompute_depth.set(_recompute_depth.get() + 1)
+            try:
+                yield
+            finally:
+                _recompute_depth.reset(token)
 
     def _autocast_contexts(self) -> list[AbstractContextManager[Any]]:
         # Entering autocast costs a few microseconds; skip it when the state already matches.

@@ -1,0 +1,275 @@
+"""Determinism checks and the debug report for recompute.
+
+Owns what is compared between the original forward and its recompute (the metadata of each saved
+tensor), the ``CheckpointError`` messages raised when they disagree, the per-context debug switch
+``set_checkpoint_debug_enabled``, and the op logger that turns a mismatch into a report of the ops
+run in forward and in recompute, with the user's source line for each and the first op where the
+two runs diverge. When and where recompute happens belongs to ``_frame``.
+
+NOTE [Determinism checks]
+  Rule 1. The number of tensors saved by recompute must equal the forward's, whatever
+          ``determinism_check`` says; a different count is a ``CheckpointError`` with both counts.
+  Rule 2. With ``determinism_check="default"`` each recomputed tensor's shape, dtype and device
+          must equal the saved one's; the error lists every position that differs.
+  Rule 3. ``"none"`` skips Rule 2 (and records no metadata at all in forward); any other value is
+          a ``ValueError`` that lists the allowed values.
+  Rule 4. With debug on, the error carries both op logs and names the first divergent op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Literal, NoReturn
+
+import torch
+
+from ._compat import TorchDispatchMode
+from ._errors import CheckpointError
+
+__all__ = [
+    "DeterminismCheck",
+    "Metadata",
+    "OpLogger",
+    "check_counts",
+    "check_metadata",
+    "debug_enabled",
+    "metadata_fn_for",
+    "set_checkpoint_debug_enabled",
+]
+
+DeterminismCheck = Literal["default", "none"]
+Metadata = tuple[torch.Size, torch.dtype, torch.device]
+
+_debug_override: ContextVar[bool | None] = ContextVar("checkpointing_debug", default=None)
+
+_MSG_DEBUG_TIP = """
+Tip: To see a more detailed error message, either pass `debug=True` to
+`checkpointing.checkpoint(...)` (or `torch.utils.checkpoint.checkpoint(...)`) or wrap the code
+block with `with checkpointing.set_checkpoint_debug_enabled(True):` to enable checkpoint-debug
+mode for this thread/context. The report then lists the ops run in forward and in recompute and
+points at the first divergence.
+"""
+_MSG_COUNT_MISMATCH = (
+    "torch.utils.checkpoint: A different number of tensors was saved during the original "
+    "forward and recomputation.\n"
+    "Number of tensors saved during forward: {forward}\n"
+    "Number of tensors saved during recomputation: {recompute}.\n"
+    "Likely cause: the checkpointed function takes a different path in recompute (global state, "
+    "a flag, or data-dependent control flow changed between forward and backward).\n{tip}"
+)
+_MSG_TOO_MANY = (
+    "torch.utils.checkpoint: trying to save more tensors during recomputation than during the "
+    "original forward pass (forward saved {forward}).\n"
+    "Likely cause: the checkpointed function takes a different path in recompute.\n{tip}"
+)
+_MSG_METADATA_MISMATCH = (
+    "torch.utils.checkpoint: Recomputed values for the following tensors have different "
+    "metadata than during the forward pass.\n{details}.\n"
+    "Likely cause: the checkpointed function computes something different in recompute (shapes "
+    "or dtypes depending on global state, autocast or RNG changed between forward and "
+    "backward).\n{tip}"
+)
+_MSG_BAD_DETERMINISM_CHECK = (
+    "checkpointing.checkpoint: determinism_check should be one of ['default', 'none'], but got "
+    "{got!r}. Fix: pass determinism_check='default' (compare shape, dtype and device of "
+    "recomputed tensors) or 'none' (skip that comparison)."
+)
+_MSG_DEBUG_REPORT = """\
+An error happened while unpacking tensors; dumping logs of latest computation because you passed
+`debug=True` to `checkpointing.checkpoint()` (or enabled checkpoint-debug mode).
++------------------------------------------------------------------------------+
+| Operations executed during the original forward:                             |
++------------------------------------------------------------------------------+
+{forward_ops}
++------------------------------------------------------------------------------+
+| Operations executed during recomputation:                                    |
++------------------------------------------------------------------------------+
+{recompute_ops}
++------------------------------------------------------------------------------+
+{divergence}
+ ERROR: Detected non-determinism while running activation checkpointing.
+ The tensors saved during the original forward differ from those saved during recomputation,
+ which happens when different operators run in the two passes. Compare the logs above (detach
+ calls are ignored: checkpointing itself adds them), starting at the first divergence.
+ Original error:
+{error}
+"""
+
+
+@contextlib.contextmanager
+def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
+    """Override ``debug=`` for checkpoints run in this thread/context; ``None`` defers to the
+    argument. Unlike torch's process-global switch, other threads never see the value."""
+    token = _debug_override.set(enabled)
+    try:
+        yield
+    finally:
+        _debug_override.reset(token)
+
+
+def debug_enabled(argument: bool) -> bool:
+    """The effective debug setting: the context override if set, else the argument."""
+    override = _debug_override.get()
+    return argument if override is None else override
+
+
+def metadata_of(x: torch.Tensor) -> Metadata:
+    """Shape, dtype and device: cheap to read and enough to catch most divergences."""
+    return (x.shape, x.dtype, x.device)
+
+
+def metadata_fn_for(check: str) -> Callable[[torch.Tensor], Metadata] | None:
+    """The metadata recorder for a ``determinism_check`` value (None for "none")."""
+    if check == "default":
+        return metadata_of
+    if check == "none":
+        return None
+    raise ValueError(_MSG_BAD_DETERMINISM_CHECK.format(got=check))
+
+
+def _describe(meta: Metadata) -> str:
+    shape, dtype, device = meta
+    return f"{{'shape': {shape}, 'dtype': {dtype}, 'device': {device}}}"
+
+
+def check_counts(forward: int, recompute: int) -> None:
+    """Rule 1: raise when recompute saved a different number of tensors."""
+    if forward != recompute:
+        raise CheckpointError(
+            _MSG_COUNT_MISMATCH.format(forward=forward, recompute=recompute, tip=_MSG_DEBUG_TIP)
+        )
+
+
+def too_many_saved(forward: int) -> NoReturn:
+    """Rule 1, seen early: recompute is saving past the forward's count."""
+    raise CheckpointError(_MSG_TOO_MANY.format(forward=forward, tip=_MSG_DEBUG_TIP))
+
+
+def check_metadata(pairs: Sequence[tuple[int, Metadata, torch.Tensor]]) -> None:
+    """Rule 2: ``pairs`` are (position, saved metadata, recomputed tensor)."""
+    details = [
+        f"tensor at position {idx}:\nsaved metadata: {_describe(saved)}\n"
+        f"recomputed metadata: {_describe(metadata_of(tensor))}\n"
+        for idx, saved, tensor in pairs
+        if metadata_of(tensor) != saved
+    ]
+    if details:
+        raise CheckpointError(
+            _MSG_METADATA_MISMATCH.format(details="".join(details), tip=_MSG_DEBUG_TIP)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Debug op logs (Rule 4)
+# ---------------------------------------------------------------------------------------------
+
+_OUR_PACKAGE = __name__.rsplit(".", 1)[0].replace(".", "/")
+_IGNORED_IN_COMPARISON = ("aten.detach.default",)
+
+
+@dataclass
+class _LoggedOp:
+    name: str
+    signature: str
+    where: str
+
+
+def _user_frame(frame: FrameType | None) -> str:
+    """The first stack frame outside torch, this package and the standard library."""
+    while frame is not None:
+        filename = frame.f_code.co_filename.replace("\\", "/")
+        if not (
+            "/torch/" in filename
+            or f"/{_OUR_PACKAGE}/" in filename
+            or filename.startswith("<frozen")
+            or "/contextlib.py" in filename
+        ):
+            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<unknown source>"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return repr(value) if isinstance(value, (int, float, bool, str, type(None))) else "..."
+
+
+@dataclass
+class OpLogger:
+    """Records every aten op of one pass (forward or recompute) with its user source line."""
+
+    ops: list[_LoggedOp] = field(default_factory=list)
+
+    def mode(self) -> TorchDispatchMode:
+        """A fresh dispatch mode that appends to this log while active."""
+        return _LoggingMode(self)
+
+    def lines(self) -> str:
+        """The log as numbered lines."""
+        return "\n".join(
+            f"  {i + 1:>4}. {op.signature}\n        at {op.where}" for i, op in enumerate(self.ops)
+        ) or "  (no ops recorded)"
+
+    def significant(self) -> list[_LoggedOp]:
+        """The ops that take part in the comparison (detaches are ours, not the user's)."""
+        return [op for op in self.ops if op.name not in _IGNORED_IN_COMPARISON]
+
+
+class _LoggingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    def __init__(self, log: OpLogger) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.log = log
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        signature = f"{name}({', '.join(_short(a) for a in args)}) -> {_short(out)}"
+        self.log.ops.append(_LoggedOp(name, signature, _user_frame(sys._getframe(1))))
+        return out
+
+
+def first_divergence(forward: OpLogger, recompute: OpLogger) -> str:
+    """A sentence naming the first op where the two passes differ (beyond torch's report)."""
+    fwd, rec = forward.significant(), recompute.significant()
+    for i, (a, b) in enumerate(zip(fwd, rec, strict=False)):
+        if a.name != b.name or a.signature != b.signature:
+            return (
+                f" First divergence at op {i + 1} (detach ignored):\n"
+                f"   forward ran   {a.signature}\n     at {a.where}\n"
+                f"   recompute ran {b.signature}\n     at {b.where}\n"
+            )
+    if len(fwd) != len(rec):
+        longer, label = (fwd, "forward") if len(fwd) > len(rec) else (rec, "recompute")
+        extra = longer[min(len(fwd), len(rec))]
+        return (
+            f" First divergence at op {min(len(fwd), len(rec)) + 1} (detach ignored): only the "
+            f"{label} ran\n   {extra.signature}\n     at {extra.where}\n"
+        )
+    return " No divergence in the op sequences (the difference is in values or metadata).\n"
+
+
+def debug_error(error: CheckpointError, forward: OpLogger, recompute: OpLogger) -> NoReturn:
+    """Re-raise ``error`` with both op logs and the first divergence (Rule 4)."""
+    raise CheckpointError(
+        _MSG_DEBUG_REPORT.format(
+            forward_ops=forward.lines(),
+            recompute_ops=recompute.lines(),
+            divergence=first_divergence(forward, recompute),
+            error=str(error),
+        )
+    ) from error

@@ -1,0 +1,358 @@
+"""The non-reentrant frame: holders instead of tensors, recompute on first unpack.
+
+Owns ``Frame`` (one per ``checkpoint(..., use_reentrant=False)`` call), ``Holder`` (what the
+autograd graph stores in place of each saved tensor), the pack/unpack hooks of forward and of
+recompute, early stop, the nesting rules, ``GraphExecGroup`` and the per-context early-stop switch.
+``Holder``, ``graph_key`` and ``unpack_holder`` are shared with the scope API, which fills holders
+by replaying a tape instead of re-running a function. Forward-time state capture belongs to
+``_state``; what is compared after recompute, and the debug report, to ``_determinism``.
+
+NOTE [Nestable checkpoint]
+  Rule 1. A saved tensor belongs to the innermost checkpoint active when it is saved; outer
+          checkpoints never see it (our pack hook is the top of the stack).
+  Rule 2. An inner checkpoint's inputs are saved through ``make_saved_tensor`` before its hook is
+          pushed, so they are saved tensors of its parent. Hence unpacking a tensor of a nested
+          region first recomputes every region around it (each one's inputs live in its parent).
+  Rule 3. Recompute starts as if no checkpoint were active: its hook goes on top of whatever
+          stack the backward has, and checkpoints met while re-running still apply.
+  Rule 4. Recomputed tensors belong to one backward (a graph task, or a ``GraphExecGroup``) and
+          each is released the moment it is unpacked, even with ``retain_graph=True``; another
+          backward recomputes again. The holder keeps, per backward, the tensor or ``None`` once
+          consumed, so a second unpack in the same backward is the "unpacked twice" error.
+  Rule 5. Early stop: recompute stops as soon as it has saved as many tensors as the forward
+          did. ``set_checkpoint_early_stop`` active at forward time overrides ``early_stop=``.
+  Rule 6. Backward inside the checkpointed function works: recompute also returns what it saves
+          (detached) to its own graph, holders cleared by an earlier inner backward are skipped,
+          and a forward that has not finished may save more during recompute than so far.
+  Rule 7. The CPU RNG state is kept only when the region drew random numbers (see ``_state``,
+          NOTE [RNG state kept only when used]); replay stays bit-identical when it did.
+
+Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
+Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
+its graph node, and with it the tensor) with no per-backward bookkeeping left on the frame.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
+from typing import Any, Final, Self
+
+import torch
+
+from . import _compat
+from ._determinism import (
+    Metadata,
+    OpLogger,
+    check_counts,
+    check_metadata,
+    debug_error,
+    too_many_saved,
+)
+from ._errors import CheckpointError, internal_assert
+from ._events import announce
+from ._state import ForwardState
+
+__all__ = [
+    "Frame",
+    "GraphExecGroup",
+    "Holder",
+    "early_stop_enabled",
+    "graph_key",
+    "set_checkpoint_early_stop",
+    "unpack_holder",
+]
+
+_early_stop_override: ContextVar[bool | None] = ContextVar("checkpointing_early_stop", default=None)
+
+_MSG_UNPACKED_TWICE = (
+    "torch.utils.checkpoint: Unpack is being triggered for a tensor that was already unpacked "
+    "once. {extra}If you are calling ctx.saved_tensors in backward, make sure to do so only "
+    "once. Otherwise please open an issue with details on your use case."
+)
+_MSG_GROUP_OVERLAP = (
+    "Performing two backward calls that overlap (i.e. require the same saved activation in "
+    "order to compute gradients) is not allowed while under the "
+    "torch.utils.checkpoint.GraphExecGroup context. "
+)
+_MSG_GROUP_NESTED = (
+    "GraphExecGroup contexts cannot be nested. Already inside group {group}. Fix: leave the "
+    "outer `with GraphExecGroup():` block before entering another one."
+)
+_MSG_DEVICE_INIT = (
+    "PyTorch's device state was initialized in the forward pass of a Checkpoint, which is not "
+    "allowed. Fix: initialise the device (e.g. move a tensor to it) before calling checkpoint, "
+    "or pass preserve_rng_state=False if the region draws no random numbers on it."
+)
+
+
+@contextlib.contextmanager
+def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
+    """Turn early stop on or off for checkpoints whose forward runs in this thread/context.
+
+    Only the forward needs to run under it; its backward may run anywhere. Unlike torch's
+    process-global switch, other threads and asyncio tasks never see the value.
+    """
+    token = _early_stop_override.set(enable)
+    try:
+        yield
+    finally:
+        _early_stop_override.reset(token)
+
+
+def early_stop_enabled(argument: bool) -> bool:
+    """The effective early-stop setting: the context override if set, else the argument."""
+    override = _early_stop_override.get()
+    return argument if override is None else override
+
+
+class GraphExecGroup:
+    """Backward calls under one instance recompute each checkpointed region at most once.
+
+    Those backward calls must not overlap (no saved activation may be needed by two of them),
+    even with ``retain_graph=True``. Groups do not nest. Only affects the non-reentrant variant.
+    """
+
+    def __enter__(self) -> Self:
+        current = _compat.get_graph_exec_group()
+        if current is not None:
+            raise RuntimeError(_MSG_GROUP_NESTED.format(group=current))
+        _compat.set_graph_exec_group(self)
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        _compat.set_graph_exec_group(None)
+
+    @classmethod
+    def _get_current_group(cls) -> GraphExecGroup | None:
+        group = _compat.get_graph_exec_group()
+        return group if isinstance(group, GraphExecGroup) else None
+
+
+def graph_key() -> object:
+    """Which backward an unpack belongs to: the active group, else the graph task; an unpack
+    outside any backward gets a key of its own (See NOTE [Nestable checkpoint], Rule 4)."""
+    group = _compat.get_graph_exec_group()
+    if group is not None:
+        return group
+    task = _compat.current_graph_task_id()
+    return task if task != -1 else object()
+
+
+_MISSING: Final = object()
+
+
+class Holder:
+    """What the graph stores for a saved tensor: per backward, the recomputed tensor, or
+    ``None`` once consumed (Rule 4). It holds no tensor between forward and backward."""
+
+    __slots__ = ("__weakref__", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[object, torch.Tensor | None] = {}
+
+
+def unpack_holder(
+    holder: Holder, recompute: Callable[[object], None], key: object | None = None
+) -> torch.Tensor:
+    """Hand out ``holder``'s tensor for the current backward, recomputing on first need and
+    releasing it at once (Rule 4). ``recompute(key)`` must fill every live holder for ``key``."""
+    if key is None:
+        key = graph_key()
+    value = holder.values.get(key, _MISSING)
+    if value is _MISSING:
+        recompute(key)
+        value = holder.values.get(key, _MISSING)
+        internal_assert(value is not _MISSING, "recompute did not fill a live holder")
+    if value is None:
+        extra = _MSG_GROUP_OVERLAP if _compat.get_graph_exec_group() is not None else ""
+        raise CheckpointError(_MSG_UNPACKED_TWICE.format(extra=extra))
+    holder.values[key] = None
+    return value  # type: ignore[return-value]  # neither _MISSING nor None here
+
+
+class _StopRecompute(BaseException):
+    """Raised from the recompute pack hook to end recompute early (Rule 5).
+
+    A ``BaseException`` so that a user's ``except Exception`` inside the region cannot swallow
+    it (torch uses ``Exception`` and can be defeated that way)."""
+
+
+@_compat.disable_dynamo
+def _run_without_dynamo(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # Module level with no closure: a decorated closure would keep its cells alive.
+    return fn(*args, **kwargs)
+
+
+class Frame:
+    """One non-reentrant checkpoint call: its inputs, its holders and how to recompute them."""
+
+    __slots__ = (
+        "__weakref__",
+        "early_stop",
+        "fn",
+        "forward_completed",
+        "ignore_count_mismatch",
+        "kwargs",
+        "loggers",
+        "metadata",
+        "recompute_context",
+        "region",
+        "saved_args",
+        "state",
+        "weak_holders",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        state: ForwardState,
+        recompute_context: AbstractContextManager[Any],
+        record_metadata: bool,
+        early_stop: bool,
+        loggers: tuple[OpLogger, OpLogger] | None,
+    ) -> None:
+        self.fn = fn
+        self.kwargs = kwargs
+        self.state = state
+        self.recompute_context = recompute_context
+        self.early_stop = early_stop
+        self.loggers = loggers
+        self.weak_holders: list[weakref.ref[Holder]] = []
+        self.metadata: list[Metadata] | None = [] if record_metadata else None
+        self.forward_completed = False
+        self.ignore_count_mismatch = False
+        self.region = f"checkpoint({getattr(fn, '__qualname__', type(fn).__name__)})"
+        # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
+        self.saved_args = [
+            _compat.make_saved_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
+        ]
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def pack(self, x: torch.Tensor) -> Holder:
+        """Forward pack hook: store a holder, never the tensor (Rule 1)."""
+        holder = Holder()
+        self.weak_holders.append(weakref.ref(holder))
+        if self.metadata is not None:
+            self.metadata.append((x.shape, x.dtype, x.device))
+        announce(x, self.region, "recomputed")
+        return holder
+
+    def unpack(self, holder: Holder) -> torch.Tensor:
+        """Forward unpack hook: recompute on first need in this backward, then hand out."""
+        if self.loggers is None:
+            return unpack_holder(holder, self.recompute)
+        try:
+            return unpack_holder(holder, self.recompute)
+        except CheckpointError as error:
+            debug_error(error, *self.loggers)
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def recompute(self, key: object) -> None:
+        """Re-run the function under the forward's state, filling this frame's live holders
+        for backward ``key``; then check the recomputed tensors against the forward's."""
+        args = [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.saved_args]
+        hook = _RecomputeHook(self, key)
+        _compat.push_saved_tensors_hooks(hook.pack, _identity)  # Rule 3: on top of the stack
+        try:
+            with torch.enable_grad(), self.state.restored(), self.recompute_context:
+                _run_without_dynamo(self.fn, *args, **self.kwargs)
+        except _StopRecompute:
+            pass
+        finally:
+            _compat.pop_saved_tensors_hooks()
+        self._check(key, hook.count)
+
+    def _check(self, key: object, recomputed: int) -> None:
+        if self.ignore_count_mismatch:
+            return  # Rule 6: a forward cut short by its own backward saved fewer
+        check_counts(len(self.weak_holders), recomputed)
+        if self.metadata is None:
+            return
+        pairs = []
+        for idx, ref in enumerate(self.weak_holders):
+            holder = ref()
+            value = holder.values.get(key) if holder is not None else None
+            if value is not None:
+                pairs.append((idx, self.metadata[idx], value))
+        check_metadata(pairs)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class _RecomputeHook:
+    """The pack hook active while a frame is recomputed for one backward."""
+
+    __slots__ = ("count", "frame", "key")
+
+    def __init__(self, frame: Frame, key: object) -> None:
+        # A strong reference is fine: this object lives only as long as the recompute call,
+        # plus any graph built inside it (Rule 6), which dies with the recompute's outputs.
+        self.frame = frame
+        self.key = key
+        self.count = 0
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
+        x = x.detach() if x.requires_grad else x
+        frame, idx = self.frame, self.count
+        self.count += 1
+        n_saved = len(frame.weak_holders)
+        if idx >= n_saved:
+            internal_assert(not frame.early_stop, "early stop should have ended recompute")
+            if not frame.forward_completed:
+                frame.ignore_count_mismatch = True  # Rule 6
+                return x
+            too_many_saved(n_saved)
+        holder = frame.weak_holders[idx]()
+        if holder is not None:  # a holder cleared by an earlier inner backward is skipped
+            internal_assert(
+                holder.values.get(self.key, _MISSING) is _MISSING, "holder filled twice"
+            )
+            holder.values[self.key] = x
+        if frame.early_stop and self.count == n_saved:
+            raise _StopRecompute
+        return x  # Rule 6: a backward inside the re-run can use it
+
+
+def run_forward(
+    frame: Frame,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    forward_context: AbstractContextManager[Any],
+    preserve_rng_state: bool,
+) -> Any:
+    """Run the original forward with ``frame``'s hook on top of the stack (Rule 1)."""
+    completed = False
+    _compat.push_saved_tensors_hooks(frame.pack, frame.unpack)
+    try:
+        with forward_context:
+            out = fn(*args, **kwargs)
+            completed = True
+    finally:
+        _compat.pop_saved_tensors_hooks()
+    if not completed:
+        raise RuntimeError(_MSG_CONTEXT_SUPPRESSED)
+    frame.forward_completed = True
+    if frame.state.device_initialized_during(preserve_rng_state):
+        raise RuntimeError(_MSG_DEVICE_INIT)
+    frame.state.drop_unused_rng()  # Rule 7
+    return out
+
+
+_MSG_CONTEXT_SUPPRESSED = (
+    "torch.utils.checkpoint: the forward context provided by context_fn suppressed an "
+    "exception raised during the checkpointed forward. This is not supported because "
+    "checkpoint cannot return a value for a failed forward. Fix: let the context manager's "
+    "__exit__ return False/None for exceptions."
+)
