@@ -134,7 +134,7 @@ def metadata_fn_for(check: str) -> Callable[[torch.Tensor], Metadata] | None:
 
 def _describe(meta: Metadata) -> str:
     shape, dtype, device = meta
-    return f"{{'shape': {shape}, 'dtype': {dtype}, 'device': {device}}}"
+    return str({"shape": shape, "dtype": dtype, "device": device})
 
 
 def check_counts(forward: int, recompute: int) -> None:

@@ -53,7 +53,7 @@ from ._determinism import (
     too_many_saved,
 )
 from ._errors import CheckpointError, internal_assert
-from ._events import announce
+from ._events import announce, listener
 from ._state import ForwardState
 
 __all__ = [
@@ -200,7 +200,6 @@ class Frame:
         "loggers",
         "metadata",
         "recompute_context",
-        "region",
         "saved_args",
         "state",
         "weak_holders",
@@ -227,7 +226,6 @@ class Frame:
         self.metadata: list[Metadata] | None = [] if record_metadata else None
         self.forward_completed = False
         self.ignore_count_mismatch = False
-        self.region = f"checkpoint({getattr(fn, '__qualname__', type(fn).__name__)})"
         # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
         self.saved_args = [
             _compat.make_saved_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
@@ -241,8 +239,13 @@ class Frame:
         self.weak_holders.append(weakref.ref(holder))
         if self.metadata is not None:
             self.metadata.append((x.shape, x.dtype, x.device))
-        announce(x, self.region, "recomputed")
+        if listener.get() is not None:
+            announce(x, self.region(), "recomputed")
         return holder
+
+    def region(self) -> str:
+        """How reports name this region."""
+        return f"checkpoint({getattr(self.fn, '__qualname__', type(self.fn).__name__)})"
 
     def unpack(self, holder: Holder) -> torch.Tensor:
         """Forward unpack hook: recompute on first need in this backward, then hand out."""

@@ -127,20 +127,14 @@ class DefaultDeviceType:
 
 def _tensors_in(args: tuple[Any, ...]) -> Iterator[torch.Tensor]:
     """The tensors in ``args``, looking inside containers only when there are any."""
-    if all(isinstance(a, torch.Tensor) or not _is_container(a) for a in args):
-        leaves: Iterable[Any] = args
-    else:
-        leaves = tree_flatten(args)[0]
-    return (a for a in leaves if isinstance(a, torch.Tensor))
-
-
-def _is_container(obj: object) -> bool:
-    return isinstance(obj, (tuple, list, dict))
+    if any(isinstance(a, (tuple, list, dict)) for a in args):
+        return (a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+    return (a for a in args if isinstance(a, torch.Tensor))
 
 
 def infer_device_type(*args: Any) -> str:
     """The accelerator type of the inputs (CUDA first), else the default device type."""
-    device_types = [t.device.type for t in _tensors_in(args) if t.device.type != "cpu"]
+    device_types = [t.device.type for t in _tensors_in(args) if not t.is_cpu]
     if not device_types:
         return DefaultDeviceType.get_device_type()
     unique = set(device_types)
@@ -230,8 +224,10 @@ class ForwardState:
         self.device_ids: list[int] = []
         self.device_rng: list[torch.Tensor] = []
         # Never initialise an accelerator by accident: only read its RNG if it already runs.
-        self.had_device = preserve_rng_state and accelerator_initialized(
-            _device_module(self.device_type)
+        self.had_device = (
+            preserve_rng_state
+            and self.device_type != "cpu"
+            and accelerator_initialized(_device_module(self.device_type))
         )
         if preserve_rng_state:
             self.cpu_rng = torch.get_rng_state()  # See NOTE [RNG state ...], Rule 1
@@ -243,6 +239,7 @@ class ForwardState:
         return (
             preserve_rng_state
             and not self.had_device
+            and self.device_type != "cpu"
             and accelerator_initialized(_device_module(self.device_type))
         )
 
@@ -251,28 +248,11 @@ class ForwardState:
         if self.cpu_rng is not None and torch.equal(self.cpu_rng, torch.get_rng_state()):
             self.cpu_rng = None
 
-    @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
-        """Run the body (a recompute) under the forward's RNG, autocast and device context, with
-        ``is_recomputing()`` true; afterwards the caller's RNG streams are as they were (See
-        NOTE [RNG state ...], Rule 3)."""
-        with contextlib.ExitStack() as stack:
-            if self.cpu_rng is not None:
-                stack.enter_context(_cpu_rng_set_to(self.cpu_rng))
-            if self.device_rng:
-                stack.enter_context(
-                    torch.random.fork_rng(devices=self.device_ids, device_type=self.device_type)
-                )
-                set_device_states(self.device_ids, self.device_rng, device_type=self.device_type)
-            for ctx in self._autocast_contexts():
-                stack.enter_context(ctx)
-            if self.device_ctx is not None and active_device_context() is not self.device_ctx:
-                stack.enter_context(self.device_ctx)
-            token = _recompute_depth.set(_recompute_depth.get() + 1)
-            try:
-                yield
-            finally:
-                _recompute_depth.reset(token)
+    def restored(self) -> AbstractContextManager[None]:
+        """A context that runs its body (a recompute) under the forward's RNG, autocast and
+        device context, with ``is_recomputing()`` true; afterwards the caller's RNG streams
+        are as they were (See NOTE [RNG state ...], Rule 3)."""
+        return _Restored(self)
 
     def _autocast_contexts(self) -> list[AbstractContextManager[Any]]:
         # Entering autocast costs a few microseconds; skip it when the state already matches.
@@ -287,14 +267,53 @@ class ForwardState:
         ]
 
 
-@contextlib.contextmanager
-def _cpu_rng_set_to(state: torch.Tensor) -> Iterator[None]:
-    outer = torch.get_rng_state()
-    torch.set_rng_state(state)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(outer)
+class _Restored:
+    """``ForwardState.restored()``: a plain class, not a generator context, because it runs
+    once per recompute and the common case (no RNG used, autocast unchanged) must cost little.
+    """
+
+    __slots__ = ("exits", "outer_cpu_rng", "state", "token")
+
+    def __init__(self, state: ForwardState) -> None:
+        self.state = state
+        self.exits: contextlib.ExitStack | None = None
+        self.outer_cpu_rng: torch.Tensor | None = None
+
+    def __enter__(self) -> None:
+        state = self.state
+        if state.cpu_rng is not None:
+            self.outer_cpu_rng = torch.get_rng_state()
+            torch.set_rng_state(state.cpu_rng)
+        self.token = _recompute_depth.set(_recompute_depth.get() + 1)
+        autocasts = state._autocast_contexts()
+        switch_device = (
+            state.device_ctx is not None and active_device_context() is not state.device_ctx
+        )
+        if not (state.device_rng or autocasts or switch_device):
+            return  # the common case: nothing else to enter
+        self.exits = contextlib.ExitStack()
+        try:
+            if state.device_rng:
+                self.exits.enter_context(
+                    torch.random.fork_rng(devices=state.device_ids, device_type=state.device_type)
+                )
+                set_device_states(state.device_ids, state.device_rng, device_type=state.device_type)
+            for ctx in autocasts:
+                self.exits.enter_context(ctx)
+            if switch_device and state.device_ctx is not None:
+                self.exits.enter_context(state.device_ctx)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        _recompute_depth.reset(self.token)
+        try:
+            if self.exits is not None:
+                self.exits.__exit__(*exc)  # type: ignore[arg-type]  # forwards the exc triple
+        finally:
+            if self.outer_cpu_rng is not None:
+                torch.set_rng_state(self.outer_cpu_rng)
 
 
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
