@@ -12,6 +12,7 @@ from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
 from ._reentrant import CheckpointFunction
+from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
 from ._sequential import checkpoint_sequential
 from ._state import (
     DefaultDeviceType,
@@ -28,6 +29,8 @@ __all__ = [
     "CheckpointFunction",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "SavedTensorRecord",
+    "SavedTensorsReport",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
@@ -35,6 +38,7 @@ __all__ = [
     "get_device_states",
     "is_recomputing",
     "noop_context_fn",
+    "saved_tensors_report",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",

@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 import torch
 
-__all__ = ["Decision", "Listener", "announce", "listener"]
+__all__ = ["Decision", "Listener", "announce", "current_region", "listener"]
 
 Decision = Literal["saved", "recomputed", "offloaded"]
 
@@ -26,6 +26,10 @@ class Listener(Protocol):
 
 
 listener: ContextVar[Listener | None] = ContextVar("checkpointing_listener", default=None)
+
+# The region whose forward is running, set by mechanisms only while a listener is active, so
+# that a report can say which region a really-kept tensor (e.g. a region's input) belongs to.
+current_region: ContextVar[str | None] = ContextVar("checkpointing_region", default=None)
 
 
 def announce(tensor: torch.Tensor, region: str, decision: Decision) -> None:

@@ -53,7 +53,7 @@ from ._determinism import (
     too_many_saved,
 )
 from ._errors import CheckpointError, internal_assert
-from ._events import announce, listener
+from ._events import announce, current_region, listener
 from ._state import ForwardState
 
 __all__ = [
@@ -227,9 +227,12 @@ class Frame:
         self.forward_completed = False
         self.ignore_count_mismatch = False
         # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
+        token = current_region.set(f"inputs of {self.region()}") if listener.get() else None
         self.saved_args = [
             _compat.make_saved_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
         ]
+        if token is not None:
+            current_region.reset(token)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -337,6 +340,7 @@ def run_forward(
 ) -> Any:
     """Run the original forward with ``frame``'s hook on top of the stack (Rule 1)."""
     completed = False
+    token = current_region.set(frame.region()) if listener.get() else None
     _compat.push_saved_tensors_hooks(frame.pack, frame.unpack)
     try:
         with forward_context:
@@ -344,6 +348,8 @@ def run_forward(
             completed = True
     finally:
         _compat.pop_saved_tensors_hooks()
+        if token is not None:
+            current_region.reset(token)
     if not completed:
         raise RuntimeError(_MSG_CONTEXT_SUPPRESSED)
     frame.forward_completed = True

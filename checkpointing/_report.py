@@ -1,0 +1,181 @@
+"""The saved-tensor report: what autograd keeps for backward, and what recompute costs.
+
+Owns ``saved_tensors_report`` (a context manager around a training step), its data
+(``SavedTensorsReport``, ``SavedTensorRecord``) and its table. JAX's ``print_saved_residuals`` is
+the model: one row per tensor, with the op that produced it, shape, dtype, bytes, the region it
+belongs to and what happens to it (saved, recomputed, offloaded).
+
+How it watches (no mechanism knows about the report; they only announce through ``_events``):
+  1. An outer saved-tensors hook, pushed on entry, sees every tensor really kept: saved outside
+     any region, or kept as a region's input. Checkpoint hooks sit above it, so tensors that a
+     region drops never reach it.
+  2. The mechanisms announce the tensors they take charge of: the frame and the scope those they
+     will recompute, the selective modes those they save or offload.
+  3. A dispatch mode maps each tensor to the op that produced it, and counts the ops (and, where
+     ``torch.utils.flop_counter`` knows the op, the FLOPs) run while ``is_recomputing()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from . import _compat
+from ._events import Decision, current_region, listener
+from ._state import is_recomputing
+
+__all__ = ["SavedTensorRecord", "SavedTensorsReport", "saved_tensors_report"]
+
+_OUTSIDE = "(outside any region)"
+_LEAF = "(input or parameter)"
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTensorRecord:
+    """One tensor autograd needs for backward, and what happens to it until then."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    region: str
+    decision: Decision
+
+
+@dataclass
+class SavedTensorsReport:
+    """What a step saved for backward. ``str(report)`` is a table; the fields are the data."""
+
+    records: list[SavedTensorRecord] = field(default_factory=list)
+    recompute_ops: int = 0
+    recompute_flops: int = 0
+    kept_bytes: int = 0
+    """Bytes of the distinct storages kept between forward and backward (device memory)."""
+
+    def bytes_by_decision(self) -> dict[Decision, int]:
+        """Total tensor bytes per decision (a tensor saved twice counts twice here)."""
+        totals: dict[Decision, int] = {"saved": 0, "recomputed": 0, "offloaded": 0}
+        for record in self.records:
+            totals[record.decision] += record.nbytes
+        return totals
+
+    def table(self) -> str:
+        """A fixed-width table of the records, then the totals."""
+        header = f"{'op':<34} {'shape':<20} {'dtype':<9} {'bytes':>12}  {'decision':<10} region"
+        lines = [header, "-" * len(header)]
+        for r in self.records:
+            dtype = str(r.dtype).removeprefix("torch.")
+            lines.append(
+                f"{r.op[:34]:<34} {str(list(r.shape))[:20]:<20} {dtype:<9} {r.nbytes:>12,}  "
+                f"{r.decision:<10} {r.region}"
+            )
+        totals = self.bytes_by_decision()
+        lines.append("-" * len(header))
+        lines.append(
+            f"kept for backward: {self.kept_bytes:,} bytes (distinct storages); "
+            + ", ".join(f"{k}: {v:,} bytes" for k, v in totals.items())
+        )
+        lines.append(
+            f"recompute cost: {self.recompute_ops} ops, {self.recompute_flops:,} FLOPs "
+            "(FLOPs only for ops torch.utils.flop_counter knows)"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class _Watcher:
+    """The listener, outer hook and dispatch mode of one report."""
+
+    def __init__(self, report: SavedTensorsReport) -> None:
+        self.report = report
+        self.producers: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.kept_storages: dict[tuple[int, torch.device], int] = {}
+
+    def record(self, tensor: torch.Tensor, region: str, decision: Decision) -> None:
+        op: str = self.producers.get(tensor, _LEAF)  # type: ignore[no-untyped-call]  # untyped
+        nbytes = tensor.numel() * tensor.element_size()
+        self.report.records.append(
+            SavedTensorRecord(op, tuple(tensor.shape), tensor.dtype, nbytes, region, decision)
+        )
+
+    def on_tensor(self, tensor: torch.Tensor, *, region: str, decision: Decision) -> None:
+        """Listener protocol: a mechanism took charge of ``tensor``."""
+        self.record(tensor, region, decision)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Outer hook: ``tensor`` is really kept. Return a detached alias, never the object
+        itself (that would be a reference cycle through its ``grad_fn``)."""
+        self.record(tensor, current_region.get() or _OUTSIDE, "saved")
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            self.kept_storages[(storage.data_ptr(), tensor.device)] = storage.nbytes()
+            self.report.kept_bytes = sum(self.kept_storages.values())
+        return tensor.detach()
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+class _ProducerMode(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    def __init__(self, watcher: _Watcher) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.watcher = watcher
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func.overloadpacket.__name__)
+        for tensor in _compat.tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.watcher.producers[tensor] = name
+        if is_recomputing():
+            report = self.watcher.report
+            report.recompute_ops += 1
+            count = flop_registry.get(func.overloadpacket)
+            if count is not None:
+                report.recompute_flops += int(count(*args, **kwargs, out_val=out))
+        return out
+
+
+@contextmanager
+def saved_tensors_report() -> Iterator[SavedTensorsReport]:
+    """Watch a step and report every tensor kept for backward and what recompute costs.
+
+    Run forward inside the block; run backward inside it too to count recompute ops and FLOPs.
+    The report is filled while the block runs and complete when it exits.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> lin = torch.nn.Linear(8, 8)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> with checkpointing.saved_tensors_report() as report:
+        ...     y = checkpointing.checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False)
+        ...     y.sum().backward()
+        >>> report.recompute_ops > 0
+        True
+    """
+    report = SavedTensorsReport()
+    watcher = _Watcher(report)
+    token = listener.set(watcher)
+    _compat.push_saved_tensors_hooks(watcher.pack, watcher.unpack)
+    try:
+        with _ProducerMode(watcher):
+            yield report
+    finally:
+        _compat.pop_saved_tensors_hooks()
+        listener.reset(token)

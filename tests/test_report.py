@@ -1,0 +1,84 @@
+"""The saved-tensor report: rows, decisions, totals and recompute cost."""
+
+from __future__ import annotations
+
+import torch
+
+import checkpointing
+from checkpointing import saved_tensors_report
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+
+
+def test_uncheckpointed_step_reports_everything_as_saved() -> None:
+    """Without checkpointing every row is 'saved' and named after the op that produced it."""
+    model = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved_tensors_report() as report:
+        model(x).sum().backward()
+    assert report.records
+    assert {r.decision for r in report.records} == {"saved"}
+    assert {"addmm", "gelu"} <= {r.op for r in report.records}
+    assert report.recompute_ops == 0
+
+
+def test_checkpointed_region_rows_are_recomputed_and_only_inputs_kept() -> None:
+    """Inside a checkpoint rows are 'recomputed'; only the region's input is kept."""
+    model = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved_tensors_report() as report:
+        y = checkpointing.checkpoint(model, x, use_reentrant=False)
+        y.sum().backward()
+    kept = [r for r in report.records if r.decision == "saved"]
+    assert [r.region for r in kept] == ["inputs of checkpoint(Sequential)"]
+    assert report.kept_bytes == x.numel() * x.element_size()
+    recomputed = [r for r in report.records if r.decision == "recomputed"]
+    assert {r.region for r in recomputed} == {"checkpoint(Sequential)"}
+    assert "gelu" in {r.op for r in recomputed}
+
+
+def test_recompute_cost_counts_ops_and_matmul_flops() -> None:
+    """Recompute cost counts the re-run ops and the FLOPs of the matmul (2*m*k*n)."""
+    w = torch.randn(5, 6, requires_grad=True)
+    x = torch.randn(4, 5, requires_grad=True)
+    with saved_tensors_report() as report:
+        y = checkpointing.checkpoint(lambda a: (a @ w).sin(), x, use_reentrant=False)
+        y.sum().backward()
+    assert report.recompute_ops >= 2
+    assert report.recompute_flops == 2 * 4 * 5 * 6
+
+
+def test_kept_bytes_matches_the_floor_for_a_chain() -> None:
+    """Kept bytes of N checkpointed layers equal N region inputs, far below no checkpoint."""
+    layers = [torch.nn.Linear(32, 32) for _ in range(6)]
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def run(use_checkpoint: bool) -> int:
+        with saved_tensors_report() as report:
+            h = x
+            for layer in layers:
+                h = (
+                    checkpointing.checkpoint(layer, h, use_reentrant=False)
+                    if use_checkpoint
+                    else torch.tanh(layer(h))
+                )
+        return report.kept_bytes
+
+    activation = 16 * 32 * 4
+    assert run(True) == 6 * activation
+    assert run(False) > 2 * 6 * activation
+
+
+def test_table_has_header_rows_and_totals() -> None:
+    """``str(report)`` is a table with a header, one line per row and the totals."""
+    x = torch.randn(3, requires_grad=True)
+    with saved_tensors_report() as report:
+        checkpointing.checkpoint(torch.sin, x, use_reentrant=False).exp().sum().backward()
+    text = str(report)
+    assert text.splitlines()[0].startswith("op")
+    assert "kept for backward:" in text
+    assert "recompute cost:" in text
+    assert len(text.splitlines()) == len(report.records) + 5
