@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _compat
 from ._determinism import OpLogger, debug_enabled, metadata_fn_for
@@ -50,6 +51,11 @@ _MSG_NOT_CALLABLE = (
     "checkpointing.checkpoint: expected a callable as the first argument (the function to "
     "checkpoint), got {type_name}. Fix: checkpoint(fn, *inputs, use_reentrant=False)."
 )
+
+
+def _is_noop(context_fn: ContextFn) -> bool:
+    """Ours or torch's ``noop_context_fn``: code moving over from torch may pass either."""
+    return context_fn is noop_context_fn or context_fn is _torch_checkpoint.noop_context_fn
 
 
 @_compat.disable_dynamo
@@ -91,7 +97,8 @@ def checkpoint(
         >>> y.sum().backward()
     """
     if use_reentrant is None:
-        warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
+        # stacklevel 3: past dynamo's disable wrapper, to the caller's line (torch stops at 2).
+        warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=3)
         use_reentrant = True
     if not callable(function):
         raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(function).__name__))
@@ -99,8 +106,8 @@ def checkpoint(
     if use_reentrant:
         if kwargs:
             raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
-        if context_fn is not noop_context_fn or debug is not False:
-            what = "context_fn" if context_fn is not noop_context_fn else "debug=True"
+        if not _is_noop(context_fn) or debug is not False:
+            what = "context_fn" if not _is_noop(context_fn) else "debug=True"
             raise ValueError(_MSG_REENTRANT_ONLY_DEFAULTS.format(what=what))
         return CheckpointFunction.apply(function, preserve, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
     return _checkpoint_non_reentrant(
@@ -121,7 +128,7 @@ def _checkpoint_non_reentrant(
     """Validate, then run ``fn`` under a new ``Frame`` (or plainly when grad is off)."""
     loggers: tuple[OpLogger, OpLogger] | None = None
     if debug_enabled(debug):
-        if context_fn is not noop_context_fn:
+        if not _is_noop(context_fn):
             raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
         loggers = (OpLogger(), OpLogger())
     record_metadata = metadata_fn_for(determinism_check) is not None
@@ -131,7 +138,7 @@ def _checkpoint_non_reentrant(
     recompute_context: AbstractContextManager[Any]
     if loggers is not None:
         forward_context, recompute_context = loggers[0].mode(), loggers[1].mode()
-    elif context_fn is noop_context_fn:
+    elif _is_noop(context_fn):
         forward_context = recompute_context = contextlib.nullcontext()
     else:
         forward_context, recompute_context = context_fn()

@@ -16,8 +16,9 @@ NOTE [RNG state kept only when used]
   Rule 2. After the forward, ``drop_unused_rng`` compares the CPU state with the one captured; if
           they are equal the region drew nothing from the CPU generator, so replay needs no
           state and the ~5 KB copy is released. torch keeps it for every call.
-  Rule 3. When the state did change, it is kept and restored bit-for-bit for recompute, and the
-          caller's own RNG stream is put back afterwards, as torch does.
+  Rule 3. When the state did change, it is kept and restored bit-for-bit for recompute. Either
+          way, with ``preserve_rng_state=True`` the caller's own RNG stream is put back after a
+          recompute, as torch does (a region that draws only when re-run cannot move it).
   Rejected: detecting random ops with a dispatch mode (a per-op cost on every forward, and it
   misses generators used outside dispatch); comparing takes ~4 us once per region.
 """
@@ -43,11 +44,15 @@ from ._compat import (
 __all__ = [
     "DefaultDeviceType",
     "ForwardState",
+    "GeneratorStates",
+    "autocast_disabled",
     "check_backward_validity",
+    "default_generator",
     "detach_variable",
     "get_device_states",
     "infer_device_type",
     "is_recomputing",
+    "marked_as_recompute",
     "noop_context_fn",
     "set_device_states",
 ]
@@ -72,6 +77,16 @@ def is_recomputing() -> bool:
     a forward hook's side effect the second time.
     """
     return _recompute_depth.get() > 0
+
+
+@contextlib.contextmanager
+def marked_as_recompute() -> Iterator[None]:
+    """Make ``is_recomputing()`` true for the body (every mechanism's re-run goes through it)."""
+    token = _recompute_depth.set(_recompute_depth.get() + 1)
+    try:
+        yield
+    finally:
+        _recompute_depth.reset(token)
 
 
 def noop_context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
@@ -209,6 +224,7 @@ class ForwardState:
         "device_rng",
         "device_type",
         "had_device",
+        "preserve_rng_state",
     )
 
     def __init__(self, args: tuple[Any, ...], preserve_rng_state: bool) -> None:
@@ -220,6 +236,7 @@ class ForwardState:
         )
         self.cpu_autocast = _autocast_now("cpu")
         self.device_ctx: DeviceContext | None = active_device_context()
+        self.preserve_rng_state = preserve_rng_state
         self.cpu_rng: torch.Tensor | None = None
         self.device_ids: list[int] = []
         self.device_rng: list[torch.Tensor] = []
@@ -281,9 +298,10 @@ class _Restored:
 
     def __enter__(self) -> None:
         state = self.state
-        if state.cpu_rng is not None:
+        if state.preserve_rng_state:  # Rule 3, also when Rule 2 dropped the forward's copy
             self.outer_cpu_rng = torch.get_rng_state()
-            torch.set_rng_state(state.cpu_rng)
+            if state.cpu_rng is not None:
+                torch.set_rng_state(state.cpu_rng)
         self.token = _recompute_depth.set(_recompute_depth.get() + 1)
         autocasts = state._autocast_contexts()
         switch_device = (
@@ -317,3 +335,61 @@ class _Restored:
 
 
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+
+
+def default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator a random op on ``device`` draws from when given none (None for ``meta``
+    and for device types that expose no default generators)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "meta":
+        return None
+    module = _device_module(device.type)
+    generators = getattr(module, "default_generators", None)
+    if not generators:
+        return None
+    index = device.index if device.index is not None else module.current_device()
+    generator: torch.Generator = generators[index]
+    return generator
+
+
+class GeneratorStates:
+    """The state of each generator a recorded region drew from, taken just before its first draw.
+
+    Used by the scope API, whose tape sees every random op (and its explicit ``generator=``)
+    as it runs; replaying every random op in order from these states reproduces each draw.
+    """
+
+    __slots__ = ("_states",)
+
+    def __init__(self) -> None:
+        self._states: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def note(self, generator: torch.Generator) -> None:
+        """Remember ``generator``'s state unless it was noted before (first draw wins)."""
+        if all(known is not generator for known, _ in self._states):
+            self._states.append((generator, generator.get_state()))
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run the body with every noted generator back at its noted state; afterwards each is
+        where the caller had it (See NOTE [RNG state kept only when used], Rule 3)."""
+        outer = [(generator, generator.get_state()) for generator, _ in self._states]
+        for generator, state in self._states:
+            generator.set_state(state)
+        try:
+            yield
+        finally:
+            for generator, state in outer:
+                generator.set_state(state)
+
+
+@contextlib.contextmanager
+def autocast_disabled(device_types: Iterable[str]) -> Iterator[None]:
+    """Turn autocast off for the body on each of ``device_types`` where it is on (replaying ops
+    recorded below autocast must not cast them again)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in device_types:
+            if device_type != "meta" and torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.amp.autocast(device_type, enabled=False))
+        yield

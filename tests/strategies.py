@@ -1,0 +1,399 @@
+"""Shared Hypothesis strategies: random layer stacks and the inputs that go with them.
+
+A drawn ``StackSpec`` is a plain description (layer kinds, widths, dtype, batch, seed); ``build``
+turns it into modules deterministically from the drawn seed without touching the caller's RNG, so
+two builds of one spec are identical and a test can run the same model with and without
+checkpointing. Add new strategies at the end; do not change the existing ones (other tests rely on
+what they draw).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from hypothesis import strategies as st
+from torch import nn
+
+from checkpointing import policies
+from checkpointing._selective import CheckpointPolicy
+
+LayerKind = Literal["linear", "relu", "gelu", "tanh", "silu", "layernorm", "dropout"]
+
+ACTIVATIONS: tuple[LayerKind, ...] = ("relu", "gelu", "tanh", "silu")
+DETERMINISTIC_KINDS: tuple[LayerKind, ...] = ("linear", *ACTIVATIONS, "layernorm")
+ALL_KINDS: tuple[LayerKind, ...] = (*DETERMINISTIC_KINDS, "dropout")
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+
+MIN_WIDTH, MAX_WIDTH = 2, 32
+MIN_DEPTH, MAX_DEPTH = 1, 8
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer: its kind, its output width, and (for dropout) its probability."""
+
+    kind: LayerKind
+    width: int
+    p: float = 0.0
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """A random stack of layers, with everything needed to rebuild it and feed it."""
+
+    in_width: int
+    layers: tuple[LayerSpec, ...]
+    dtype: torch.dtype
+    batch: int
+    seed: int
+
+    @property
+    def depth(self) -> int:
+        """Number of layers (the functions ``checkpoint_sequential`` sees)."""
+        return len(self.layers)
+
+    @property
+    def has_dropout(self) -> bool:
+        """Whether any layer draws random numbers in training mode."""
+        return any(layer.kind == "dropout" and layer.p > 0 for layer in self.layers)
+
+    def build(self) -> nn.Sequential:
+        """The modules of this spec, initialised from ``seed`` (the caller's RNG is untouched)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            width = self.in_width
+            modules: list[nn.Module] = []
+            for layer in self.layers:
+                modules.append(_make_layer(layer, width))
+                width = layer.width
+            model = nn.Sequential(*modules).to(self.dtype)
+        return model.train()
+
+    def make_input(self, requires_grad: bool = True) -> torch.Tensor:
+        """A ``(batch, in_width)`` input drawn from ``seed + 1`` (the caller's RNG is untouched)."""
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        x = torch.randn(self.batch, self.in_width, generator=gen, dtype=self.dtype)
+        return x.requires_grad_(requires_grad)
+
+    def run(
+        self,
+        forward: Callable[[nn.Sequential, torch.Tensor], torch.Tensor],
+        *,
+        input_requires_grad: bool = True,
+    ) -> StepResult:
+        """Build a fresh model, run ``forward(model, x)`` and a backward with a fixed cotangent."""
+        model = self.build()
+        x = self.make_input(input_requires_grad)
+        out = forward(model, x)
+        gen = torch.Generator().manual_seed(self.seed + 2)
+        cotangent = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+        out.backward(cotangent)
+        return StepResult(
+            out.detach(), x.grad, tuple(p.grad for p in model.parameters()), torch.get_rng_state()
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one forward/backward step produced, and the CPU RNG state right after it."""
+
+    output: torch.Tensor
+    input_grad: torch.Tensor | None
+    param_grads: tuple[torch.Tensor | None, ...]
+    rng_after: torch.Tensor
+
+    def gradients(self) -> tuple[torch.Tensor | None, ...]:
+        """The input gradient followed by every parameter gradient."""
+        return (self.input_grad, *self.param_grads)
+
+    def assert_equal(self, other: StepResult) -> None:
+        """Outputs and gradients bit-identical (``torch.equal``), ``None`` where the other is."""
+        assert torch.equal(self.output, other.output), "outputs differ"
+        mine, theirs = self.gradients(), other.gradients()
+        assert len(mine) == len(theirs)
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert (a is None) == (b is None), f"gradient {i}: {a} vs {b}"
+            if a is not None and b is not None:
+                assert torch.equal(a, b), f"gradient {i} differs: max |diff| {(a - b).abs().max()}"
+
+
+def _make_layer(layer: LayerSpec, in_width: int) -> nn.Module:
+    if layer.kind == "linear":
+        return nn.Linear(in_width, layer.width)
+    if layer.kind == "layernorm":
+        ln = nn.LayerNorm(in_width)
+        # Non-trivial affine parameters, so their gradients say something.
+        with torch.no_grad():
+            ln.weight.normal_()
+            ln.bias.normal_()
+        return ln
+    if layer.kind == "dropout":
+        return nn.Dropout(layer.p)
+    return {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}[layer.kind]()
+
+
+@st.composite
+def layer_stacks(
+    draw: st.DrawFn,
+    *,
+    kinds: tuple[LayerKind, ...] = DETERMINISTIC_KINDS,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    min_depth: int = MIN_DEPTH,
+    max_depth: int = MAX_DEPTH,
+) -> StackSpec:
+    """A random stack of ``kinds`` layers (widths 2..32, depths as given) in one of ``dtypes``."""
+    in_width = draw(st.integers(MIN_WIDTH, MAX_WIDTH))
+    depth = draw(st.integers(min_depth, max_depth))
+    layers: list[LayerSpec] = []
+    width = in_width
+    for _ in range(depth):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "linear":
+            width = draw(st.integers(MIN_WIDTH, MAX_WIDTH))
+        p = draw(st.sampled_from((0.1, 0.5))) if kind == "dropout" else 0.0
+        layers.append(LayerSpec(kind, width, p))
+    return StackSpec(
+        in_width=in_width,
+        layers=tuple(layers),
+        dtype=draw(st.sampled_from(dtypes)),
+        batch=draw(st.integers(1, 8)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@st.composite
+def layer_stacks_with_dropout(
+    draw: st.DrawFn, *, dtypes: tuple[torch.dtype, ...] = DTYPES
+) -> StackSpec:
+    """A random stack that contains at least one dropout layer (so the region draws RNG)."""
+    spec = draw(layer_stacks(kinds=ALL_KINDS, dtypes=dtypes, max_depth=MAX_DEPTH - 1))
+    at = draw(st.integers(0, spec.depth))
+    width = spec.layers[at - 1].width if at > 0 else spec.in_width
+    dropout = LayerSpec("dropout", width, draw(st.sampled_from((0.1, 0.5))))
+    return StackSpec(
+        in_width=spec.in_width,
+        layers=(*spec.layers[:at], dropout, *spec.layers[at:]),
+        dtype=spec.dtype,
+        batch=spec.batch,
+        seed=spec.seed,
+    )
+
+
+@st.composite
+def stacks_and_segments(
+    draw: st.DrawFn, stacks: st.SearchStrategy[StackSpec] | None = None
+) -> tuple[StackSpec, int]:
+    """A stack and a valid segment count for ``checkpoint_sequential`` (1..depth)."""
+    spec = draw(stacks if stacks is not None else layer_stacks())
+    return spec, draw(st.integers(1, spec.depth))
+
+
+def segment_counts(max_functions: int = 12) -> st.SearchStrategy[tuple[int, int]]:
+    """``(n_functions, segments)`` pairs with ``1 <= segments <= n_functions <= max_functions``."""
+    return st.integers(1, max_functions).flatmap(
+        lambda n: st.tuples(st.just(n), st.integers(1, n))
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Random op programs with checkpoints nested at random places (non-reentrant frame tests)
+# ---------------------------------------------------------------------------------------------
+
+OpName = Literal[
+    "sin", "tanh", "sigmoid", "relu", "softmax", "mul_w", "add_w", "matmul_w", "center",
+    "add_column_sums", "mix_detached", "dropout",
+]
+PROGRAM_OPS: tuple[OpName, ...] = (
+    "sin", "tanh", "sigmoid", "relu", "softmax", "mul_w", "add_w", "matmul_w", "center",
+    "add_column_sums", "mix_detached", "dropout",
+)
+
+
+@dataclass(frozen=True)
+class ProgramOp:
+    """One op of a program: maps the running tensor ``h`` (and the weight ``w``) to a new ``h``."""
+
+    name: OpName
+
+    def apply(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Run this op (elementwise, matmul or reduction; dropout draws from the CPU RNG)."""
+        name = self.name
+        if name in ("sin", "tanh", "sigmoid", "relu"):
+            return getattr(h, name)()  # type: ignore[no-any-return]
+        if name == "softmax":
+            return h.softmax(-1)
+        if name == "mul_w":
+            return h * w
+        if name == "add_w":
+            return h + w
+        if name == "matmul_w":
+            return (h @ w) / w.shape[0] ** 0.5
+        if name == "center":
+            return h - h.mean(dim=-1, keepdim=True)
+        if name == "add_column_sums":
+            return h + h.sum(dim=0, keepdim=True)
+        if name == "mix_detached":
+            return h * h.detach().cos()
+        return torch.nn.functional.dropout(h, p=0.5, training=True)
+
+
+@dataclass(frozen=True)
+class ProgramRegion:
+    """A checkpointed region (``checkpoint(body, h, w, early_stop=...)``) around a sub-program."""
+
+    body: tuple[ProgramOp | ProgramRegion, ...]
+    early_stop: bool
+
+
+ProgramNode = ProgramOp | ProgramRegion
+
+
+@dataclass(frozen=True)
+class OpProgram:
+    """A sequence of ops and nested checkpointed regions over one ``(n, n)`` float64 state."""
+
+    nodes: tuple[ProgramNode, ...]
+    n: int
+    seed: int
+
+    def run(
+        self, h: torch.Tensor, w: torch.Tensor, checkpoint: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """Interpret the program; ``checkpoint(fn, h, w, early_stop=...)`` wraps each region."""
+        return _run_nodes(self.nodes, h, w, checkpoint)
+
+    def depth(self) -> int:
+        """How deeply regions nest (0: no region)."""
+        return _depth(self.nodes)
+
+
+def _run_nodes(
+    nodes: tuple[ProgramNode, ...],
+    h: torch.Tensor,
+    w: torch.Tensor,
+    checkpoint: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    for node in nodes:
+        if isinstance(node, ProgramOp):
+            h = node.apply(h, w)
+        else:
+            body = node.body
+
+            def region(
+                h: torch.Tensor, w: torch.Tensor, body: tuple[ProgramNode, ...] = body
+            ) -> torch.Tensor:
+                return _run_nodes(body, h, w, checkpoint)
+
+            h = checkpoint(region, h, w, early_stop=node.early_stop)
+    return h
+
+
+def _depth(nodes: tuple[ProgramNode, ...]) -> int:
+    return max(
+        (1 + _depth(node.body) for node in nodes if isinstance(node, ProgramRegion)), default=0
+    )
+
+
+def program_nodes(max_leaves: int = 10) -> st.SearchStrategy[ProgramNode]:
+    """An op, or a region (early stop on or off) around 1..4 nodes, nested to any depth."""
+    ops = st.builds(ProgramOp, st.sampled_from(PROGRAM_OPS))
+    return st.recursive(
+        ops,
+        lambda children: st.builds(
+            ProgramRegion, st.lists(children, min_size=1, max_size=4).map(tuple), st.booleans()
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+@st.composite
+def op_programs(draw: st.DrawFn, *, min_depth: int = 1, max_leaves: int = 10) -> OpProgram:
+    """A random program with regions nested at least ``min_depth`` deep (wrapped to get there)."""
+    nodes = tuple(draw(st.lists(program_nodes(max_leaves), min_size=1, max_size=4)))
+    while _depth(nodes) < min_depth:
+        nodes = (ProgramRegion(nodes, draw(st.booleans())),)
+    return OpProgram(nodes, n=draw(st.integers(2, 4)), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+# --- Selective checkpointing: op chains and random policies (tests/test_selective.py) ---------
+
+SacStep = Literal[
+    "matmul", "addmm", "bmm", "relu", "sin", "sigmoid", "mul_self", "add_input", "transpose",
+    "chunk_cat", "max_dim", "softmax", "tag",
+]
+SAC_STEPS: tuple[SacStep, ...] = (
+    "matmul", "addmm", "bmm", "relu", "sin", "sigmoid", "mul_self", "add_input", "transpose",
+    "chunk_cat", "max_dim", "softmax", "tag",
+)
+
+
+@dataclass(frozen=True)
+class SacChain:
+    """A chain of square ops on an ``(n, n)`` float64 tensor with one ``(n, n)`` weight.
+
+    The steps cover matrix products (mm, addmm, bmm), elementwise ops, views, multi-output ops
+    (``chunk`` and ``max`` along a dim) and ``checkpointing.policies.tag``, so that a policy
+    meets every kind of output the selective cache handles. Deterministic: no random op.
+    """
+
+    steps: tuple[SacStep, ...]
+    n: int
+    seed: int
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh ``(x, w)`` leaves drawn from ``seed`` (the caller's RNG is untouched)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        x = torch.randn(self.n, self.n, generator=gen, dtype=torch.float64)
+        w = torch.randn(self.n, self.n, generator=gen, dtype=torch.float64) / self.n
+        return x.requires_grad_(), w.requires_grad_()
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Run the chain (the function a test checkpoints)."""
+        h = x
+        for i, step in enumerate(self.steps):
+            if step == "matmul":
+                h = h @ w
+            elif step == "addmm":
+                h = torch.addmm(x, h, w)
+            elif step == "bmm":
+                h = torch.bmm(h.unsqueeze(0), w.unsqueeze(0)).squeeze(0)
+            elif step in ("relu", "sin", "sigmoid"):
+                h = getattr(h, step)()
+            elif step == "mul_self":
+                h = h * h
+            elif step == "add_input":
+                h = h + x
+            elif step == "transpose":
+                h = h.t()
+            elif step == "chunk_cat":
+                h = torch.cat(h.chunk(2, dim=1)[::-1], dim=1)
+            elif step == "max_dim":
+                h = h + h.max(dim=1, keepdim=True).values
+            elif step == "softmax":
+                h = h.softmax(-1)
+            else:
+                h = policies.tag(h, f"t{i % 3}")
+        return h
+
+
+@st.composite
+def sac_chains(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 10) -> SacChain:
+    """A random ``SacChain`` of 1..10 steps on a 2..6 square tensor."""
+    steps = draw(st.lists(st.sampled_from(SAC_STEPS), min_size=min_steps, max_size=max_steps))
+    return SacChain(
+        tuple(steps), n=draw(st.integers(2, 6)), seed=draw(st.integers(0, 2**31 - 1))
+    )
+
+
+def sac_answers(*, offload: bool = True) -> st.SearchStrategy[tuple[object, ...]]:
+    """1..8 policy answers (``CheckpointPolicy`` members, torch's members, bools) that a
+    ``ScriptedPolicy`` returns in turn; ``offload=False`` leaves out the offload values."""
+    ours = [p for p in CheckpointPolicy if offload or "OFFLOAD" not in p.name]
+    theirs = [p for p in torch_checkpoint.CheckpointPolicy if offload or "OFFLOAD" not in p.name]
+    return st.lists(
+        st.sampled_from([*ours, *theirs, True, False]), min_size=1, max_size=8
+    ).map(tuple)
