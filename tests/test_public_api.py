@@ -1,0 +1,170 @@
+"""Pins the public surface: every torch.utils.checkpoint name, with compatible signatures, and
+nothing public that ``__all__`` does not declare (STYLE.md, rule 4)."""
+
+from __future__ import annotations
+import __future__
+
+import enum
+import importlib
+import importlib.util
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.utils.checkpoint as torch_checkpoint
+
+import checkpointing
+
+PARITY_NAMES = sorted(torch_checkpoint.__all__)
+PARITY_FUNCTIONS = [n for n in PARITY_NAMES if inspect.isfunction(getattr(torch_checkpoint, n))]
+PARITY_CLASSES = [n for n in PARITY_NAMES if inspect.isclass(getattr(torch_checkpoint, n))]
+# Our own public names beyond torch's (README "Entry points"). Adding a name to __all__ means
+# adding it here too, so that every change of the public surface is a deliberate one.
+OWN_NAMES = {"SavedTensorRecord", "SavedTensorsReport", "is_recomputing", "saved_tensors_report"}
+# Public attributes that are deliberately not in __all__: the one public submodule.
+PUBLIC_SUBMODULES = {"policies"}
+# `from __future__ import annotations` leaves a feature object in the module namespace.
+_FUTURE_FEATURE = type(__future__.annotations)
+
+
+def _comparable_default(value: Any) -> Any:
+    """Function defaults (``context_fn=noop_context_fn``) compare by name, not identity."""
+    return value.__name__ if callable(value) else value
+
+
+def _parameters(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+    """(name, kind, default) of each parameter of ``fn``, annotations left out.
+
+    ``*args`` and ``**kwargs`` are nameless here: no caller can spell their names.
+    """
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        ("*" if p.kind in variadic else p.name, p.kind, _comparable_default(p.default))
+        for p in inspect.signature(fn).parameters.values()
+    ]
+
+
+def _assert_compatible(ours: Callable[..., Any], theirs: Callable[..., Any], what: str) -> None:
+    """Every call valid for torch's ``theirs`` is valid for ``ours`` and means the same.
+
+    Positional parameters, ``*args`` and ``**kwargs`` match exactly; torch's keyword-only
+    parameters exist in ours with the same defaults; ours may add keyword-only parameters that
+    have defaults (e.g. ``preserve_rng_state``, which torch reads from ``**kwargs``).
+    """
+    our_params, their_params = _parameters(ours), _parameters(theirs)
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
+    assert [p for p in our_params if p[1] != keyword_only] == [
+        p for p in their_params if p[1] != keyword_only
+    ], f"{what}: positional parameters differ from torch's"
+    ours_kw = {p[0]: p for p in our_params if p[1] == keyword_only}
+    theirs_kw = {p[0]: p for p in their_params if p[1] == keyword_only}
+    missing = {name: p for name, p in theirs_kw.items() if ours_kw.get(name) != p}
+    assert not missing, f"{what}: keyword-only parameters missing or different: {missing}"
+    signature = inspect.signature(ours)
+    extra = sorted(ours_kw.keys() - theirs_kw.keys())
+    no_default = [n for n in extra if signature.parameters[n].default is inspect.Parameter.empty]
+    assert not no_default, f"{what}: added keyword-only parameters need defaults: {no_default}"
+
+
+def test_all_torch_parity_names_are_exported() -> None:
+    """Every name in ``torch.utils.checkpoint.__all__`` is in ``checkpointing.__all__``."""
+    missing = sorted(set(PARITY_NAMES) - set(checkpointing.__all__))
+    assert not missing, f"parity names not exported yet: {missing}"
+
+
+def test_all_is_parity_names_plus_declared_own_names() -> None:
+    """Beyond torch's names, ``__all__`` holds exactly the own names this file declares."""
+    assert set(checkpointing.__all__) - set(PARITY_NAMES) == OWN_NAMES
+
+
+def test_all_has_no_duplicates() -> None:
+    """``__all__`` lists each name once."""
+    assert len(checkpointing.__all__) == len(set(checkpointing.__all__))
+
+
+@pytest.mark.parametrize("name", checkpointing.__all__)
+def test_every_name_in_all_is_importable(name: str) -> None:
+    """Each name in ``__all__`` exists on the package and survives ``from checkpointing import``."""
+    assert hasattr(checkpointing, name)
+    namespace: dict[str, Any] = {}
+    exec(f"from checkpointing import {name}", namespace)
+    assert namespace[name] is getattr(checkpointing, name)
+
+
+def test_star_import_gives_exactly_all() -> None:
+    """``from checkpointing import *`` brings in ``__all__`` and nothing else."""
+    namespace: dict[str, Any] = {}
+    exec("from checkpointing import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(checkpointing.__all__)
+
+
+def test_no_public_attribute_outside_all() -> None:
+    """Public attributes are ``__all__`` plus the ``policies`` submodule; the rest is private."""
+    undeclared = []
+    for name, value in vars(checkpointing).items():
+        if name.startswith("_") or name in checkpointing.__all__ or name in PUBLIC_SUBMODULES:
+            continue
+        if isinstance(value, _FUTURE_FEATURE):
+            continue
+        undeclared.append(name)
+    assert not undeclared, f"public names missing from __all__ (or make them private): {undeclared}"
+
+
+def test_public_submodules_are_importable() -> None:
+    """The declared public submodules import as modules of the package."""
+    for name in PUBLIC_SUBMODULES:
+        if importlib.util.find_spec(f"checkpointing.{name}") is None:
+            pytest.skip(f"checkpointing.{name} not built yet")
+        module = importlib.import_module(f"checkpointing.{name}")
+        assert isinstance(module, types.ModuleType)
+
+
+@pytest.mark.parametrize("name", PARITY_FUNCTIONS)
+def test_parity_function_signature_matches_torch(name: str) -> None:
+    """Each parity function accepts every call torch's accepts (names, kinds, defaults)."""
+    ours = getattr(checkpointing, name, None)
+    if ours is None:
+        pytest.fail(f"checkpointing.{name} is not exported")
+    _assert_compatible(ours, getattr(torch_checkpoint, name), f"checkpointing.{name}")
+
+
+def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """Public callables defined on ``cls`` itself, plus ``__init__``, as bound by ``getattr``."""
+    methods = {}
+    for attr, raw in vars(cls).items():
+        if attr.startswith("_") and attr != "__init__":
+            continue
+        if isinstance(raw, staticmethod | classmethod | types.FunctionType):
+            methods[attr] = getattr(cls, attr)
+    return methods
+
+
+@pytest.mark.parametrize("name", PARITY_CLASSES)
+def test_parity_class_matches_torch(name: str) -> None:
+    """Each parity class has torch's bases and public methods, with compatible signatures."""
+    theirs = getattr(torch_checkpoint, name)
+    ours = getattr(checkpointing, name, None)
+    if ours is None:
+        pytest.fail(f"checkpointing.{name} is not exported")
+    assert inspect.isclass(ours)
+    for base in theirs.__bases__:
+        if base is not object:
+            assert issubclass(ours, base), f"checkpointing.{name} should subclass {base}"
+    if issubclass(theirs, enum.Enum):
+        assert [(m.name, m.value) for m in ours] == [(m.name, m.value) for m in theirs]
+        return
+    our_methods = _public_methods(ours)
+    for method, their_method in _public_methods(theirs).items():
+        our_method = our_methods.get(method, getattr(ours, method, None))
+        assert our_method is not None, f"checkpointing.{name}.{method} is missing"
+        _assert_compatible(our_method, their_method, f"checkpointing.{name}.{method}")
+
+
+def test_sac_ignored_ops_match_torch() -> None:
+    """``SAC_IGNORED_OPS`` holds exactly torch's ops (they are never cached)."""
+    ours = getattr(checkpointing, "SAC_IGNORED_OPS", None)
+    if ours is None:
+        pytest.fail("checkpointing.SAC_IGNORED_OPS is not exported")
+    assert set(ours) == set(torch_checkpoint.SAC_IGNORED_OPS)
