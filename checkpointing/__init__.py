@@ -13,6 +13,7 @@ from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
 from ._reentrant import CheckpointFunction
 from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
+from ._scope import gradient_checkpoint_scope, gradient_checkpoint_session
 from ._sequential import checkpoint_sequential
 from ._state import (
     DefaultDeviceType,
@@ -23,6 +24,7 @@ from ._state import (
     noop_context_fn,
     set_device_states,
 )
+from ._wrappers import apply_activation_checkpointing, checkpoint_wrapper
 
 __all__ = [
     "CheckpointError",
@@ -31,11 +33,15 @@ __all__ = [
     "GraphExecGroup",
     "SavedTensorRecord",
     "SavedTensorsReport",
+    "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
+    "checkpoint_wrapper",
     "detach_variable",
     "get_device_states",
+    "gradient_checkpoint_scope",
+    "gradient_checkpoint_session",
     "is_recomputing",
     "noop_context_fn",
     "saved_tensors_report",

@@ -8,20 +8,33 @@ one of these, this file is the one place to fix.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch._C._autograd import SavedTensor as SavedTensor
 from torch._C._autograd import _make_saved_tensor
+from torch._higher_order_ops.wrap import _resolve_inductor_callable
+from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_compiled_code
+from torch._ops import HigherOrderOperator as HigherOrderOperator
+from torch._ops import OpOverload as OpOverload
+from torch._ops import OpOverloadPacket as OpOverloadPacket
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext as DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._pytree import tree_flatten as tree_flatten
+from torch.utils._pytree import tree_leaves as tree_leaves
 from torch.utils._pytree import tree_map as tree_map
 from torch.utils._pytree import tree_unflatten as tree_unflatten
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+# Pytree helpers (2.13, ``torch.utils._pytree``). Prefer ``tree_leaves``: ``tree_flatten`` and
+# ``tree_map`` leave a few cyclic objects per call (a self-referencing closure), which a hot path
+# must not do (SPEC §6, "No garbage").
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 # Version gate shared by every wrapper below: all of them exist with these signatures in 2.13.
@@ -96,3 +109,91 @@ def push_saved_tensors_hooks(pack: Callable[..., Any], unpack: Callable[..., Any
 def pop_saved_tensors_hooks() -> None:
     """Pop the innermost default saved-tensors hook pair (2.13)."""
     torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+# --- Selective checkpointing (``_selective``): op types, aliases below autograd, tracing ---------
+# All checked against torch 2.13 (the version gate above).
+
+def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached alias of ``tensor`` that shares its version counter even when called below
+    autograd, inside ``__torch_dispatch__`` (2.13: re-include the ADInplaceOrView key)."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
+def op_mutates_inputs(op: OpOverload | HigherOrderOperator) -> bool:
+    """Whether ``op`` writes to any of its arguments (in-place and ``out=`` ops); higher-order
+    operators are assumed to (2.13: ``OpOverload._schema.is_mutable``)."""
+    if isinstance(op, OpOverload):
+        return bool(op._schema.is_mutable)
+    return True
+
+
+def proxy_tracing_active() -> bool:
+    """True while AOTAutograd or export traces through a dispatch mode (a proxy mode is
+    active), false in eager and in non-strict make_fx tracing (2.13)."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:
+        return False
+    return not torch.compiler._is_non_strict_tracing()
+
+
+def set_traced_node_meta(key: str, value: object) -> None:
+    """Set ``key`` on the metadata of every FX node traced from now on
+    (2.13: ``torch.fx.traceback.current_meta``)."""
+    fx_traceback.current_meta[key] = value
+
+
+def traced_node_count() -> int:
+    """Number of nodes in the graph the active proxy mode is tracing, 0 when none (2.13:
+    ``torch.fx.experimental.proxy_tensor.get_proxy_mode``)."""
+    mode = get_proxy_mode()
+    return 0 if mode is None else len(mode.tracer.graph.nodes)
+
+
+def tag_traced_nodes(count_before: int, key: str, value: object) -> None:
+    """Set ``meta[key] = value`` on the nodes traced since the graph had ``count_before``
+    nodes (2.13: the proxy mode's tracer graph)."""
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    nodes = mode.tracer.graph.nodes
+    for node in itertools.islice(reversed(nodes), len(nodes) - count_before):
+        node.meta[key] = value
+
+
+# ``inductor_compiled_code`` (imported above): the higher-order op that runs an inductor-compiled
+# region; selective checkpointing keys its calls per region.
+
+
+def inductor_region_key(op: object, args: tuple[Any, ...]) -> object:
+    """Cache key of an ``inductor_compiled_code`` call: the op and the compiled region's id, so
+    two compiled regions do not share one call counter (2.13: ``_resolve_inductor_callable``)."""
+    if not args:
+        return op
+    return (op, _resolve_inductor_callable(args[0]).idx)
+
+
+
+# --- Scope API (``_scope``): tensor versions and view bases, op schemas --------------------------
+# All checked against torch 2.13 (the version gate above).
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter, bumped by every in-place write (2.13: ``Tensor._version``)."""
+    return int(tensor._version)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor an autograd view was taken from (always a non-view), else None
+    (2.13: ``Tensor._base``)."""
+    return tensor._base
+
+
+def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``op``'s schema marks as written, e.g. ``self`` of an
+    in-place op or ``out`` (2.13: ``OpOverload._schema``)."""
+    return tuple(
+        (index, argument.name)
+        for index, argument in enumerate(op._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )

@@ -140,7 +140,7 @@ class _ProducerMode(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = str(func.overloadpacket.__name__)
-        for tensor in _compat.tree_flatten(out)[0]:
+        for tensor in _compat.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.watcher.producers[tensor] = name
         if is_recomputing():

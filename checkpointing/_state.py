@@ -38,7 +38,7 @@ from ._compat import (
     DeviceContext,
     accelerator_initialized,
     active_device_context,
-    tree_flatten,
+    tree_leaves,
 )
 
 __all__ = [
@@ -143,7 +143,7 @@ class DefaultDeviceType:
 def _tensors_in(args: tuple[Any, ...]) -> Iterator[torch.Tensor]:
     """The tensors in ``args``, looking inside containers only when there are any."""
     if any(isinstance(a, (tuple, list, dict)) for a in args):
-        return (a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+        return (a for a in tree_leaves(args) if isinstance(a, torch.Tensor))
     return (a for a in args if isinstance(a, torch.Tensor))
 
 

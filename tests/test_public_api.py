@@ -22,7 +22,16 @@ PARITY_FUNCTIONS = [n for n in PARITY_NAMES if inspect.isfunction(getattr(torch_
 PARITY_CLASSES = [n for n in PARITY_NAMES if inspect.isclass(getattr(torch_checkpoint, n))]
 # Our own public names beyond torch's (README "Entry points"). Adding a name to __all__ means
 # adding it here too, so that every change of the public surface is a deliberate one.
-OWN_NAMES = {"SavedTensorRecord", "SavedTensorsReport", "is_recomputing", "saved_tensors_report"}
+OWN_NAMES = {
+    "SavedTensorRecord",
+    "SavedTensorsReport",
+    "apply_activation_checkpointing",
+    "checkpoint_wrapper",
+    "gradient_checkpoint_scope",
+    "gradient_checkpoint_session",
+    "is_recomputing",
+    "saved_tensors_report",
+}
 # Public attributes that are deliberately not in __all__: the one public submodule.
 PUBLIC_SUBMODULES = {"policies"}
 # `from __future__ import annotations` leaves a feature object in the module namespace.

@@ -1,0 +1,602 @@
+"""``gradient_checkpoint_scope``: each rule of NOTE [Gradient checkpoint scope] has a test here.
+
+Correctness is shown against the same computation without a scope (``torch.equal`` where the ops
+are the same); memory through weak references and an outer hook that counts what is kept.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tc
+
+import checkpointing
+from checkpointing import _compat
+from checkpointing._compat import TorchDispatchMode
+from checkpointing._scope import gradient_checkpoint_scope, gradient_checkpoint_session
+
+
+def _ours_on_top() -> bool:
+    top = _compat.top_saved_tensors_hooks()
+    return top is not None and type(getattr(top[0], "__self__", None)).__name__ == "_ThreadHooks"
+
+
+class _OpCounter(TorchDispatchMode):  # type: ignore[misc]
+    """Counts the aten ops replayed (run while recomputing) while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if checkpointing.is_recomputing():
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def leaves() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three float64 leaves that require grad."""
+    return tuple(torch.randn(5, dtype=torch.float64, requires_grad=True) for _ in range(3))  # type: ignore[return-value]
+
+
+def _grads(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    out = [t.grad.clone() if t.grad is not None else None for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out  # type: ignore[return-value]
+
+
+def _kept_storages(run: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct storages autograd keeps for backward (an outer hook counts them)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), gradient_checkpoint_session():
+        out = run()
+    return sum(storages.values()), out
+
+
+# -- the SPEC example and SGD steps --------------------------------------------------------------
+
+
+def test_spec_example(leaves: tuple[torch.Tensor, ...]) -> None:
+    """SPEC §4: x is freed after `del x` and recomputed in backward; gradients are exact."""
+    a, b, c = leaves
+    with gradient_checkpoint_scope():
+        x = a + b
+    y = x * c
+    ref = weakref.ref(x)
+    del x
+    assert ref() is None
+    y.sum().backward()
+    got = _grads(a, b, c)
+    ((a + b) * c).sum().backward()
+    for g, w in zip(got, _grads(a, b, c), strict=True):
+        assert torch.equal(g, w)
+
+
+def _sgd_step(model: torch.nn.Module, inp: torch.Tensor, use_scope: bool, noise: bool) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lin1, lin2 = model[0], model[1]  # type: ignore[index]
+    scope = gradient_checkpoint_scope() if use_scope else None
+    if scope is not None:
+        scope.__enter__()
+    w = lin1.weight + torch.randn_like(lin1.weight) if noise else lin1.weight
+    h = F.dropout(torch.tanh(inp), 0.5, training=True)
+    if scope is not None:
+        scope.__exit__(None, None, None)
+    out = lin2(torch.relu(F.linear(h, w, lin1.bias)))
+    del w, h
+    out.pow(2).sum().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("noise", [True, False], ids=["weight-noise", "dropout-only"])
+def test_rule1_sgd_step_identical_to_no_scope(noise: bool) -> None:
+    """One SGD step with weight noise / dropout in a scope gives the very same parameters."""
+    results = []
+    for use_scope in (False, True):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+        inp = torch.randn(8, 6, requires_grad=True)
+        _sgd_step(model, inp, use_scope, noise)
+        results.append([p.detach().clone() for p in model.parameters()] + [inp.grad])
+        assert torch.get_rng_state() is not None
+    for plain, scoped in zip(*results, strict=True):
+        assert torch.equal(plain, scoped)
+
+
+def test_rule1_explicit_generator_replayed() -> None:
+    """Random ops with an explicit generator= replay the same draw."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    with gradient_checkpoint_scope():
+        noisy = w + torch.randn(4, 4, generator=gen)
+    F.linear(x, noisy).sum().backward()
+    del noisy
+    got = _grads(w, x)
+    gen.manual_seed(7)
+    F.linear(x, w + torch.randn(4, 4, generator=gen)).sum().backward()
+    for g, want in zip(got, _grads(w, x), strict=True):
+        assert torch.equal(g, want)
+
+
+# -- Rule 2: holders on the frame machinery ------------------------------------------------------
+
+
+def test_rule2_memory_freed_before_backward() -> None:
+    """The scope's output storage is gone before backward starts; gradients still right."""
+    a = torch.randn(64, 64, requires_grad=True)
+    with gradient_checkpoint_scope():
+        x = a.exp()
+    y = x * a
+    storage_ref = weakref.ref(x.untyped_storage())
+    tensor_ref = weakref.ref(x)
+    del x
+    gc.collect()
+    assert tensor_ref() is None
+    assert storage_ref() is None
+    y.sum().backward()
+    got = _grads(a)[0]
+    (a.exp() * a).sum().backward()
+    assert torch.equal(got, _grads(a)[0])
+
+
+def test_rule2_retain_graph_second_backward_recomputes(leaves: tuple[torch.Tensor, ...]) -> None:
+    """With retain_graph=True each backward replays the tape again."""
+    a, _b, c = leaves
+    with gradient_checkpoint_scope():
+        x = a.sin()
+    y = (x * c).sum()
+    del x
+    counts = []
+    for _ in range(2):
+        with _OpCounter() as counter:
+            y.backward(retain_graph=True)
+        counts.append(counter.counts["aten.sin.default"])
+    assert counts == [1, 1]
+    assert torch.equal(a.grad, 2 * c * a.cos())
+
+
+def test_rule2_graph_exec_group(leaves: tuple[torch.Tensor, ...]) -> None:
+    """Under one GraphExecGroup, two backwards over disjoint parts replay once."""
+    a, b, c = leaves
+    with gradient_checkpoint_scope():
+        x = a.sin()
+        z = b.cos()
+    y1, y2 = (x * c).sum(), (z * c).sum()
+    del x, z
+    with _OpCounter() as counter, checkpointing.GraphExecGroup():
+        torch.autograd.grad(y1, a)
+        torch.autograd.grad(y2, b)
+    assert counter.counts["aten.sin.default"] == 1
+
+
+def test_rule2_unpacked_twice_is_an_error() -> None:
+    """A holder handed out once in a backward cannot be handed out again (frame Rule 4)."""
+    a = torch.randn(3, requires_grad=True)
+    with gradient_checkpoint_scope():
+        x = a * 2
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(t)
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            ctx.saved_tensors
+            ctx.saved_tensors
+            return g
+
+    y = Twice.apply(x)
+    del x
+    with pytest.raises(checkpointing.CheckpointError, match="already unpacked once"):
+        y.sum().backward()
+
+
+def test_rule2_double_backward(leaves: tuple[torch.Tensor, ...]) -> None:
+    """Second-order gradients through scope tensors equal the plain run."""
+    a, b, c = leaves
+    with gradient_checkpoint_scope():
+        x = (a * b).tanh()
+    y = (x * x * c).sum()
+    del x
+    (ga,) = torch.autograd.grad(y, a, create_graph=True)
+    (gga,) = torch.autograd.grad(ga.sum(), a)
+    x = (a * b).tanh()
+    (wa,) = torch.autograd.grad((x * x * c).sum(), a, create_graph=True)
+    (wwa,) = torch.autograd.grad(wa.sum(), a)
+    assert torch.equal(ga, wa)
+    assert torch.equal(gga, wwa)
+
+
+def test_rule2_backward_from_another_thread(leaves: tuple[torch.Tensor, ...]) -> None:
+    """Backward run in another thread replays the tape there."""
+    a, b, c = leaves
+    with gradient_checkpoint_scope():
+        x = a.exp() + b
+    y = (x * c).sum()
+    del x
+    worker = threading.Thread(target=y.backward)
+    worker.start()
+    worker.join()
+    assert torch.equal(a.grad, c * a.exp())
+    assert torch.equal(b.grad, c)
+
+
+# -- Rule 3: registry, several scopes, nesting, inside checkpoint -------------------------------
+
+
+def _x_c_plus_sin_x_c(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (x * c + x.sin() * c).sum()
+
+
+def test_rule3_two_scopes_both_save_memory() -> None:
+    """Two scopes alive at once both drop their tensors (the second reads the first's)."""
+    a = torch.randn(32, 32, requires_grad=True)
+    c = torch.randn(32, 32, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        with gradient_checkpoint_scope():
+            x = a.exp()
+        with gradient_checkpoint_scope():
+            z = x.sin()
+        return (x * c + z * c).sum()
+
+    kept_scoped, y = _kept_storages(run)
+    kept_plain, y_plain = _kept_storages(lambda: _x_c_plus_sin_x_c(a.exp(), c))
+    y.backward()
+    got = _grads(a, c)
+    y_plain.backward()
+    for g, want in zip(got, _grads(a, c), strict=True):
+        assert torch.equal(g, want)
+    per_tensor = 32 * 32 * 4
+    assert kept_plain - kept_scoped >= 2 * per_tensor  # neither x nor z is kept
+
+
+def test_rule3_nested_scopes(leaves: tuple[torch.Tensor, ...]) -> None:
+    """A scope inside a scope works (the outer one records everything)."""
+    a, b, c = leaves
+    with gradient_checkpoint_scope():
+        x = a.exp()
+        with gradient_checkpoint_scope():
+            z = x * b
+        w = z.sin()
+    y = (w * c).sum()
+    refs = [weakref.ref(t) for t in (x, z, w)]
+    del x, z, w
+    assert all(r() is None for r in refs)
+    y.backward()
+    got = _grads(a, b, c)
+    ((a.exp() * b).sin() * c).sum().backward()
+    for g, want in zip(got, _grads(a, b, c), strict=True):
+        assert torch.equal(g, want)
+
+
+@pytest.mark.parametrize("impl", ["checkpointing", "torch"])
+def test_rule3_scope_inside_checkpoint_is_noop(impl: str, leaves: tuple[torch.Tensor, ...]) -> None:
+    """A scope inside a checkpointed function (and in its recompute) changes nothing."""
+    a, b, c = leaves
+    checkpoint = checkpointing.checkpoint if impl == "checkpointing" else tc.checkpoint
+
+    def fn(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with gradient_checkpoint_scope():
+            h = u.exp() * v
+        return h.sin()
+
+    checkpoint(fn, a, b, use_reentrant=False).mul(c).sum().backward()
+    got = _grads(a, b, c)
+    fn(a, b).mul(c).sum().backward()
+    for g, want in zip(got, _grads(a, b, c), strict=True):
+        assert torch.equal(g, want)
+
+
+# -- Rule 4: hook stack --------------------------------------------------------------------------
+
+
+def test_rule4_foreign_hook_entered_before_and_left_while_alive(
+    leaves: tuple[torch.Tensor, ...],
+) -> None:
+    """save_on_cpu entered before the scope, left while its tensors live: stack as without."""
+    a, b, c = leaves
+    before = _compat.top_saved_tensors_hooks()
+    with torch.autograd.graph.save_on_cpu():
+        with gradient_checkpoint_scope():
+            x = a.exp()
+            y = x * b
+        z = x * c
+    assert _compat.top_saved_tensors_hooks() == before
+    (y + z).sum().backward()
+    got = _grads(a, b, c)
+    x = a.exp()
+    (x * b + x * c).sum().backward()
+    for g, want in zip(got, _grads(a, b, c), strict=True):
+        assert torch.equal(g, want)
+    del x
+
+
+def test_rule4_foreign_hook_above_ours_shadows_it(leaves: tuple[torch.Tensor, ...]) -> None:
+    """A hook pushed after the scope stores scope tensors itself; ours stays below, then leaves."""
+    a, _b, c = leaves
+    seen: list[torch.Tensor] = []
+    with gradient_checkpoint_scope():
+        x = a.exp()
+    assert _ours_on_top()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        y = (x * c).sum()
+    assert any(t is x for t in seen)  # stored by the foreign hook: x lives on in the graph
+    seen.clear()
+    del x
+    assert _ours_on_top()
+    y.backward()  # x dies inside backward, which runs on a copy of the hook stack
+    assert _ours_on_top()
+    with gradient_checkpoint_scope():  # a safe point (Rule 9)
+        pass
+    assert _compat.top_saved_tensors_hooks() is None
+    assert torch.equal(a.grad, c * a.exp())
+
+
+def test_rule4_session_keeps_one_hook_for_the_block(leaves: tuple[torch.Tensor, ...]) -> None:
+    """In a session, our one hook is pushed once for all scopes and popped at the end."""
+    a, _b, c = leaves
+    with gradient_checkpoint_session():
+        top = _compat.top_saved_tensors_hooks()
+        for _ in range(3):
+            with gradient_checkpoint_scope():
+                x = a.exp()
+            assert _compat.top_saved_tensors_hooks() == top
+            (x * c).sum().backward()
+        del x
+    assert _compat.top_saved_tensors_hooks() is None
+    once = (c * a.exp()).detach()
+    assert torch.equal(a.grad, once + once + once)
+
+
+def test_rule4_misuse_raises_clear_errors() -> None:
+    """Re-entering, exiting twice and exiting from another thread are CheckpointErrors."""
+    scope = gradient_checkpoint_scope()
+    with scope:
+        pass
+    with pytest.raises(checkpointing.CheckpointError, match="already entered"), scope:
+        pass
+    with pytest.raises(checkpointing.CheckpointError, match="not open"):
+        scope.__exit__(None, None, None)
+    other = gradient_checkpoint_scope()
+    other.__enter__()
+    errors: list[BaseException] = []
+
+    def exit_elsewhere() -> None:
+        try:
+            other.__exit__(None, None, None)
+        except checkpointing.CheckpointError as error:
+            errors.append(error)
+
+    worker = threading.Thread(target=exit_elsewhere)
+    worker.start()
+    worker.join()
+    other.__exit__(None, None, None)
+    assert len(errors) == 1
+    assert "thread" in str(errors[0])
+
+
+def test_rule4_exit_saved_tensors_hooks_scope(leaves: tuple[torch.Tensor, ...]) -> None:
+    """RETURNN's method pops our hook at once; later saves of the scope's tensors just store."""
+    a, b, c = leaves
+    scope = gradient_checkpoint_scope()
+    with scope:
+        x = a.exp()
+    y = x * c
+    scope.exit_saved_tensors_hooks_scope()
+    scope.exit_saved_tensors_hooks_scope()  # idempotent
+    assert _compat.top_saved_tensors_hooks() is None
+    z = x * b  # stored normally now
+    del x
+    (y + z).sum().backward()
+    assert torch.equal(a.grad, (b + c) * a.exp())
+
+
+# -- Rule 5: pass-through, versions, in-place on outside tensors ---------------------------------
+
+
+def test_rule5_passed_through_tensor_keeps_version_check() -> None:
+    """A non-scope tensor saved while our hook lingers still gets autograd's in-place error."""
+    a = torch.randn(3, requires_grad=True)
+    with gradient_checkpoint_scope():
+        x = a.exp()
+    h = a * 2
+    y = (h * h).sum() + x.sum()
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    del x
+
+
+def test_rule5_outside_input_modified_raises() -> None:
+    """An input of the scope changed in place before backward raises the in-place error."""
+    a = torch.randn(3, requires_grad=True)
+    u = torch.randn(3)
+    with gradient_checkpoint_scope():
+        x = a * u
+    y = (x * x).sum()
+    del x
+    u.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_rule5_inplace_on_outside_tensors_applied_once() -> None:
+    """Buffers updated in place inside a scope (a counter, batch norm stats) change once."""
+    results = []
+    for use_scope in (False, True):
+        torch.manual_seed(3)
+        bn = torch.nn.BatchNorm1d(4)
+        counter = torch.zeros(())
+        inp = torch.randn(6, 4, requires_grad=True)
+        with gradient_checkpoint_scope() if use_scope else _nullcontext():
+            counter.add_(1)
+            h = bn(inp).tanh()
+        (h * h).sum().backward()
+        del h
+        results.append([counter, bn.running_mean, bn.running_var, inp.grad, bn.weight.grad])
+    for plain, scoped in zip(*results, strict=True):
+        assert torch.equal(plain, scoped)
+
+
+def test_rule5_scope_tensor_changed_in_scope_after_save_raises() -> None:
+    """Saving a scope tensor and then changing it in the same scope is the in-place error."""
+    a = torch.randn(3, requires_grad=True)
+    with gradient_checkpoint_scope():
+        x = a * 2
+        y = (x * x).sum()
+        x.add_(1)
+    del x
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+# -- Rule 6: no_grad, inference mode, meta ------------------------------------------------------
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_rule6_no_grad_does_nothing(context: Callable[[], Any]) -> None:
+    """Under no_grad / inference mode the scope records and pushes nothing."""
+    a = torch.randn(3)
+    with context(), gradient_checkpoint_scope():
+        x = a + 1
+        assert _compat.top_saved_tensors_hooks() is None
+    assert torch.equal(x, a + 1)
+
+
+def test_rule6_meta_tensors() -> None:
+    """Meta tensors (random ops included) go through a scope and its replay without error."""
+    a = torch.randn(4, 4, device="meta", requires_grad=True)
+    with gradient_checkpoint_scope():
+        x = a + torch.randn_like(a)
+    y = (x * x).sum()
+    del x
+    y.backward()
+    assert a.grad is not None
+    assert a.grad.device.type == "meta"
+
+
+# -- Rule 7: replay only what is needed ----------------------------------------------------------
+
+
+def test_rule7_replay_skips_unneeded_ops() -> None:
+    """Only the ops a saved tensor depends on are replayed; host syncs never."""
+    a = torch.randn(5, requires_grad=True)
+    c = torch.randn(5, requires_grad=True)
+    with gradient_checkpoint_scope():
+        x = a.exp()
+        unused = a.cos() * 3  # nothing saves it
+        n = int((x > 0).sum().item())
+    y = (x * c).sum() * n
+    del x, unused
+    with _OpCounter() as counter:
+        y.backward()
+    assert counter.counts["aten.exp.default"] == 1
+    assert counter.counts["aten.cos.default"] == 0
+    assert counter.counts["aten._local_scalar_dense.default"] == 0
+
+
+def test_rule7_random_ops_all_replay_in_order() -> None:
+    """An unneeded random op still replays, so a later needed draw is bit-identical."""
+    a = torch.randn(5, requires_grad=True)
+    state = torch.get_rng_state()
+    with gradient_checkpoint_scope():
+        torch.rand(5)  # a draw nobody needs
+        x = a * torch.rand(5)
+    y = (x * x).sum()
+    del x
+    with _OpCounter() as counter:
+        y.backward()
+    assert counter.counts["aten.rand.default"] == 2, counter.counts
+    got = _grads(a)[0]
+    torch.set_rng_state(state)
+    torch.rand(5)
+    x = a * torch.rand(5)
+    (x * x).sum().backward()
+    assert torch.equal(got, a.grad)
+
+
+# -- Rule 8: views taken after the scope ---------------------------------------------------------
+
+
+def test_rule8_linear_saves_no_noisy_weight() -> None:
+    """F.linear saves weight.t(); with weight noise in a scope the noisy weight is not kept."""
+    lin = torch.nn.Linear(64, 64)
+    inp = torch.randn(2, 64, requires_grad=True)
+
+    def scoped() -> torch.Tensor:
+        with gradient_checkpoint_scope():
+            w = lin.weight + torch.randn_like(lin.weight)
+        return F.linear(inp, w, lin.bias).sum()
+
+    kept, y = _kept_storages(scoped)
+    weight_bytes = 64 * 64 * 4
+    assert kept < weight_bytes
+    y.backward()
+    assert inp.grad is not None
+
+
+# -- Rule 9: lifetime of our hook ----------------------------------------------------------------
+
+
+def test_rule9_hook_leaves_when_tensors_die(leaves: tuple[torch.Tensor, ...]) -> None:
+    """Our hook lingers while scope tensors live and leaves as soon as they are dead."""
+    a, b, c = leaves
+    with gradient_checkpoint_scope():
+        x = a.exp()
+        z = x * b
+    assert _ours_on_top()
+    del z
+    assert _ours_on_top()
+    y = (x * c).sum()
+    del x
+    assert _compat.top_saved_tensors_hooks() is None
+    y.backward()
+
+
+def test_rule9_pop_waits_for_a_safe_point_under_a_foreign_hook(
+    leaves: tuple[torch.Tensor, ...],
+) -> None:
+    """If the tensors die under a foreign hook, ours leaves at the next safe point."""
+    a, b, _c = leaves
+    with gradient_checkpoint_scope():
+        x = a.exp()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        del x
+        assert not _ours_on_top()
+    assert _ours_on_top()  # nothing claims it, but it waits for a safe point
+    (a * b).sum()  # our next pack is one
+    assert _compat.top_saved_tensors_hooks() is None
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _collect() -> Iterator[None]:
+    """Collect garbage after each test so that a leaked scope tensor shows as a hook left."""
+    yield
+    gc.collect()
