@@ -132,8 +132,6 @@ def _checkpoint_non_reentrant(
             raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
         loggers = (OpLogger(), OpLogger())
     record_metadata = metadata_fn_for(determinism_check) is not None
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)  # nothing will be saved: no frame, no state capture
     forward_context: AbstractContextManager[Any]
     recompute_context: AbstractContextManager[Any]
     if loggers is not None:
@@ -141,7 +139,9 @@ def _checkpoint_non_reentrant(
     elif _is_noop(context_fn):
         forward_context = recompute_context = contextlib.nullcontext()
     else:
-        forward_context, recompute_context = context_fn()
+        forward_context, recompute_context = context_fn()  # called once per call, as torch
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)  # nothing will be saved: no frame, no state capture
     frame = Frame(
         fn,
         args,

@@ -8,6 +8,7 @@ one of these, this file is the one place to fix.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -49,6 +50,18 @@ def make_saved_tensor(tensor: torch.Tensor) -> SavedTensor:
     """Save ``tensor`` the way autograd saves an input: through the active pack hooks, with a
     version-counter check on unpack (torch 2.13: ``torch._C._autograd._make_saved_tensor``)."""
     return _make_saved_tensor(tensor, is_output=False)
+
+
+def storage_bytes(tensor: torch.Tensor) -> bytes:
+    """A copy of a CPU tensor's storage as ``bytes``, invisible to dispatch and function modes
+    (no aten op runs; the torch-function guard is entered only when a mode is active; 2.13:
+    ``torch._C._is_torch_function_mode_enabled``)."""
+    if torch._C._is_torch_function_mode_enabled():
+        with torch._C.DisableTorchFunction():
+            storage = tensor.untyped_storage()
+    else:
+        storage = tensor.untyped_storage()
+    return ctypes.string_at(storage.data_ptr(), storage.nbytes())
 
 
 def current_graph_task_id() -> int:

@@ -247,7 +247,8 @@ def first_divergence(forward: OpLogger, recompute: OpLogger) -> str:
     """A sentence naming the first op where the two passes differ (beyond torch's report)."""
     fwd, rec = forward.significant(), recompute.significant()
     for i, (a, b) in enumerate(zip(fwd, rec, strict=False)):
-        if a.name != b.name or a.signature != b.signature:
+        # The source line counts too: the same op from another line means another path.
+        if (a.signature, a.where) != (b.signature, b.where):
             return (
                 f" First divergence at op {i + 1} (detach ignored):\n"
                 f"   forward ran   {a.signature}\n     at {a.where}\n"

@@ -24,8 +24,8 @@ NOTE [Nestable checkpoint]
   Rule 6. Backward inside the checkpointed function works: recompute also returns what it saves
           (detached) to its own graph, holders cleared by an earlier inner backward are skipped,
           and a forward that has not finished may save more during recompute than so far.
-  Rule 7. The CPU RNG state is kept only when the region drew random numbers (see ``_state``,
-          NOTE [RNG state kept only when used]); replay stays bit-identical when it did.
+  Rule 7. Identical CPU RNG states of consecutive regions are kept once, not per region (see
+          ``_state``, NOTE [RNG state shared when identical]); replay is always bit-identical.
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -264,6 +264,8 @@ class Frame:
     def recompute(self, key: object) -> None:
         """Re-run the function under the forward's state, filling this frame's live holders
         for backward ``key``; then check the recomputed tensors against the forward's."""
+        if self.loggers is not None:
+            self.loggers[1].ops.clear()  # the report shows the failing recompute only
         args = [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.saved_args]
         hook = _RecomputeHook(self, key)
         _compat.push_saved_tensors_hooks(hook.pack, _identity)  # Rule 3: on top of the stack
@@ -355,7 +357,6 @@ def run_forward(
     frame.forward_completed = True
     if frame.state.device_initialized_during(preserve_rng_state):
         raise RuntimeError(_MSG_DEVICE_INIT)
-    frame.state.drop_unused_rng()  # Rule 7
     return out
 
 

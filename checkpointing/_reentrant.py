@@ -53,7 +53,6 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_indices))
         with torch.no_grad():  # See NOTE [Reentrant checkpoint], Rule 1
             outputs = run_function(*args)
-        ctx.state.drop_unused_rng()
         return outputs
 
     @staticmethod

@@ -50,7 +50,6 @@ second hook per scope (stacks of ours in arbitrary order could not be unwound sa
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Collection, Iterator
@@ -63,6 +62,7 @@ from ._compat import (
     TorchDispatchMode,
     current_graph_task_id,
     detach_sharing_version,
+    disable_dynamo,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
     tensor_version,
@@ -92,6 +92,14 @@ _MSG_REUSED = (
 _MSG_NOT_OPEN = (
     "checkpointing.gradient_checkpoint_scope: __exit__ was called on a scope that is not open "
     "(state: {phase}). Fix: exit each scope exactly once, with the `with` statement."
+)
+_MSG_SESSION_OPEN = (
+    "checkpointing.gradient_checkpoint_session: this session object is already open. Fix: "
+    "leave it before entering it again, or use a new `with gradient_checkpoint_session():`."
+)
+_MSG_SESSION_NOT_OPEN = (
+    "checkpointing.gradient_checkpoint_session: __exit__ was called on a session that is not "
+    "open. Fix: leave each session exactly once, with the `with` statement."
 )
 _MSG_WRONG_THREAD = (
     "checkpointing.gradient_checkpoint_scope: {what} was called in thread {now}, but the scope "
@@ -151,6 +159,7 @@ class gradient_checkpoint_scope:
         self._mode: _TapeMode | None = None
         self._claim: _Claim | None = None
 
+    @disable_dynamo  # See NOTE [Gradient checkpoint scope], Rule 10
     def __enter__(self) -> Self:
         if self._phase != "new":
             raise CheckpointError(_MSG_REUSED)
@@ -167,6 +176,7 @@ class gradient_checkpoint_scope:
         self._phase = "open"
         return self
 
+    @disable_dynamo
     def __exit__(self, *exc: object) -> None:
         self._check_thread("__exit__")
         if self._phase not in ("open", "inert"):
@@ -183,6 +193,7 @@ class gradient_checkpoint_scope:
             self._claim.release()
         hooks.settle()  # a safe point (Rule 9)
 
+    @disable_dynamo
     def exit_saved_tensors_hooks_scope(self) -> None:
         """Give up this scope's claim on the saved-tensors hook now, if not done yet (RETURNN's
         method). Tensors of this scope saved from now on are stored as usual (Rule 9)."""
@@ -196,23 +207,37 @@ class gradient_checkpoint_scope:
             raise CheckpointError(_MSG_WRONG_THREAD.format(what=what, now=now, owner=self._thread))
 
 
-@contextlib.contextmanager
-def gradient_checkpoint_session() -> Iterator[None]:
+class gradient_checkpoint_session:
     """Keep the scope API's saved-tensors hook on this thread's stack for the whole block.
 
     The robust mode around a training step: scopes inside it need no lazy lingering, and the
     hook leaves at the end of the block (or, if scope tensors outlive it, when they die).
-    See NOTE [Gradient checkpoint scope], Rule 9.
+    See NOTE [Gradient checkpoint scope], Rule 9. A session object can be entered again once
+    it has been left, not while it is open.
     """
-    owner = threading.get_ident()
-    claim = _thread_hooks().claim()
-    try:
-        yield
-    finally:
-        now = threading.get_ident()
-        if now != owner:
+
+    __slots__ = ("_claim", "_thread")
+
+    def __init__(self) -> None:
+        self._thread = 0
+        self._claim: _Claim | None = None
+
+    @disable_dynamo  # See NOTE [Gradient checkpoint scope], Rule 10
+    def __enter__(self) -> None:
+        if self._claim is not None:
+            raise CheckpointError(_MSG_SESSION_OPEN)
+        self._thread = threading.get_ident()
+        self._claim = _thread_hooks().claim()
+
+    @disable_dynamo
+    def __exit__(self, *exc: object) -> None:
+        claim, now = self._claim, threading.get_ident()
+        if claim is None:
+            raise CheckpointError(_MSG_SESSION_NOT_OPEN)
+        if now != self._thread:  # the session stays open: its owner can still leave it
             what = "gradient_checkpoint_session exit"
-            raise CheckpointError(_MSG_WRONG_THREAD.format(what=what, now=now, owner=owner))
+            raise CheckpointError(_MSG_WRONG_THREAD.format(what=what, now=now, owner=self._thread))
+        self._claim = None
         claim.release()
 
 

@@ -10,17 +10,19 @@ It also owns the parity helpers of ``torch.utils.checkpoint`` that are about thi
 ``DefaultDeviceType``, ``get_device_states``, ``set_device_states``, ``detach_variable``,
 ``check_backward_validity`` and ``noop_context_fn``.
 
-NOTE [RNG state kept only when used]
-  Rule 1. The CPU RNG state is captured before the region runs (we cannot know in advance
-          whether it draws random numbers).
-  Rule 2. After the forward, ``drop_unused_rng`` compares the CPU state with the one captured; if
-          they are equal the region drew nothing from the CPU generator, so replay needs no
-          state and the ~5 KB copy is released. torch keeps it for every call.
-  Rule 3. When the state did change, it is kept and restored bit-for-bit for recompute. Either
-          way, with ``preserve_rng_state=True`` the caller's own RNG stream is put back after a
-          recompute, as torch does (a region that draws only when re-run cannot move it).
-  Rejected: detecting random ops with a dispatch mode (a per-op cost on every forward, and it
-  misses generators used outside dispatch); comparing takes ~4 us once per region.
+NOTE [RNG state shared when identical]
+  Rule 1. With ``preserve_rng_state=True`` the CPU RNG state is captured before every region
+          runs (we cannot know in advance whether it draws random numbers).
+  Rule 2. A capture byte-identical to the previous one shares its tensor: a chain of regions that
+          draw no random numbers keeps one ~5 KB state in all, where torch keeps one per call.
+          Identity is decided by comparing the bytes, never by guessing whether the region drew
+          numbers, so replay always starts from the exact state the forward saw.
+  Rule 3. With ``preserve_rng_state=True`` the caller's own RNG stream is put back after a
+          recompute, as torch does.
+  Rejected: dropping the state when the forward left the stream unchanged: a region that draws
+  and then puts the stream back itself (``torch.random.fork_rng``) would replay with other
+  numbers, a silent wrong gradient. Also rejected: ``torch.equal`` for the comparison (an aten op
+  that user dispatch modes would see, ~4 us); ``bytes`` of the storage cost ~2 us with the capture.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ._compat import (
     DeviceContext,
     accelerator_initialized,
     active_device_context,
+    storage_bytes,
     tree_leaves,
 )
 
@@ -55,6 +58,7 @@ __all__ = [
     "marked_as_recompute",
     "noop_context_fn",
     "set_device_states",
+    "shared_cpu_rng_state",
 ]
 
 _MSG_MIXED_DEVICE_TYPES = (
@@ -195,6 +199,23 @@ def set_device_states(
             module.set_rng_state(state)
 
 
+_last_cpu_rng: tuple[bytes, torch.Tensor] | None = None
+
+
+def shared_cpu_rng_state() -> torch.Tensor:
+    """The CPU RNG state now, as the same tensor as the previous capture when the bytes are
+    identical (See NOTE [RNG state shared when identical], Rule 2). Racing threads can only
+    miss a chance to share, never share unequal states: the comparison is on the bytes."""
+    global _last_cpu_rng
+    state = torch.get_rng_state()
+    key = storage_bytes(state)
+    last = _last_cpu_rng
+    if last is not None and last[0] == key:
+        return last[1]
+    _last_cpu_rng = (key, state)
+    return state
+
+
 class _Autocast(NamedTuple):
     enabled: bool
     dtype: torch.dtype
@@ -212,7 +233,7 @@ def _autocast_now(device_type: str) -> _Autocast:
 class ForwardState:
     """What a region's forward saw, to be seen again by its recompute.
 
-    See NOTE [RNG state kept only when used].
+    See NOTE [RNG state shared when identical].
     """
 
     __slots__ = (
@@ -247,7 +268,7 @@ class ForwardState:
             and accelerator_initialized(_device_module(self.device_type))
         )
         if preserve_rng_state:
-            self.cpu_rng = torch.get_rng_state()  # See NOTE [RNG state ...], Rule 1
+            self.cpu_rng = shared_cpu_rng_state()  # See NOTE [RNG state ...], Rules 1 and 2
             if self.had_device:
                 self.device_ids, self.device_rng = get_device_states(*args)
 
@@ -259,11 +280,6 @@ class ForwardState:
             and self.device_type != "cpu"
             and accelerator_initialized(_device_module(self.device_type))
         )
-
-    def drop_unused_rng(self) -> None:
-        """Release the CPU RNG copy if the forward drew nothing from it (Rule 2)."""
-        if self.cpu_rng is not None and torch.equal(self.cpu_rng, torch.get_rng_state()):
-            self.cpu_rng = None
 
     def restored(self) -> AbstractContextManager[None]:
         """A context that runs its body (a recompute) under the forward's RNG, autocast and
@@ -298,10 +314,9 @@ class _Restored:
 
     def __enter__(self) -> None:
         state = self.state
-        if state.preserve_rng_state:  # Rule 3, also when Rule 2 dropped the forward's copy
+        if state.cpu_rng is not None:  # See NOTE [RNG state ...], Rule 3
             self.outer_cpu_rng = torch.get_rng_state()
-            if state.cpu_rng is not None:
-                torch.set_rng_state(state.cpu_rng)
+            torch.set_rng_state(state.cpu_rng)
         self.token = _recompute_depth.set(_recompute_depth.get() + 1)
         autocasts = state._autocast_contexts()
         switch_device = (
@@ -373,7 +388,7 @@ class GeneratorStates:
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """Run the body with every noted generator back at its noted state; afterwards each is
-        where the caller had it (See NOTE [RNG state kept only when used], Rule 3)."""
+        where the caller had it (See NOTE [RNG state shared when identical], Rule 3)."""
         outer = [(generator, generator.get_state()) for generator, _ in self._states]
         for generator, state in self._states:
             generator.set_state(state)

@@ -323,11 +323,11 @@ def op_programs(draw: st.DrawFn, *, min_depth: int = 1, max_leaves: int = 10) ->
 
 SacStep = Literal[
     "matmul", "addmm", "bmm", "relu", "sin", "sigmoid", "mul_self", "add_input", "transpose",
-    "chunk_cat", "max_dim", "softmax", "tag",
+    "chunk_cat", "max_dim", "softmax", "tag", "rand_mul",
 ]
 SAC_STEPS: tuple[SacStep, ...] = (
     "matmul", "addmm", "bmm", "relu", "sin", "sigmoid", "mul_self", "add_input", "transpose",
-    "chunk_cat", "max_dim", "softmax", "tag",
+    "chunk_cat", "max_dim", "softmax", "tag", "rand_mul",
 )
 
 
@@ -336,8 +336,9 @@ class SacChain:
     """A chain of square ops on an ``(n, n)`` float64 tensor with one ``(n, n)`` weight.
 
     The steps cover matrix products (mm, addmm, bmm), elementwise ops, views, multi-output ops
-    (``chunk`` and ``max`` along a dim) and ``checkpointing.policies.tag``, so that a policy
-    meets every kind of output the selective cache handles. Deterministic: no random op.
+    (``chunk`` and ``max`` along a dim), ``checkpointing.policies.tag`` and a random op
+    (``rand_mul`` draws from the CPU generator: seed it before each run you compare), so that a
+    policy meets every kind of output the selective cache handles.
     """
 
     steps: tuple[SacStep, ...]
@@ -375,15 +376,23 @@ class SacChain:
                 h = h + h.max(dim=1, keepdim=True).values
             elif step == "softmax":
                 h = h.softmax(-1)
+            elif step == "rand_mul":
+                h = h * torch.rand_like(h)
             else:
                 h = policies.tag(h, f"t{i % 3}")
         return h
 
 
 @st.composite
-def sac_chains(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 10) -> SacChain:
-    """A random ``SacChain`` of 1..10 steps on a 2..6 square tensor."""
-    steps = draw(st.lists(st.sampled_from(SAC_STEPS), min_size=min_steps, max_size=max_steps))
+def sac_chains(
+    draw: st.DrawFn,
+    *,
+    kinds: tuple[SacStep, ...] = SAC_STEPS,
+    min_steps: int = 1,
+    max_steps: int = 10,
+) -> SacChain:
+    """A random ``SacChain`` of 1..10 steps (of ``kinds``) on a 2..6 square tensor."""
+    steps = draw(st.lists(st.sampled_from(kinds), min_size=min_steps, max_size=max_steps))
     return SacChain(
         tuple(steps), n=draw(st.integers(2, 6)), seed=draw(st.integers(0, 2**31 - 1))
     )

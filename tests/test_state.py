@@ -1,6 +1,6 @@
 """``_state``: the parity helpers (side by side with torch.utils.checkpoint) and ``ForwardState``.
 
-See NOTE [RNG state kept only when used] in ``checkpointing/_state.py``: each rule has a test here.
+See NOTE [RNG state shared when identical] in ``checkpointing/_state.py``: each rule has a test here.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def test_noop_context_fn_gives_two_usable_contexts() -> None:
     assert third is not first
 
 
-# --- ForwardState: NOTE [RNG state kept only when used] --------------------------------------
+# --- ForwardState: NOTE [RNG state shared when identical] ------------------------------------
 
 
 def test_rule1_cpu_rng_captured_before_the_region() -> None:
@@ -221,12 +221,35 @@ def test_no_rng_captured_without_preserve() -> None:
     assert torch.equal(inside, expected)
 
 
-def test_rule2_unused_rng_is_dropped() -> None:
-    """Rule 2: a region that drew nothing releases its CPU RNG copy."""
-    state = ForwardState((torch.ones(1),), preserve_rng_state=True)
+def test_rule2_identical_states_are_shared() -> None:
+    """Rule 2: two captures with no draw in between share one state tensor."""
+    first = ForwardState((torch.ones(1),), preserve_rng_state=True)
     torch.ones(3) * 2  # deterministic work only
-    state.drop_unused_rng()
-    assert state.cpu_rng is None
+    second = ForwardState((torch.ones(1),), preserve_rng_state=True)
+    assert first.cpu_rng is not None
+    assert second.cpu_rng is first.cpu_rng
+
+
+def test_rule2_different_states_are_not_shared() -> None:
+    """Rule 2: a draw between two captures gives each its own state."""
+    first = ForwardState((torch.ones(1),), preserve_rng_state=True)
+    torch.rand(1)
+    second = ForwardState((torch.ones(1),), preserve_rng_state=True)
+    assert first.cpu_rng is not None
+    assert second.cpu_rng is not None
+    assert second.cpu_rng is not first.cpu_rng
+    assert not torch.equal(second.cpu_rng, first.cpu_rng)
+
+
+def test_rule2_region_that_puts_the_stream_back_still_replays_its_draws() -> None:
+    """Rule 2: a region that draws inside fork_rng leaves the stream unchanged, yet replays
+    exactly (the state is kept, not guessed away)."""
+    state = ForwardState((torch.ones(1),), preserve_rng_state=True)
+    with torch.random.fork_rng(devices=[]):
+        drawn = torch.rand(4)
+    torch.rand(50)  # the caller moves on before backward
+    with state.restored(), torch.random.fork_rng(devices=[]):
+        assert torch.equal(torch.rand(4), drawn)
 
 
 def test_rule3_used_rng_kept_and_restored_bit_identically() -> None:
@@ -234,7 +257,6 @@ def test_rule3_used_rng_kept_and_restored_bit_identically() -> None:
     state = ForwardState((torch.ones(1),), preserve_rng_state=True)
     first = torch.rand(5)
     noise = torch.nn.functional.dropout(torch.ones(16), 0.5)
-    state.drop_unused_rng()
     assert state.cpu_rng is not None
     torch.rand(100)  # the caller moves on
     with state.restored():
@@ -246,7 +268,6 @@ def test_rule3_callers_stream_untouched_by_restore() -> None:
     """Rule 3: after a restore the caller's RNG stream continues exactly where it was."""
     state = ForwardState((torch.ones(1),), preserve_rng_state=True)
     torch.rand(5)
-    state.drop_unused_rng()
     torch.rand(7)
     before = torch.get_rng_state()
     with state.restored():
@@ -254,14 +275,13 @@ def test_rule3_callers_stream_untouched_by_restore() -> None:
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_rule3_callers_stream_untouched_when_the_state_was_dropped() -> None:
-    """Rule 3: a restore of a dropped state still gives the caller's stream back (torch forks)."""
+def test_rule3_callers_stream_untouched_when_only_the_recompute_draws() -> None:
+    """Rule 3: a recompute that draws although its forward did not leaves the caller's stream."""
     state = ForwardState((torch.ones(1),), preserve_rng_state=True)
-    state.drop_unused_rng()
     torch.rand(7)
     before = torch.get_rng_state()
     with state.restored():
-        torch.rand(10)  # a recompute that draws although its forward did not
+        torch.rand(10)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -269,7 +289,6 @@ def test_restore_twice_replays_twice() -> None:
     """A state can be restored more than once (a retained graph recomputes again)."""
     state = ForwardState((), preserve_rng_state=True)
     drawn = torch.randn(3)
-    state.drop_unused_rng()
     for _ in range(2):
         with state.restored():
             assert torch.equal(torch.randn(3), drawn)
@@ -279,7 +298,6 @@ def test_restore_puts_caller_stream_back_after_an_exception() -> None:
     """An exception inside a restore still gives the caller's RNG stream back."""
     state = ForwardState((), preserve_rng_state=True)
     torch.rand(2)
-    state.drop_unused_rng()
     before = torch.get_rng_state()
 
     def draw_then_fail() -> None:

@@ -1,0 +1,819 @@
+"""Selective activation checkpointing (SAC): which op outputs a checkpointed region keeps.
+
+Owns the parity names ``CheckpointPolicy``, ``SelectiveCheckpointContext``, ``SAC_IGNORED_OPS``
+and ``create_selective_checkpoint_contexts``; our ``OffloadStats`` and the ``Policy`` protocol;
+the ``checkpointing::tag`` op through which policies see tensor names; and below them the two
+dispatch modes (the forward one asks the policy and fills the cache, the recompute one replays
+from it) and the cache entries (a saved alias, a host copy). Entering the modes around forward
+and recompute is the frame's job (``_frame``, through ``context_fn``); ready-made policies live
+in ``policies``.
+
+NOTE [Selective checkpoint cache]
+  Rule 1. The policy is asked once per op of the original forward, after the op ran, with
+          ``SelectiveCheckpointContext(is_recompute=False, op_output=out)``; recompute never
+          asks (it replays what the forward decided).
+  Rule 2. An answer is a ``CheckpointPolicy`` (ours, or torch's member of the same name) or a
+          ``bool`` (True is MUST_SAVE, False is PREFER_RECOMPUTE). Anything else is a
+          ``CheckpointError`` naming the policy, the op and the value (torch silently
+          recomputes). Not a ``TypeError``: tensor operators (``@``, ``+``, ...) turn a
+          ``TypeError`` raised under them into ``NotImplemented``, and the user would read
+          "unsupported operand type(s) for @" instead of our message.
+  Rule 3. Entries are keyed by op (an inductor-compiled region by its callable) and by that
+          key's call index within the region. Recompute walks the same (key, index) sequence;
+          a step it cannot find is an error naming the op and the index.
+  Rule 4. ``SAC_IGNORED_OPS`` are neither counted nor cached: they run as they are, both times.
+  Rule 5. A saved entry is a detached alias sharing the output's version counter, plus the
+          version seen when it was cached; handing it out after an in-place change raises
+          unless ``allow_cache_entry_mutation=True``.
+  Rule 6. A cached entry is handed out once, then its slot reads "consumed": the cache holds
+          nothing after recompute, and a second backward through the region raises "backward an
+          extra time". Recompute slots are never consumed. The recompute mode restarts its
+          counters on every ``__enter__``, so a retained graph meets that error, not a "not
+          found" one.
+  Rule 7. Offload (``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``; torch recomputes these in
+          eager mode): a device output is copied to host memory (pinned and non-blocking on
+          CUDA) and only the host copy is cached; recompute gets a fresh tensor on the original
+          device with the original dtype, layout and (dense) strides. The copy is a snapshot,
+          so it needs no version check. A host tensor is kept as an alias, like save; if it was
+          changed in place since, recompute runs the op instead (torch's own treatment of these
+          values), never raising. ``OffloadStats`` counts both directions.
+  Rule 8. A kept ``tag(x, name)`` hands its decision to the op that produced ``x``: that op's
+          slot gets ``x`` (saved or offloaded, as the tag's answer says) and the tag itself is
+          recomputed, which is free. This needs the producer to have run out of place in this
+          region, returned ``x`` alone, been marked for recompute, not be random (Rule 10),
+          and ``x`` to be unchanged since; otherwise the tag keeps nothing and ``x`` follows
+          its producer's decision. Without the hand-over, eager recompute would re-run the
+          producer anyway, so a named tensor would cost its memory and its recompute both.
+  Rule 9. Under a tracing compiler (a proxy mode is active, as in AOTAutograd), every output is
+          cached and the traced nodes are tagged with the policy (as torch's enum) and
+          ``ac_graph_id``, as torch does, so that the partitioner decides; offload is its call.
+  Rule 10. Random ops (tagged ``nondeterministic_seeded``: dropout, ``rand_like``, ...) are
+          recomputed whatever the policy answers (it is still asked, Rule 1), and never take a
+          tag's decision (Rule 8). Recompute restores the RNG state of the region's start and
+          replays the draws in order, so a kept random op would shift what every later one
+          draws: torch caches them and, with two ``rand_like`` and the first kept, gets wrong
+          gradients. Recomputing a random op is cheap.
+
+Rejected: wrapping every output through a pytree map like torch (a tree walk per op); single
+tensors, the common case, are wrapped directly and only containers are mapped. Keeping the
+device tensor next to its host copy to version-check it (it would keep the memory offload frees).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol, TypeAlias
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
+
+from . import _compat
+from ._compat import (
+    HigherOrderOperator,
+    OpOverload,
+    OpOverloadPacket,
+    TorchDispatchMode,
+    tree_map,
+)
+from ._errors import CheckpointError, internal_error
+from ._events import announce
+
+__all__ = [
+    "SAC_IGNORED_OPS",
+    "TAG_OP",
+    "CheckpointPolicy",
+    "OffloadStats",
+    "Op",
+    "Policy",
+    "SelectiveCheckpointContext",
+    "as_checkpoint_policy",
+    "create_selective_checkpoint_contexts",
+    "tag",
+]
+
+Op: TypeAlias = OpOverload | HigherOrderOperator
+
+_REGION: Final = "sac"
+
+
+class CheckpointPolicy(enum.Enum):
+    """What selective checkpointing does with one op's output (parity with torch).
+
+    - ``MUST_SAVE`` / ``PREFER_SAVE``: keep the output from the forward; recompute reuses it.
+    - ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE``: drop it; recompute runs the op again.
+    - ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``: keep it in host memory and bring it back
+      to its device for recompute (torch recomputes these in eager mode; we really offload).
+
+    ``MUST_*`` asks a compiler (``torch.compile``'s partitioner) not to override the choice; in
+    eager mode MUST and PREFER act the same. A member equals torch's member of the same name
+    (and hashes alike), so a policy written against either enum works with either library.
+    """
+
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
+    MUST_CPU_OFFLOAD = 4
+    PREFER_CPU_OFFLOAD = 5
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _TorchCheckpointPolicy):
+            return self._name_ == other._name_
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self._name_)
+
+
+class SelectiveCheckpointContext:
+    """What a policy is told about the op it decides on (parity with torch).
+
+    Attributes:
+        is_recompute: always False: policies are asked only in the original forward (NOTE
+            [Selective checkpoint cache], Rule 1); kept for compatibility.
+        op_output: the op's output: a tensor, a tuple or list of them, or None (``tag``).
+    """
+
+    __slots__ = ("is_recompute", "op_output")
+
+    def __init__(self, *, is_recompute: bool, op_output: Any = None) -> None:
+        self.is_recompute = is_recompute
+        self.op_output = op_output
+
+
+class Policy(Protocol):
+    """A selective-checkpoint policy: called once per op of the forward, after the op, with the
+    op's arguments; returns what to do with its output (a ``CheckpointPolicy`` or a bool)."""
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy | bool: ...
+
+
+_aten = torch.ops.aten
+# Ops selective checkpointing runs as they are, never counting or caching them (Rule 4): the
+# number of detaches differs between forward and recompute, and the metadata queries (which the
+# determinism check adds in forward, and which dispatch for tensor subclasses) would shift every
+# later call index. The same set as torch 2.13's; a mutable set like torch's.
+SAC_IGNORED_OPS: set[OpOverload] = {
+    _aten.detach.default,
+    torch.ops.prim.device.default,
+    _aten.dim.default,
+    _aten.is_contiguous.default,
+    _aten.is_contiguous.memory_format,
+    _aten.is_non_overlapping_and_dense.default,
+    _aten.is_strides_like_format.default,
+    _aten.numel.default,
+    _aten.size.default,
+    _aten.storage_offset.default,
+    _aten.stride.default,
+    _aten.sym_numel.default,
+    _aten.sym_size.default,
+    _aten.sym_storage_offset.default,
+    _aten.sym_stride.default,
+}
+
+
+# --- The tag op: names that policies can see --------------------------------------------------
+
+# torch.library's registration API is public but untyped in 2.13.
+_LIBRARY = torch.library.Library("checkpointing", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIBRARY.define("tag(Tensor x, str name) -> ()")  # type: ignore[no-untyped-call]
+
+
+def _tag_kernel(x: torch.Tensor, name: str) -> None:
+    """Nothing to compute: the op exists so that dispatch modes (and policies) see the name."""
+
+
+_LIBRARY.impl("tag", _tag_kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+TAG_OP: Final[OpOverload] = torch.ops.checkpointing.tag.default
+
+_MSG_TAG_TENSOR = (
+    "checkpointing.policies.tag: expected a torch.Tensor as the first argument, got {got!r} of "
+    "type {type}. Fix: tag the tensor itself, e.g. `h = tag(h, 'attn_out')`."
+)
+_MSG_TAG_NAME = (
+    "checkpointing.policies.tag: expected the name to be a str, got {got!r} of type {type}. "
+    "Fix: pass the name policies will look for, e.g. `tag(h, 'attn_out')`."
+)
+
+
+def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Name ``tensor`` for policies; returns ``tensor`` itself (no copy, no autograd node).
+
+    The name is visible to policies as the op ``torch.ops.checkpointing.tag.default`` with
+    arguments ``(tensor, name)``. ``save_only_these_names`` and ``offload_these_names`` keep
+    tagged tensors; the decision is handed to the op that produced the tensor, so that op is not
+    recomputed either (NOTE [Selective checkpoint cache], Rule 8). Outside a selective
+    checkpoint it costs one no-op dispatch.
+
+    Example:
+        >>> import functools, torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, save_only_these_names, tag
+        >>> def block(x, w):
+        ...     return torch.relu(tag(x @ w, "proj")).sum()
+        >>> x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+        >>> ctx = as_context_fn(save_only_these_names("proj"))
+        >>> checkpointing.checkpoint(block, x, w, use_reentrant=False, context_fn=ctx).backward()
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(_MSG_TAG_TENSOR.format(got=tensor, type=type(tensor).__name__))
+    if not isinstance(name, str):
+        raise TypeError(_MSG_TAG_NAME.format(got=name, type=type(name).__name__))
+    TAG_OP(tensor, name)
+    return tensor
+
+
+# --- Offload accounting -----------------------------------------------------------------------
+
+
+@dataclass
+class OffloadStats:
+    """Bytes selective checkpointing moved to host memory in forward and back for recompute.
+
+    Pass one to ``create_selective_checkpoint_contexts(..., offload_stats=stats)`` or
+    ``policies.as_context_fn(..., offload_stats=stats)`` to add up many regions and steps; each
+    pair of modes also exposes its own as ``.offload_stats``. A host (CPU) tensor under an
+    offload decision stays where it is (like save) and is still counted, so the numbers follow
+    the policy's decisions on any device. Safe to update from forward and backward threads.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, offload_ops
+        >>> stats = checkpointing.OffloadStats()
+        >>> ctx = as_context_fn(offload_ops(torch.ops.aten.mm.default), offload_stats=stats)
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> y = checkpointing.checkpoint(lambda t: (t @ t).relu(), x, use_reentrant=False,
+        ...                              context_fn=ctx)
+        >>> y.sum().backward()
+        >>> (stats.offloaded_bytes, stats.restored_bytes)
+        (256, 256)
+    """
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    restored_tensors: int = 0
+    restored_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def reset(self) -> None:
+        """Set every counter back to zero (e.g. between training steps)."""
+        with self._lock:
+            self.offloaded_tensors = self.offloaded_bytes = 0
+            self.restored_tensors = self.restored_bytes = 0
+
+    def _count_offload(self, nbytes: int) -> None:
+        with self._lock:
+            self.offloaded_tensors += 1
+            self.offloaded_bytes += nbytes
+
+    def _count_restore(self, nbytes: int) -> None:
+        with self._lock:
+            self.restored_tensors += 1
+            self.restored_bytes += nbytes
+
+
+# --- Cache entries ----------------------------------------------------------------------------
+
+
+class _Action(enum.Enum):
+    """What the forward mode does with an output, once the policy's answer is understood."""
+
+    RECOMPUTE = enum.auto()
+    SAVE = enum.auto()
+    OFFLOAD = enum.auto()
+
+
+_ACTIONS: Final[dict[object, _Action]] = {
+    CheckpointPolicy.MUST_SAVE: _Action.SAVE,
+    CheckpointPolicy.PREFER_SAVE: _Action.SAVE,
+    CheckpointPolicy.MUST_RECOMPUTE: _Action.RECOMPUTE,
+    CheckpointPolicy.PREFER_RECOMPUTE: _Action.RECOMPUTE,
+    CheckpointPolicy.MUST_CPU_OFFLOAD: _Action.OFFLOAD,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: _Action.OFFLOAD,
+    True: _Action.SAVE,
+    False: _Action.RECOMPUTE,
+}
+# Torch's members find ours in ``_ACTIONS`` (equal and same hash); an int must not find a bool.
+_ANSWER_TYPES: Final = frozenset({CheckpointPolicy, _TorchCheckpointPolicy, bool})
+
+
+class _CacheEntryMutated(Exception):
+    """A saved alias changed in place after it was cached (becomes the user-facing error)."""
+
+
+class _StaleHostAlias(Exception):
+    """A host tensor kept for offload changed in place; recompute runs the op (Rule 7)."""
+
+
+class _Saved:
+    """A saved output: a detached alias sharing the version counter, and that version (Rule 5)."""
+
+    __slots__ = ("alias", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.alias = _compat.detach_sharing_version(tensor)
+        self.version = tensor._version
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+        if not allow_mutation and self.alias._version != self.version:
+            raise _CacheEntryMutated
+        return self.alias
+
+
+class _HostAlias:
+    """An offloaded output that already lives in host memory: kept in place (Rule 7)."""
+
+    __slots__ = ("alias", "nbytes", "version")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
+        self.alias = _compat.detach_sharing_version(tensor)
+        self.version = tensor._version
+        self.nbytes = nbytes
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+        if self.alias._version != self.version:
+            raise _StaleHostAlias
+        stats._count_restore(self.nbytes)
+        return self.alias
+
+
+class _HostCopy:
+    """An offloaded device output: only its host copy is kept (Rule 7)."""
+
+    __slots__ = ("device", "host", "nbytes", "ready")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
+        self.device = tensor.device
+        self.nbytes = nbytes
+        self.ready: torch.cuda.Event | None = None
+        host = _pinned_copy(tensor) if _can_pin(tensor) else None
+        if host is not None:
+            # The copy is queued on the current stream; recompute waits for this event.
+            self.ready = torch.cuda.current_stream(tensor.device).record_event()
+        else:
+            host = tensor.to("cpu")
+        self.host = host
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            restored = torch.empty_like(self.host, device=self.device)
+            restored.copy_(self.host, non_blocking=True)
+        else:
+            restored = self.host.to(self.device)
+        stats._count_restore(self.nbytes)
+        return restored
+
+
+def _can_pin(tensor: torch.Tensor) -> bool:
+    """Pinned, non-blocking copies for plain dense CUDA tensors; others copy the plain way."""
+    return (
+        tensor.device.type == "cuda"
+        and tensor.layout is torch.strided
+        and type(tensor) is torch.Tensor
+    )
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A pinned host tensor with ``tensor``'s strides, filled by a non-blocking copy; None where
+    pinned memory cannot be had (then the caller falls back to a plain copy)."""
+    try:
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    except RuntimeError:
+        return None
+    return host.copy_(tensor, non_blocking=True)
+
+
+class _Tree:
+    """Cached outputs of an op that returned a container: the container with each tensor
+    replaced by its entry (other leaves kept as they are)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> Any:
+        return tree_map(
+            lambda leaf: leaf.take(allow_mutation, stats) if isinstance(leaf, _LEAVES) else leaf,
+            self.value,
+        )
+
+
+_Leaf: TypeAlias = _Saved | _HostAlias | _HostCopy
+_LEAVES: Final = (_Saved, _HostAlias, _HostCopy)
+_Entry: TypeAlias = _Leaf | _Tree
+
+
+class _Marker:
+    """A slot that holds no output: recompute runs the op, or the output was handed out."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+_RECOMPUTE: Final = _Marker("recompute")
+_CONSUMED: Final = _Marker("consumed")
+
+_Slot: TypeAlias = _Entry | _Marker
+_Storage: TypeAlias = defaultdict[object, dict[int, _Slot]]
+
+
+def _keep_tensor(tensor: torch.Tensor, action: _Action, stats: OffloadStats) -> _Leaf:
+    """The entry for one output tensor under a save or offload decision, announced."""
+    if action is _Action.SAVE:
+        announce(tensor, _REGION, "saved")
+        return _Saved(tensor)
+    announce(tensor, _REGION, "offloaded")
+    nbytes = tensor.numel() * tensor.element_size()
+    stats._count_offload(nbytes)
+    if tensor.device.type in ("cpu", "meta"):
+        return _HostAlias(tensor, nbytes)
+    return _HostCopy(tensor, nbytes)
+
+
+def _keep(out: Any, action: _Action, stats: OffloadStats) -> _Entry:
+    """The entry for an op's output (a tensor, or a container of them) under ``action``."""
+    if isinstance(out, torch.Tensor):
+        return _keep_tensor(out, action, stats)
+    return _Tree(
+        tree_map(
+            lambda x: _keep_tensor(x, action, stats) if isinstance(x, torch.Tensor) else x, out
+        )
+    )
+
+
+def _save_traced(out: Any) -> _Entry:
+    """Under a tracing compiler every output is cached as saved, unannounced (Rule 9)."""
+    if isinstance(out, torch.Tensor):
+        return _Saved(out)
+    return _Tree(tree_map(lambda x: _Saved(x) if isinstance(x, torch.Tensor) else x, out))
+
+
+# --- Policies: answers, and the list form -----------------------------------------------------
+
+_MSG_BAD_ANSWER = (
+    "checkpointing selective checkpoint: the policy {policy!r} returned {answer!r} (type "
+    "{type}) for op {op}; expected a CheckpointPolicy member or a bool. torch.utils.checkpoint "
+    "would silently recompute this op; checkpointing refuses to guess. Fix: return a "
+    "CheckpointPolicy for every op, e.g. end the policy with "
+    "`return CheckpointPolicy.PREFER_RECOMPUTE`."
+)
+
+
+def _action_of(answer: object, policy: object, op: object) -> _Action:
+    """Rule 2: map a policy's answer to an action, or explain why it is not one."""
+    action = _ACTIONS.get(answer) if type(answer) in _ANSWER_TYPES else None
+    if action is None:
+        raise CheckpointError(
+            _MSG_BAD_ANSWER.format(policy=policy, answer=answer, type=type(answer).__name__, op=op)
+        )
+    return action
+
+
+_POLICY_OF: Final[dict[object, CheckpointPolicy]] = {
+    **{member: member for member in CheckpointPolicy},
+    True: CheckpointPolicy.MUST_SAVE,
+    False: CheckpointPolicy.PREFER_RECOMPUTE,
+}
+
+
+def as_checkpoint_policy(answer: object, policy: object, op: object) -> CheckpointPolicy:
+    """Rule 2 for code that combines policies: the ``CheckpointPolicy`` an answer stands for
+    (torch's members and bools included), or the ``CheckpointError`` saying why it is none."""
+    result = _POLICY_OF.get(answer) if type(answer) in _ANSWER_TYPES else None
+    if result is None:
+        raise CheckpointError(
+            _MSG_BAD_ANSWER.format(policy=policy, answer=answer, type=type(answer).__name__, op=op)
+        )
+    return result
+
+
+def _as_torch_policy(answer: object) -> _TorchCheckpointPolicy:
+    """Torch's member for an answer (the partitioner reads node metadata with torch's enum)."""
+    if isinstance(answer, bool):
+        return (
+            _TorchCheckpointPolicy.MUST_SAVE if answer else _TorchCheckpointPolicy.PREFER_RECOMPUTE
+        )
+    if not isinstance(answer, CheckpointPolicy | _TorchCheckpointPolicy):
+        internal_error(f"{answer!r} reached _as_torch_policy without passing _action_of")
+    return _TorchCheckpointPolicy[answer.name]
+
+
+class _SaveListed:
+    """The list form of ``create_selective_checkpoint_contexts``: MUST_SAVE for the listed
+    ops, PREFER_RECOMPUTE for every other op (parity with torch)."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self, ops: frozenset[Op]) -> None:
+        self.ops = ops
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        if op in self.ops:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"save_listed_ops({sorted(map(str, self.ops))})"
+
+
+_MSG_NOT_AN_OP = (
+    "Expected op in `op_list` to be an OpOverload but got: {op} of type {type}. "
+    "(create_selective_checkpoint_contexts: a list means 'save these ops'; each element must be "
+    "a torch.ops OpOverload such as torch.ops.aten.mm.default, or a HigherOrderOperator.) {hint}"
+)
+_HINT_PACKET = (
+    "Please update the OpOverloadPacket to a specific OpOverload: for `{op}`, pass "
+    "`{op}.default` (or the overload you mean)."
+)
+_MSG_NOT_A_POLICY = (
+    "policy_fn_or_list must be either a function or a list of ops "
+    "(create_selective_checkpoint_contexts got {got!r} of type {type}). Fix: pass a callable "
+    "`policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`, or a list such as "
+    "[torch.ops.aten.mm.default]."
+)
+_MSG_NOT_STATS = (
+    "create_selective_checkpoint_contexts: offload_stats must be a checkpointing.OffloadStats or "
+    "None, got {got!r} of type {type}. Fix: pass `checkpointing.OffloadStats()`."
+)
+
+
+def _policy_from(policy_fn_or_list: object) -> Policy:
+    """Validate the first argument of ``create_selective_checkpoint_contexts`` (torch's rules:
+    a list of ops, or any callable)."""
+    if isinstance(policy_fn_or_list, list):
+        for op in policy_fn_or_list:
+            if not isinstance(op, OpOverload | HigherOrderOperator):
+                is_packet = isinstance(op, OpOverloadPacket)
+                hint = _HINT_PACKET.format(op=op) if is_packet else ""
+                raise ValueError(_MSG_NOT_AN_OP.format(op=op, type=type(op), hint=hint))
+        return _SaveListed(frozenset(policy_fn_or_list))
+    if callable(policy_fn_or_list):
+        policy: Policy = policy_fn_or_list
+        return policy
+    raise TypeError(
+        _MSG_NOT_A_POLICY.format(got=policy_fn_or_list, type=type(policy_fn_or_list).__name__)
+    )
+
+
+# --- The two modes ----------------------------------------------------------------------------
+
+_INDUCTOR_CODE: Final = _compat.inductor_compiled_code
+
+# Per op kind, asked once: may its output be kept (Rule 10), may it take a tag's decision
+# (Rule 8: it must also leave its inputs alone)?
+_keepable: dict[object, bool] = {}
+_takes_tags: dict[object, bool] = {}
+
+
+class _Producer:
+    """Where the output of a recompute-marked op sits in the cache, for a later tag (Rule 8)."""
+
+    __slots__ = ("index", "key", "ref", "version")
+
+    def __init__(self, out: torch.Tensor, key: object, index: int) -> None:
+        self.ref = weakref.ref(out)
+        self.key = key
+        self.index = index
+        self.version = out._version
+
+
+class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    """Forward: runs each op, asks the policy, caches what it keeps (Rules 1-5, 7-9)."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, policy: Policy, storage: _Storage, stats: OffloadStats) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.policy = policy
+        self.storage = storage
+        self.offload_stats = stats
+        # Set by torch.compile's activation-checkpoint lowering (Rule 9).
+        self.ac_graph_id: int | None = None
+        self.func_counter: defaultdict[object, int] = defaultdict(int)
+        self._producers: dict[int, _Producer] = {}
+
+    def __exit__(self, *exc: object) -> None:
+        self._producers.clear()
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
+
+    def __torch_dispatch__(
+        self,
+        func: Op,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        # The hot path: one call per op of every selectively checkpointed forward.
+        if kwargs is None:
+            kwargs = {}
+        if _compat.proxy_tracing_active():
+            return self._dispatch_traced(func, args, kwargs)
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        key = func if func is not _INDUCTOR_CODE else _region_key(func, args)
+        index = self.func_counter[key]
+        self.func_counter[key] = index + 1
+        ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+        action = _action_of(self.policy(ctx, func, *args, **kwargs), self.policy, func)
+        if action is _Action.RECOMPUTE or func is TAG_OP or not _can_keep(func):
+            self.storage[key][index] = _RECOMPUTE
+            if func is TAG_OP and action is not _Action.RECOMPUTE:
+                self._hand_over(args[0], action)
+            elif type(out) is torch.Tensor and _can_take_tag(func):
+                self._producers[id(out)] = _Producer(out, key, index)
+        else:
+            self.storage[key][index] = _keep(out, action, self.offload_stats)
+        return out
+
+    def _hand_over(self, tensor: torch.Tensor, action: _Action) -> None:
+        """Rule 8: give a kept tag's decision to the op that produced ``tensor``, if allowed."""
+        producer = self._producers.pop(id(tensor), None)
+        if producer is None or producer.ref() is not tensor:
+            return
+        if tensor._version != producer.version:
+            return
+        self.storage[producer.key][producer.index] = _keep(tensor, action, self.offload_stats)
+
+    def _dispatch_traced(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Rule 9: what torch does under AOTAutograd tracing, so the partitioner decides."""
+        _compat.set_traced_node_meta("ac_graph_id", self.ac_graph_id)
+        _compat.set_traced_node_meta("recompute", _TorchCheckpointPolicy.PREFER_RECOMPUTE)
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        count_before = _compat.traced_node_count()
+        out = func(*args, **kwargs)
+        key = _region_key(func, args)
+        index = self.func_counter[key]
+        self.func_counter[key] = index + 1
+        ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+        answer = self.policy(ctx, func, *args, **kwargs)
+        _action_of(answer, self.policy, func)
+        _compat.tag_traced_nodes(count_before, "recompute", _as_torch_policy(answer))
+        self.storage[key][index] = _save_traced(out)
+        return out
+
+
+_MSG_NOT_CACHED = (
+    "{op} invocation index {index} encountered during backward but not found in storage "
+    "(selective checkpoint: the recompute ran an op the forward did not run at this point). "
+    "This can happen if the operations in the checkpointed region are nondeterministic or "
+    "depend on global state that changed between forward and backward. Fix: make the region's "
+    "op sequence depend only on its inputs (e.g. no branching on a global flag or on time)."
+)
+_MSG_EXTRA_BACKWARD = (
+    "Trying to backward an extra time. You are only allowed to backward once on any region "
+    "computed under selective activation checkpoint (it hands each cached output out once). "
+    "Fix: run the forward again before another backward, or use a policy that saves nothing "
+    "if you need retain_graph=True."
+)
+_MSG_MUTATED = (
+    "Tensor cached during selective activation checkpoint has been mutated: the output of "
+    "{op} (invocation index {index}) was changed in place after the forward cached it, so "
+    "recompute would read the changed value. Fix: have the policy recompute this op (or clone "
+    "before the in-place op); pass allow_cache_entry_mutation=True only if the change is "
+    "harmless for backward."
+)
+
+
+class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    """Recompute: replays the forward's decisions from the cache (Rules 3-7)."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, storage: _Storage, allow_cache_entry_mutation: bool, stats: OffloadStats):
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.storage = storage
+        self.allow_cache_entry_mutation = allow_cache_entry_mutation
+        self.offload_stats = stats
+        self.func_counter: defaultdict[object, int] = defaultdict(int)
+
+    def __enter__(self) -> _CachedMode:
+        self.func_counter.clear()  # Rule 6: every recompute starts from index 0.
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        return self
+
+    def __torch_dispatch__(
+        self,
+        func: Op,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        key = func if func is not _INDUCTOR_CODE else _region_key(func, args)
+        index = self.func_counter[key]
+        self.func_counter[key] = index + 1
+        slots = self.storage.get(key)
+        slot = None if slots is None else slots.get(index)
+        if slot is None or slots is None:
+            raise RuntimeError(_MSG_NOT_CACHED.format(op=func, index=index))
+        if slot is _RECOMPUTE:
+            return func(*args, **kwargs)
+        if isinstance(slot, _Marker):  # the only other marker: _CONSUMED
+            raise RuntimeError(_MSG_EXTRA_BACKWARD)
+        slots[index] = _CONSUMED
+        try:
+            return slot.take(self.allow_cache_entry_mutation, self.offload_stats)
+        except _CacheEntryMutated:
+            raise RuntimeError(_MSG_MUTATED.format(op=func, index=index)) from None
+        except _StaleHostAlias:
+            return func(*args, **kwargs)
+
+
+def _region_key(func: object, args: tuple[Any, ...]) -> object:
+    """Rule 3: the cache key of an op (an inductor-compiled region is keyed by its callable)."""
+    if func is _INDUCTOR_CODE:
+        return _compat.inductor_region_key(func, args)
+    return func
+
+
+def _can_keep(func: object) -> bool:
+    """Rule 10: False for random ops, whose outputs are always recomputed."""
+    keepable = _keepable.get(func)
+    if keepable is None:
+        random = isinstance(func, OpOverload) and torch.Tag.nondeterministic_seeded in func.tags
+        keepable = _keepable[func] = not random
+    return keepable
+
+
+def _can_take_tag(func: object) -> bool:
+    """Rule 8: whether ``func``'s output may be kept on behalf of a later ``tag``."""
+    takes = _takes_tags.get(func)
+    if takes is None:
+        pure = isinstance(func, OpOverload) and not _compat.op_mutates_inputs(func)
+        takes = _takes_tags[func] = pure and _can_keep(func)
+    return takes
+
+
+def create_selective_checkpoint_contexts(
+    policy_fn_or_list: Policy | list[Op],
+    allow_cache_entry_mutation: bool = False,
+    *,
+    offload_stats: OffloadStats | None = None,
+) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """The two contexts of selective checkpointing, for ``checkpoint(..., context_fn=...)``.
+
+    Same behaviour as ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, except
+    that offload decisions really offload (to host memory and back) and that a policy answer
+    which is neither a ``CheckpointPolicy`` nor a bool is a ``CheckpointError`` instead of a
+    silent recompute. See NOTE [Selective checkpoint cache] for the rules.
+
+    Args:
+        policy_fn_or_list: a policy ``policy(ctx, op, *args, **kwargs)`` returning a
+            ``CheckpointPolicy`` (or a bool: True saves, False recomputes), called once per op
+            of the forward with ``ctx.op_output`` set; or a list of ``OpOverload``s, meaning
+            MUST_SAVE for those ops and PREFER_RECOMPUTE for the rest.
+        allow_cache_entry_mutation: do not raise when a saved output was changed in place
+            after it was cached.
+        offload_stats: where to add the bytes offloaded and restored (ours; a fresh
+            ``OffloadStats`` per pair by default, reachable as ``.offload_stats`` on each mode).
+
+    Returns:
+        ``(forward_context, recompute_context)``: two ``TorchDispatchMode``s.
+
+    Example:
+        >>> import functools, torch, checkpointing
+        >>> ops = [torch.ops.aten.mm.default]
+        >>> ctx = functools.partial(checkpointing.create_selective_checkpoint_contexts, ops)
+        >>> x = torch.randn(4, 4, requires_grad=True)
+        >>> y = checkpointing.checkpoint(lambda t: (t @ t).sin(), x, use_reentrant=False,
+        ...                              context_fn=ctx)
+        >>> y.sum().backward()
+    """
+    policy = _policy_from(policy_fn_or_list)
+    if offload_stats is None:
+        offload_stats = OffloadStats()
+    elif not isinstance(offload_stats, OffloadStats):
+        raise TypeError(_MSG_NOT_STATS.format(got=offload_stats, type=type(offload_stats).__name__))
+    storage: _Storage = defaultdict(dict)
+    return (
+        _CachingMode(policy, storage, offload_stats),
+        _CachedMode(storage, bool(allow_cache_entry_mutation), offload_stats),
+    )

@@ -1,0 +1,487 @@
+"""Ready-made selective-checkpoint policies that read as sentences, and two ways to combine them.
+
+A policy is any callable ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool`` (the
+``Policy`` protocol); ``as_context_fn(policy)`` turns one into the ``context_fn`` of
+``checkpointing.checkpoint`` (or of ``torch.utils.checkpoint.checkpoint``, which accepts our
+contexts too). The policies here are plain callables, so they also work with
+``create_selective_checkpoint_contexts`` directly, ours or torch's.
+
+Conventions, so that combinations are predictable:
+
+- A factory that names ops or tensors answers ``MUST_*`` for them (you asked explicitly, so a
+  compiler should not override it) and ``PREFER_RECOMPUTE`` for every other op (plain
+  checkpointing, where a compiler may still choose to save). ``recompute_ops`` is the mirror
+  image: ``MUST_RECOMPUTE`` for the named ops, ``MUST_SAVE`` for the rest.
+- ``either(*policies)`` keeps what any of them keeps and ``both(*policies)`` only what all of
+  them keep, comparing answers in the *keep order*::
+
+      PREFER_RECOMPUTE < MUST_RECOMPUTE < PREFER_CPU_OFFLOAD < MUST_CPU_OFFLOAD
+                       < PREFER_SAVE < MUST_SAVE
+
+  (kept on the device beats kept on the host beats not kept; at one level, MUST beats PREFER).
+  They are the maximum and the minimum of a chain, hence the lattice laws: each is
+  commutative, associative and idempotent; ``either(p, both(p, q)) == p`` and
+  ``both(p, either(p, q)) == p`` (absorption); ``save_nothing()`` is the unit of ``either`` and
+  ``save_everything()`` the unit of ``both``. ``tests/test_policies.py`` checks them all.
+
+Example:
+    >>> import torch, checkpointing
+    >>> from checkpointing.policies import as_context_fn, both, recompute_ops, save_matmuls
+    >>> policy = both(save_matmuls(), recompute_ops(torch.ops.aten.bmm.default))
+    >>> policy
+    both(save_matmuls(), recompute_ops(aten.bmm.default))
+    >>> x = torch.randn(2, 4, 4, requires_grad=True)
+    >>> y = checkpointing.checkpoint(lambda t: torch.bmm(t, t).relu() @ t[0], x,
+    ...                              use_reentrant=False, context_fn=as_context_fn(policy))
+    >>> y.sum().backward()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Final, cast
+
+import torch
+
+from ._compat import HigherOrderOperator, OpOverload, OpOverloadPacket, TorchDispatchMode
+from ._selective import (
+    TAG_OP,
+    CheckpointPolicy,
+    OffloadStats,
+    Op,
+    Policy,
+    SelectiveCheckpointContext,
+    as_checkpoint_policy,
+    create_selective_checkpoint_contexts,
+    tag,
+)
+
+__all__ = [
+    "MATMUL_OPS",
+    "Policy",
+    "as_context_fn",
+    "both",
+    "either",
+    "offload_ops",
+    "offload_these_names",
+    "recompute_ops",
+    "save_everything",
+    "save_matmuls",
+    "save_nothing",
+    "save_only_these_names",
+    "save_ops",
+    "tag",
+]
+
+# The keep order of the module docstring: a higher rank keeps more.
+_RANK: Final[dict[CheckpointPolicy, int]] = {
+    CheckpointPolicy.PREFER_RECOMPUTE: 0,
+    CheckpointPolicy.MUST_RECOMPUTE: 1,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: 2,
+    CheckpointPolicy.MUST_CPU_OFFLOAD: 3,
+    CheckpointPolicy.PREFER_SAVE: 4,
+    CheckpointPolicy.MUST_SAVE: 5,
+}
+
+
+def _matmul_ops() -> frozenset[OpOverload]:
+    """aten's matrix products and fused attention kernels that exist in this torch build."""
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+# The ops ``save_matmuls`` keeps: matrix products and fused scaled-dot-product attention.
+MATMUL_OPS: Final[frozenset[OpOverload]] = _matmul_ops()
+
+
+# --- The policy objects (small classes: a readable repr, one call per op) ---------------------
+
+
+class _Constant:
+    """The same answer for every op."""
+
+    __slots__ = ("_answer", "_name")
+
+    def __init__(self, answer: CheckpointPolicy, name: str) -> None:
+        self._answer = answer
+        self._name = name
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        return self._answer
+
+    def __repr__(self) -> str:
+        return f"{self._name}()"
+
+
+class _ByOp:
+    """``hit`` for the ops in a set, ``miss`` for every other op."""
+
+    __slots__ = ("_hit", "_miss", "_ops", "_repr")
+
+    def __init__(
+        self, ops: frozenset[Op], hit: CheckpointPolicy, miss: CheckpointPolicy, description: str
+    ) -> None:
+        self._ops = ops
+        self._hit = hit
+        self._miss = miss
+        self._repr = description
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        return self._hit if op in self._ops else self._miss
+
+    def __repr__(self) -> str:
+        return self._repr
+
+
+class _ByName:
+    """``hit`` for ``tag`` ops whose name is in a set, PREFER_RECOMPUTE for every other op."""
+
+    __slots__ = ("_hit", "_names", "_repr")
+
+    def __init__(self, names: frozenset[str], hit: CheckpointPolicy, description: str) -> None:
+        self._names = names
+        self._hit = hit
+        self._repr = description
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        if op is TAG_OP and len(args) > 1 and args[1] in self._names:
+            return self._hit
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return self._repr
+
+
+class _Combined:
+    """The answer of highest (``either``) or lowest (``both``) rank among several policies."""
+
+    __slots__ = ("_pick", "_policies", "_repr")
+
+    def __init__(
+        self, policies: tuple[Policy, ...], pick: Callable[..., CheckpointPolicy], name: str
+    ) -> None:
+        self._policies = policies
+        self._pick = pick
+        self._repr = f"{name}({', '.join(map(repr, policies))})"
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        answers = [
+            as_checkpoint_policy(policy(ctx, op, *args, **kwargs), policy, op)
+            for policy in self._policies
+        ]
+        return self._pick(answers, key=_RANK.__getitem__)
+
+    def __repr__(self) -> str:
+        return self._repr
+
+
+# --- Factories ---------------------------------------------------------------------------------
+
+
+def save_nothing() -> Policy:
+    """Recompute every op: plain checkpointing, expressed as a policy.
+
+    Default: PREFER_RECOMPUTE, because that is what plain checkpointing means; a compiler may
+    still keep a cheap value. The unit of ``either``.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import save_nothing
+        >>> save_nothing()(None, torch.ops.aten.mm.default)
+        <CheckpointPolicy.PREFER_RECOMPUTE: 3>
+    """
+    return _Constant(CheckpointPolicy.PREFER_RECOMPUTE, "save_nothing")
+
+
+def save_everything() -> Policy:
+    """Keep every op's output: no recompute at all (for debugging, or as a unit).
+
+    Default: MUST_SAVE, because "everything" should not be second-guessed. Note that this keeps
+    *more* than running without checkpointing (every output, not only what backward needs).
+    The unit of ``both``.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import save_everything
+        >>> save_everything()(None, torch.ops.aten.relu.default)
+        <CheckpointPolicy.MUST_SAVE: 0>
+    """
+    return _Constant(CheckpointPolicy.MUST_SAVE, "save_everything")
+
+
+def save_ops(*ops: Op | OpOverloadPacket) -> Policy:
+    """Keep the outputs of these ops, recompute every other op.
+
+    Each op is an ``OpOverload`` (``torch.ops.aten.mm.default``), a ``HigherOrderOperator``, or
+    an ``OpOverloadPacket`` (``torch.ops.aten.mm``), which stands for all of its overloads.
+    Default: MUST_SAVE for them (you named them) and PREFER_RECOMPUTE for the rest, exactly
+    like torch's list form of ``create_selective_checkpoint_contexts``.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import save_ops
+        >>> policy = save_ops(torch.ops.aten.mm.default)
+        >>> policy(None, torch.ops.aten.mm.default), policy(None, torch.ops.aten.relu.default)
+        (<CheckpointPolicy.MUST_SAVE: 0>, <CheckpointPolicy.PREFER_RECOMPUTE: 3>)
+    """
+    found = _ops_of("save_ops", ops)
+    return _ByOp(
+        found,
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+        f"save_ops({_describe(ops)})",
+    )
+
+
+def save_matmuls() -> Policy:
+    """Keep matrix products and fused attention (``MATMUL_OPS``), recompute the rest.
+
+    Default: MUST_SAVE for ``mm``, ``addmm``, ``bmm``, ``baddbmm`` and the
+    ``_scaled_dot_product_*_attention`` kernels of this torch build, because they dominate the
+    cost of recompute while elementwise ops are cheap to redo; PREFER_RECOMPUTE for the rest.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import save_matmuls
+        >>> save_matmuls()(None, torch.ops.aten.addmm.default)
+        <CheckpointPolicy.MUST_SAVE: 0>
+    """
+    return _ByOp(
+        MATMUL_OPS,
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+        "save_matmuls()",
+    )
+
+
+def recompute_ops(*ops: Op | OpOverloadPacket) -> Policy:
+    """Recompute these ops, keep every other op's output.
+
+    Default: MUST_RECOMPUTE for them and MUST_SAVE for the rest, so that
+    ``both(policy, recompute_ops(...))`` is ``policy`` except on these ops (``save_everything()``
+    is the unit of ``both``).
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import both, recompute_ops, save_matmuls
+        >>> policy = both(save_matmuls(), recompute_ops(torch.ops.aten.bmm))
+        >>> policy(None, torch.ops.aten.bmm.default), policy(None, torch.ops.aten.mm.default)
+        (<CheckpointPolicy.MUST_RECOMPUTE: 2>, <CheckpointPolicy.MUST_SAVE: 0>)
+    """
+    found = _ops_of("recompute_ops", ops)
+    return _ByOp(
+        found,
+        CheckpointPolicy.MUST_RECOMPUTE,
+        CheckpointPolicy.MUST_SAVE,
+        f"recompute_ops({_describe(ops)})",
+    )
+
+
+def offload_ops(*ops: Op | OpOverloadPacket) -> Policy:
+    """Move the outputs of these ops to host memory until backward, recompute every other op.
+
+    Default: MUST_CPU_OFFLOAD for them (device memory is freed at the price of two copies;
+    a host tensor stays where it is) and PREFER_RECOMPUTE for the rest.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import offload_ops
+        >>> offload_ops(torch.ops.aten.mm.default)(None, torch.ops.aten.mm.default)
+        <CheckpointPolicy.MUST_CPU_OFFLOAD: 4>
+    """
+    found = _ops_of("offload_ops", ops)
+    return _ByOp(
+        found,
+        CheckpointPolicy.MUST_CPU_OFFLOAD,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+        f"offload_ops({_describe(ops)})",
+    )
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """Keep the tensors named with ``tag(tensor, name)`` for these names, recompute the rest.
+
+    Default: MUST_SAVE for the named tensors and PREFER_RECOMPUTE for every other op. The op
+    that produced a kept tensor is not recomputed either (see ``tag``).
+
+    Example:
+        >>> import torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, save_only_these_names, tag
+        >>> def block(x, w):
+        ...     return tag(x @ w, "proj").relu().sum()
+        >>> w = torch.randn(4, 4, requires_grad=True)
+        >>> loss = checkpointing.checkpoint(block, torch.randn(4, 4), w, use_reentrant=False,
+        ...     context_fn=as_context_fn(save_only_these_names("proj")))
+        >>> loss.backward()
+    """
+    found = _names_of("save_only_these_names", names)
+    return _ByName(
+        found, CheckpointPolicy.MUST_SAVE, f"save_only_these_names({_describe(names)})"
+    )
+
+
+def offload_these_names(*names: str) -> Policy:
+    """Move the tensors named with ``tag(tensor, name)`` for these names to host memory until
+    backward, recompute the rest.
+
+    Default: MUST_CPU_OFFLOAD for the named tensors and PREFER_RECOMPUTE for every other op.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import offload_these_names
+        >>> tag_op = torch.ops.checkpointing.tag.default
+        >>> offload_these_names("kv")(None, tag_op, torch.ones(1), "kv")
+        <CheckpointPolicy.MUST_CPU_OFFLOAD: 4>
+    """
+    found = _names_of("offload_these_names", names)
+    return _ByName(
+        found, CheckpointPolicy.MUST_CPU_OFFLOAD, f"offload_these_names({_describe(names)})"
+    )
+
+
+# --- Combinators -------------------------------------------------------------------------------
+
+
+def either(*policies: Policy) -> Policy:
+    """Keep what any of ``policies`` keeps: per op, the answer highest in the keep order.
+
+    Default (for one policy): that policy's answers, normalised (a bool becomes MUST_SAVE or
+    PREFER_RECOMPUTE). Laws: see the module docstring; ``save_nothing()`` is the unit.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import either, offload_ops, save_matmuls
+        >>> policy = either(save_matmuls(), offload_ops(torch.ops.aten.gelu.default))
+        >>> policy(None, torch.ops.aten.gelu.default), policy(None, torch.ops.aten.mm.default)
+        (<CheckpointPolicy.MUST_CPU_OFFLOAD: 4>, <CheckpointPolicy.MUST_SAVE: 0>)
+    """
+    return _Combined(_policies_of("either", policies), max, "either")
+
+
+def both(*policies: Policy) -> Policy:
+    """Keep only what all of ``policies`` keep: per op, the answer lowest in the keep order.
+
+    Default (for one policy): that policy's answers, normalised. Laws: see the module
+    docstring; ``save_everything()`` is the unit.
+
+    Example:
+        >>> import torch
+        >>> from checkpointing.policies import both, save_matmuls, save_ops
+        >>> policy = both(save_matmuls(), save_ops(torch.ops.aten.mm))
+        >>> policy(None, torch.ops.aten.mm.default), policy(None, torch.ops.aten.bmm.default)
+        (<CheckpointPolicy.MUST_SAVE: 0>, <CheckpointPolicy.PREFER_RECOMPUTE: 3>)
+    """
+    return _Combined(_policies_of("both", policies), min, "both")
+
+
+def as_context_fn(
+    policy: Policy | list[Op],
+    *,
+    allow_cache_entry_mutation: bool = False,
+    offload_stats: OffloadStats | None = None,
+) -> Callable[[], tuple[TorchDispatchMode, TorchDispatchMode]]:
+    """The ``context_fn`` that runs a checkpointed region under ``policy``.
+
+    Shorthand for ``functools.partial(create_selective_checkpoint_contexts, policy, ...)``,
+    validated now rather than at the first forward. Default: mutation of a saved output is an
+    error (as in torch), and offloaded bytes go to a fresh ``OffloadStats`` per region unless
+    you pass one to add them up.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, save_matmuls
+        >>> x = torch.randn(4, 4, requires_grad=True)
+        >>> y = checkpointing.checkpoint(lambda t: (t @ t).tanh(), x, use_reentrant=False,
+        ...                              context_fn=as_context_fn(save_matmuls()))
+        >>> y.sum().backward()
+    """
+    # Build one pair now, so that a bad argument fails here and not at the first forward.
+    create_selective_checkpoint_contexts(
+        policy, allow_cache_entry_mutation, offload_stats=offload_stats
+    )
+    return functools.partial(
+        create_selective_checkpoint_contexts,
+        policy,
+        allow_cache_entry_mutation,
+        offload_stats=offload_stats,
+    )
+
+
+# --- Argument checks ---------------------------------------------------------------------------
+
+_MSG_NOT_AN_OP = (
+    "checkpointing.policies.{api}: expected torch operators (e.g. torch.ops.aten.mm.default, "
+    "or torch.ops.aten.mm for all its overloads), got {got!r} of type {type}. Fix: pass the "
+    "op from torch.ops, not a Python function such as torch.mm."
+)
+_MSG_NOT_A_NAME = (
+    "checkpointing.policies.{api}: expected tensor names (str), got {got!r} of type {type}. "
+    "Fix: pass the names given to tag(tensor, name)."
+)
+_MSG_NOT_A_POLICY = (
+    "checkpointing.policies.{api}: expected policies (callables such as save_matmuls()), got "
+    "{got!r} of type {type}. Fix: call the factory, e.g. save_matmuls() rather than "
+    "save_matmuls."
+)
+_MSG_NO_POLICY = (
+    "checkpointing.policies.{api}: expected at least one policy, got none. Fix: pass the "
+    "policies to combine, e.g. {api}(save_matmuls(), offload_ops(torch.ops.aten.gelu))."
+)
+
+
+def _ops_of(api: str, ops: Iterable[object]) -> frozenset[Op]:
+    """The overloads ``ops`` stand for (a packet stands for all of its overloads)."""
+    found: set[Op] = set()
+    for op in ops:
+        if isinstance(op, OpOverload | HigherOrderOperator):
+            found.add(op)
+        elif isinstance(op, OpOverloadPacket):
+            overloads = op.overloads()  # type: ignore[no-untyped-call]  # untyped in 2.13
+            found.update(getattr(op, name) for name in overloads)
+        else:
+            raise TypeError(_MSG_NOT_AN_OP.format(api=api, got=op, type=type(op).__name__))
+    return frozenset(found)
+
+
+def _names_of(api: str, names: Iterable[object]) -> frozenset[str]:
+    found: set[str] = set()
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(_MSG_NOT_A_NAME.format(api=api, got=name, type=type(name).__name__))
+        found.add(name)
+    return frozenset(found)
+
+
+def _policies_of(api: str, policies: tuple[object, ...]) -> tuple[Policy, ...]:
+    if not policies:
+        raise ValueError(_MSG_NO_POLICY.format(api=api))
+    for policy in policies:
+        if not callable(policy) or isinstance(policy, type):
+            raise TypeError(
+                _MSG_NOT_A_POLICY.format(api=api, got=policy, type=type(policy).__name__)
+            )
+    return cast(tuple[Policy, ...], policies)  # each one checked to be callable
+
+
+def _describe(items: Iterable[object]) -> str:
+    """``aten.mm.default, 'proj'``: how a factory's arguments appear in its repr."""
+    return ", ".join(repr(item) if isinstance(item, str) else str(item) for item in items)

@@ -1,0 +1,134 @@
+"""Helpers for the non-reentrant frame tests: both checkpoints side by side, and an op counter.
+
+``TORCH`` and ``OURS`` expose the same small surface (``checkpoint`` with ``use_reentrant=False``,
+the two settings, ``GraphExecGroup``, ``CheckpointError``), so one scenario function runs against
+either and a test compares the two results; ``PLAIN`` runs the function without checkpointing.
+Names are looked up when called, so this module imports even while the API is being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint_module
+
+import checkpointing
+from checkpointing._compat import TorchDispatchMode
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One implementation of non-reentrant checkpoint (or none, for ``PLAIN``)."""
+
+    name: str
+    module: ModuleType | None
+
+    def checkpoint(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``checkpoint(fn, *args, use_reentrant=False, **kwargs)``, or ``fn(*args)`` for PLAIN."""
+        if self.module is None:
+            for option in (
+                "context_fn", "determinism_check", "debug", "early_stop", "preserve_rng_state"
+            ):
+                kwargs.pop(option, None)
+            return fn(*args, **kwargs)
+        return self.module.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    def set_checkpoint_early_stop(self, enable: bool) -> contextlib.AbstractContextManager[None]:
+        """This variant's early-stop switch (a no-op context for PLAIN)."""
+        if self.module is None:
+            return contextlib.nullcontext()
+        return self.module.set_checkpoint_early_stop(enable)
+
+    def set_checkpoint_debug_enabled(
+        self, enabled: bool | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """This variant's debug switch (a no-op context for PLAIN)."""
+        if self.module is None:
+            return contextlib.nullcontext()
+        return self.module.set_checkpoint_debug_enabled(enabled)
+
+    def graph_exec_group(self) -> contextlib.AbstractContextManager[Any]:
+        """A fresh ``GraphExecGroup`` of this variant."""
+        assert self.module is not None
+        return self.module.GraphExecGroup()
+
+    @property
+    def checkpoint_error(self) -> type[Exception]:
+        """This variant's ``CheckpointError`` class."""
+        assert self.module is not None
+        return self.module.CheckpointError
+
+
+TORCH = Variant("torch", torch_checkpoint_module)
+OURS = Variant("ours", checkpointing)
+PLAIN = Variant("plain", None)
+BOTH = (TORCH, OURS)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run while active, by name.
+
+    ``detach`` is left out: each implementation detaches recomputed tensors its own way, and a
+    detach computes nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is not torch.ops.aten.detach.default:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        """Number of ops counted."""
+        return sum(self.counts.values())
+
+
+@contextlib.contextmanager
+def counting_ops() -> Iterator[Counter[str]]:
+    """Count the aten ops (detach left out) run in the body; yields the live counter."""
+    counter = OpCounter()
+    with counter:
+        yield counter.counts
+
+
+def leaf(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
+    """A fresh leaf that requires grad, drawn from its own generator (the RNG is untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_()
+
+
+def assert_tensors_equal(
+    got: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor | None], what: str = ""
+) -> None:
+    """Same length, ``None`` in the same places, every tensor bit-identical."""
+    assert len(got) == len(expected), f"{what}: {len(got)} vs {len(expected)} tensors"
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert (a is None) == (b is None), f"{what}[{i}]: {a} vs {b}"
+        if a is not None and b is not None:
+            assert a.shape == b.shape, f"{what}[{i}]: shape {a.shape} vs {b.shape}"
+            assert torch.equal(a, b), f"{what}[{i}]: max |diff| {(a - b).abs().max()}"
+
+
+def raised(call: Callable[[], object]) -> BaseException:
+    """Run ``call``, which must raise; return the exception."""
+    try:
+        call()
+    except Exception as exc:  # compared by the caller
+        return exc
+    raise AssertionError(f"{call} did not raise")
