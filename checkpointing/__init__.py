@@ -7,6 +7,7 @@ ready-made ``checkpointing.policies``, and reports of what is saved for backward
 
 from __future__ import annotations
 
+from . import policies as policies
 from ._checkpoint import checkpoint
 from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
@@ -14,6 +15,13 @@ from ._frame import GraphExecGroup, set_checkpoint_early_stop
 from ._reentrant import CheckpointFunction
 from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
 from ._scope import gradient_checkpoint_scope, gradient_checkpoint_session
+from ._selective import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    OffloadStats,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 from ._sequential import checkpoint_sequential
 from ._state import (
     DefaultDeviceType,
@@ -27,17 +35,22 @@ from ._state import (
 from ._wrappers import apply_activation_checkpointing, checkpoint_wrapper
 
 __all__ = [
+    "SAC_IGNORED_OPS",
     "CheckpointError",
     "CheckpointFunction",
+    "CheckpointPolicy",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "OffloadStats",
     "SavedTensorRecord",
     "SavedTensorsReport",
+    "SelectiveCheckpointContext",
     "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_wrapper",
+    "create_selective_checkpoint_contexts",
     "detach_variable",
     "get_device_states",
     "gradient_checkpoint_scope",

@@ -142,6 +142,15 @@ def op_mutates_inputs(op: OpOverload | HigherOrderOperator) -> bool:
     return True
 
 
+def argument_index(op: OpOverload, name: str) -> int | None:
+    """Position of the argument called ``name`` in ``op``'s schema, None if it has none
+    (2.13: ``OpOverload._schema.arguments``)."""
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.name == name:
+            return index
+    return None
+
+
 def proxy_tracing_active() -> bool:
     """True while AOTAutograd or export traces through a dispatch mode (a proxy mode is
     active), false in eager and in non-strict make_fx tracing (2.13)."""

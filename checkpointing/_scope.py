@@ -14,7 +14,9 @@ NOTE [Gradient checkpoint scope]
           frame ``Holder``; the first unpack in a backward replays the tape and fills every live
           holder of that tape for that backward (NOTE [Nestable checkpoint], Rule 4: released on
           unpack, recomputed again by another backward, ``GraphExecGroup`` honoured); shapes,
-          dtypes and devices are checked as for checkpoint.
+          dtypes and devices are checked as for checkpoint (a factory op recorded without a
+          dtype reads ``torch.get_default_dtype()`` again when replayed, so changing the default
+          between forward and backward is caught there).
   Rule 3. One registry for all scopes: several scopes alive at once all drop their tensors, and
           a scope that reads another scope's tensor refers to that scope's tape instead of
           holding the tensor. A scope opened while one is open in this thread, inside a
@@ -42,10 +44,22 @@ NOTE [Gradient checkpoint scope]
           for its block. With no claim left the hook is popped at once if on top, else at the
           next safe point in its thread (scope or session entry/exit, or our next pack). Never
           from another thread or inside a backward (which runs on a copy of the stack).
+  Rule 10. Dynamo never traces our machinery: scope and session entry and exit, our pack and
+          unpack hooks and the registry's death callback are ``disable_dynamo``'d, so under
+          ``torch.compile`` they break the graph (a frame that opens a scope runs eagerly: dynamo
+          cannot resume inside that ``with`` block). While a scope is open dynamo compiles
+          nothing (it skips frames while a dispatch mode is active), so the block is recorded
+          from eager ops. A graph compiled after the block saves scope tensors through our hook;
+          an alias of one that autograd does not know as a view (AOTAutograd may save such an
+          alias of a graph input) is stored, not replayed: correct, no saving.
 
 Rejected: re-running the scope body (it is arbitrary code that already ran); holding outside
 inputs as autograd ``SavedTensor``s (holding an output that way is a C++ reference cycle); a
-second hook per scope (stacks of ours in arbitrary order could not be unwound safely).
+second hook per scope (stacks of ours in arbitrary order could not be unwound safely); restoring
+the default dtype for a replay (it is process-wide, so a backward in one thread would change it
+for every thread: the metadata check reports the divergence instead, as for checkpoint); finding
+scope tensors by storage (an alias that does not share the version counter, like ``.data`` or an
+AOTAutograd output, can be written without a version bump, and the replay would silently differ).
 """
 
 from __future__ import annotations
@@ -644,6 +658,7 @@ class _Entry(weakref.ref[torch.Tensor]):
 _registry: dict[int, _Entry] = {}
 
 
+@disable_dynamo  # Rule 10: a tensor may die inside compiled code
 def _entry_died(entry: weakref.ref[torch.Tensor]) -> None:
     internal_assert(isinstance(entry, _Entry), "registry callback got a foreign reference")
     assert isinstance(entry, _Entry)  # for mypy; checked just above
@@ -741,11 +756,11 @@ class _ThreadHooks:
     def claim(self) -> _Claim:
         """Take a claim and make sure our hook is on the stack (Rule 9)."""
         with self.lock:
-            self.claims += 1
             if not self.on_stack:
-                self.below = top_saved_tensors_hooks()
-                push_saved_tensors_hooks(self.pack, self.unpack)
-                self.on_stack = True
+                below = top_saved_tensors_hooks()
+                push_saved_tensors_hooks(self.pack, self.unpack)  # raises if hooks are disabled
+                self.below, self.on_stack = below, True
+            self.claims += 1  # only once the hook is there: a failed push leaves no claim
         return _Claim(self)
 
     def settle(self) -> None:
@@ -773,6 +788,7 @@ class _ThreadHooks:
         hook stack, which is put back when it ends."""
         return threading.get_ident() == self.thread and current_graph_task_id() == -1
 
+    @disable_dynamo  # Rule 10: runs wherever autograd saves, compiled code included
     def pack(self, tensor: torch.Tensor) -> Any:
         """Our pack hook: a holder for a scope tensor, else a detached pass-through."""
         tape = self.open_tape
@@ -795,6 +811,7 @@ class _ThreadHooks:
         return packed
 
     @staticmethod
+    @disable_dynamo
     def unpack(packed: Any) -> torch.Tensor:
         """Our unpack hook (any thread): recompute a holder, or hand back what was kept."""
         if isinstance(packed, _ScopeHolder):

@@ -52,7 +52,9 @@ NOTE [Selective checkpoint cache]
           tag's decision (Rule 8). Recompute restores the RNG state of the region's start and
           replays the draws in order, so a kept random op would shift what every later one
           draws: torch caches them and, with two ``rand_like`` and the first kept, gets wrong
-          gradients. Recomputing a random op is cheap.
+          gradients. Recomputing a random op is cheap. An op with a ``dropout_p`` argument
+          (the fused attention kernels) draws only when it is not 0, so attention without
+          dropout is kept as the policy says.
 
 Rejected: wrapping every output through a pytree map like torch (a tree walk per op); single
 tensors, the common case, are wrapped directly and only containers are mapped. Keeping the
@@ -464,21 +466,26 @@ def _save_traced(out: Any) -> _Entry:
 # --- Policies: answers, and the list form -----------------------------------------------------
 
 _MSG_BAD_ANSWER = (
-    "checkpointing selective checkpoint: the policy {policy!r} returned {answer!r} (type "
-    "{type}) for op {op}; expected a CheckpointPolicy member or a bool. torch.utils.checkpoint "
-    "would silently recompute this op; checkpointing refuses to guess. Fix: return a "
-    "CheckpointPolicy for every op, e.g. end the policy with "
+    "selective checkpoint (create_selective_checkpoint_contexts): the policy {policy!r} "
+    "returned {answer!r} (type {type}) for op {op}; expected a CheckpointPolicy member or a "
+    "bool. torch.utils.checkpoint would silently recompute this op; checkpointing refuses to "
+    "guess. Fix: return a CheckpointPolicy for every op, e.g. end the policy with "
     "`return CheckpointPolicy.PREFER_RECOMPUTE`."
 )
+
+
+def _bad_answer(answer: object, policy: object, op: object) -> CheckpointError:
+    """Rule 2: the error for an answer that is neither a ``CheckpointPolicy`` nor a bool."""
+    return CheckpointError(
+        _MSG_BAD_ANSWER.format(policy=policy, answer=answer, type=type(answer).__name__, op=op)
+    )
 
 
 def _action_of(answer: object, policy: object, op: object) -> _Action:
     """Rule 2: map a policy's answer to an action, or explain why it is not one."""
     action = _ACTIONS.get(answer) if type(answer) in _ANSWER_TYPES else None
     if action is None:
-        raise CheckpointError(
-            _MSG_BAD_ANSWER.format(policy=policy, answer=answer, type=type(answer).__name__, op=op)
-        )
+        raise _bad_answer(answer, policy, op)
     return action
 
 
@@ -494,9 +501,7 @@ def as_checkpoint_policy(answer: object, policy: object, op: object) -> Checkpoi
     (torch's members and bools included), or the ``CheckpointError`` saying why it is none."""
     result = _POLICY_OF.get(answer) if type(answer) in _ANSWER_TYPES else None
     if result is None:
-        raise CheckpointError(
-            _MSG_BAD_ANSWER.format(policy=policy, answer=answer, type=type(answer).__name__, op=op)
-        )
+        raise _bad_answer(answer, policy, op)
     return result
 
 
@@ -574,10 +579,13 @@ def _policy_from(policy_fn_or_list: object) -> Policy:
 
 _INDUCTOR_CODE: Final = _compat.inductor_compiled_code
 
-# Per op kind, asked once: may its output be kept (Rule 10), may it take a tag's decision
-# (Rule 8: it must also leave its inputs alone)?
-_keepable: dict[object, bool] = {}
-_takes_tags: dict[object, bool] = {}
+# Per op kind, worked out once. Rule 10: how to tell whether a call draws random numbers
+# (_NEVER, _ALWAYS, or the position of its ``dropout_p`` argument). Rule 8: whether it leaves
+# its inputs alone.
+_NEVER: Final = -1
+_ALWAYS: Final = -2
+_draw_rules: dict[object, int] = {}
+_pure: dict[object, bool] = {}
 
 
 class _Producer:
@@ -635,14 +643,16 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.func_counter[key] = index + 1
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         action = _action_of(self.policy(ctx, func, *args, **kwargs), self.policy, func)
-        if action is _Action.RECOMPUTE or func is TAG_OP or not _can_keep(func):
-            self.storage[key][index] = _RECOMPUTE
-            if func is TAG_OP and action is not _Action.RECOMPUTE:
-                self._hand_over(args[0], action)
-            elif type(out) is torch.Tensor and _can_take_tag(func):
-                self._producers[id(out)] = _Producer(out, key, index)
-        else:
+        random = _draws_random(func, args, kwargs)
+        if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
             self.storage[key][index] = _keep(out, action, self.offload_stats)
+            return out
+        self.storage[key][index] = _RECOMPUTE
+        if func is TAG_OP:
+            if action is not _Action.RECOMPUTE:
+                self._hand_over(args[0] if args else kwargs["x"], action)
+        elif not random and type(out) is torch.Tensor and _is_pure(func):
+            self._producers[id(out)] = _Producer(out, key, index)
         return out
 
     def _hand_over(self, tensor: torch.Tensor, action: _Action) -> None:
@@ -754,22 +764,30 @@ def _region_key(func: object, args: tuple[Any, ...]) -> object:
     return func
 
 
-def _can_keep(func: object) -> bool:
-    """Rule 10: False for random ops, whose outputs are always recomputed."""
-    keepable = _keepable.get(func)
-    if keepable is None:
-        random = isinstance(func, OpOverload) and torch.Tag.nondeterministic_seeded in func.tags
-        keepable = _keepable[func] = not random
-    return keepable
+def _draws_random(func: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Rule 10: whether this call of ``func`` drew random numbers."""
+    rule = _draw_rules.get(func)
+    if rule is None:
+        rule = _draw_rules[func] = _draw_rule(func)
+    if rule < 0:
+        return rule == _ALWAYS
+    dropout_p = args[rule] if len(args) > rule else kwargs.get("dropout_p", 0.0)
+    return bool(dropout_p != 0)
 
 
-def _can_take_tag(func: object) -> bool:
-    """Rule 8: whether ``func``'s output may be kept on behalf of a later ``tag``."""
-    takes = _takes_tags.get(func)
-    if takes is None:
-        pure = isinstance(func, OpOverload) and not _compat.op_mutates_inputs(func)
-        takes = _takes_tags[func] = pure and _can_keep(func)
-    return takes
+def _draw_rule(func: object) -> int:
+    if not isinstance(func, OpOverload) or torch.Tag.nondeterministic_seeded not in func.tags:
+        return _NEVER
+    index = _compat.argument_index(func, "dropout_p")
+    return _ALWAYS if index is None else index
+
+
+def _is_pure(func: object) -> bool:
+    """Rule 8: whether ``func`` leaves its inputs alone (then it may take a tag's decision)."""
+    pure = _pure.get(func)
+    if pure is None:
+        pure = _pure[func] = isinstance(func, OpOverload) and not _compat.op_mutates_inputs(func)
+    return pure
 
 
 def create_selective_checkpoint_contexts(

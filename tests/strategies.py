@@ -10,6 +10,7 @@ what they draw).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -406,3 +407,134 @@ def sac_answers(*, offload: bool = True) -> st.SearchStrategy[tuple[object, ...]
     return st.lists(
         st.sampled_from([*ours, *theirs, True, False]), min_size=1, max_size=8
     ).map(tuple)
+
+
+# --- Scope API: random op graphs with gradient_checkpoint_scope blocks (test_scope_properties) ---
+
+GraphOpName = Literal[
+    "add", "mul", "sin", "tanh", "exp", "matmul", "sum", "mean", "t", "reshape", "slice",
+    "dropout", "noise",
+]
+GRAPH_OPS: tuple[GraphOpName, ...] = (
+    "add", "mul", "sin", "tanh", "exp", "matmul", "sum", "mean", "t", "reshape", "slice",
+    "dropout", "noise",
+)
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """One op of a ``ScopedGraph``: reads pool tensors ``a`` and ``b`` (indices taken modulo the
+    pool size) and appends its ``(n, n)`` result to the pool; ``p`` is the dropout probability."""
+
+    op: GraphOpName
+    a: int
+    b: int
+    p: float = 0.0
+
+    def apply(self, pool: list[torch.Tensor]) -> torch.Tensor:
+        """Run the op on the pool (random ops draw from the CPU RNG)."""
+        a, b = pool[self.a % len(pool)], pool[self.b % len(pool)]
+        op = self.op
+        if op == "add":
+            return a + b
+        if op == "mul":
+            return a * b
+        if op in ("sin", "tanh"):
+            return getattr(a, op)()  # type: ignore[no-any-return]
+        if op == "exp":
+            return a.clamp(-3.0, 3.0).exp()
+        if op == "matmul":
+            return (a @ b) / a.shape[0]
+        if op == "sum":
+            return a + a.sum(dim=0, keepdim=True)
+        if op == "mean":
+            return a * a.mean()
+        if op == "t":
+            return a.t()
+        if op == "reshape":
+            return a.reshape(-1).reshape(a.shape)
+        if op == "slice":  # multiplies row slices (views, saved by mul), keeps the other rows
+            return torch.cat((a[:1] * b[:1], a[1:]), dim=0)
+        if op == "dropout":  # p=0 hands back ``a`` itself, the same object
+            return torch.nn.functional.dropout(a, self.p, training=True)
+        return a + torch.randn_like(a)
+
+
+@dataclass(frozen=True)
+class ScopedGraph:
+    """A random program of ``GraphStep``s over two ``(n, n)`` float64 leaves ``x`` and ``w``,
+    with scope blocks: ``blocks`` are ``[start, stop)`` step ranges, disjoint or nested, that run
+    inside a scope (``run`` takes the scope factory, so the same graph runs without one)."""
+
+    steps: tuple[GraphStep, ...]
+    blocks: tuple[tuple[int, int], ...]
+    n: int
+    seed: int
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh leaves ``x, w`` drawn from ``seed`` (the caller's RNG is untouched)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        x = torch.randn(self.n, self.n, generator=gen, dtype=torch.float64)
+        w = torch.randn(self.n, self.n, generator=gen, dtype=torch.float64)
+        return x.requires_grad_(), w.requires_grad_()
+
+    def run(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        scope: Callable[[], AbstractContextManager[object]],
+    ) -> list[torch.Tensor]:
+        """Run every step, entering ``scope()`` for each block; returns the pool ``[x, w, ...]``."""
+        pool = [x, w]
+        starts = sorted(self.blocks, key=lambda block: (block[0], -block[1]))  # outer first
+        open_blocks: list[tuple[int, AbstractContextManager[object]]] = []
+        for index in range(len(self.steps) + 1):
+            while open_blocks and open_blocks[-1][0] == index:
+                open_blocks.pop()[1].__exit__(None, None, None)
+            for start, stop in starts:
+                if start == index:
+                    context = scope()
+                    context.__enter__()
+                    open_blocks.append((stop, context))
+            while open_blocks and open_blocks[-1][0] == index:  # empty blocks
+                open_blocks.pop()[1].__exit__(None, None, None)
+            if index < len(self.steps):
+                pool.append(self.steps[index].apply(pool))
+        return pool
+
+    def loss(self, pool: list[torch.Tensor]) -> torch.Tensor:
+        """A scalar that uses every tensor the steps made, each times its own cotangent."""
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        total = torch.zeros((), dtype=torch.float64)
+        for tensor in pool[2:]:
+            cotangent = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
+            total = total + (tensor * cotangent).sum()
+        return total
+
+
+def graph_steps() -> st.SearchStrategy[GraphStep]:
+    """One step of the graph menu, with operand indices and (for dropout) p in {0, 0.3}."""
+    return st.builds(
+        GraphStep,
+        st.sampled_from(GRAPH_OPS),
+        st.integers(0, 15),
+        st.integers(0, 15),
+        st.sampled_from((0.0, 0.3)),
+    )
+
+
+@st.composite
+def scoped_graphs(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 8) -> ScopedGraph:
+    """A random ``ScopedGraph`` with one block, two blocks one after the other (both alive at
+    once) or two nested blocks, at random step ranges (empty ones included)."""
+    steps = tuple(draw(st.lists(graph_steps(), min_size=min_steps, max_size=max_steps)))
+    cut = st.integers(0, len(steps))
+    layout = draw(st.sampled_from(("one", "sequential", "nested")))
+    if layout == "one":
+        start, stop = sorted((draw(cut), draw(cut)))
+        blocks: tuple[tuple[int, int], ...] = ((start, stop),)
+    else:
+        a, b, c, d = sorted(draw(cut) for _ in range(4))
+        blocks = ((a, b), (c, d)) if layout == "sequential" else ((a, d), (b, c))
+    n, seed = draw(st.integers(2, 4)), draw(st.integers(0, 2**31 - 1))
+    return ScopedGraph(steps, blocks, n=n, seed=seed)

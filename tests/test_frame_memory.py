@@ -25,10 +25,14 @@ _RNG_STATE_BYTES = torch.get_rng_state().nbytes  # 5056 on CPU (mt19937 state)
 
 
 def _live_storages() -> dict[int, int]:
-    """``data_ptr -> nbytes`` of the storage of every tensor a Python object refers to."""
+    """``data_ptr -> nbytes`` of the storage of every tensor a Python object refers to.
+
+    Only plain tensors and parameters: an earlier ``torch.compile`` can leave fake tensors alive,
+    which have no data pointer (and no memory).
+    """
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided:
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided:
             storage = obj.untyped_storage()
             if storage.data_ptr():
                 storages[storage.data_ptr()] = storage.nbytes()

@@ -23,6 +23,7 @@ PARITY_CLASSES = [n for n in PARITY_NAMES if inspect.isclass(getattr(torch_check
 # Our own public names beyond torch's (README "Entry points"). Adding a name to __all__ means
 # adding it here too, so that every change of the public surface is a deliberate one.
 OWN_NAMES = {
+    "OffloadStats",
     "SavedTensorRecord",
     "SavedTensorsReport",
     "apply_activation_checkpointing",

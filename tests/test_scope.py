@@ -7,6 +7,8 @@ are the same); memory through weak references and an outer hook that counts what
 from __future__ import annotations
 
 import gc
+import os
+import re
 import threading
 import weakref
 from collections import Counter
@@ -225,6 +227,27 @@ def test_rule2_double_backward(leaves: tuple[torch.Tensor, ...]) -> None:
     assert torch.equal(gga, wwa)
 
 
+def test_rule2_replay_with_other_metadata_raises(leaves: tuple[torch.Tensor, ...]) -> None:
+    """A replay that yields another dtype trips the determinism check (NOTE Rule 2).
+
+    The tape version-checks every tensor it reads, but a factory op recorded without a dtype
+    (``torch.ones(5)``) reads the default dtype again when replayed: changing it between forward
+    and backward makes the replay differ, as it would make a checkpoint's recompute differ.
+    """
+    a = leaves[0].float().detach().requires_grad_()
+    with gradient_checkpoint_scope():
+        x = a + torch.ones(5)
+    y = (x * x).sum()
+    del x
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(checkpointing.CheckpointError, match="have different metadata"):
+            y.backward()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def test_rule2_backward_from_another_thread(leaves: tuple[torch.Tensor, ...]) -> None:
     """Backward run in another thread replays the tape there."""
     a, b, c = leaves
@@ -392,6 +415,36 @@ def test_rule4_misuse_raises_clear_errors() -> None:
     other.__exit__(None, None, None)
     assert len(errors) == 1
     assert "thread" in str(errors[0])
+
+
+def test_rule4_session_misuse_raises_and_the_owner_can_still_leave() -> None:
+    """Session exit from another thread raises and leaves the session open for its owner;
+    entering an open session and leaving one that is not open raise too."""
+    session = gradient_checkpoint_session()
+    with pytest.raises(checkpointing.CheckpointError, match="not open"):
+        session.__exit__(None, None, None)
+    session.__enter__()
+    errors: list[BaseException] = []
+
+    def exit_elsewhere() -> None:
+        try:
+            session.__exit__(None, None, None)
+        except checkpointing.CheckpointError as error:
+            errors.append(error)
+
+    worker = threading.Thread(target=exit_elsewhere)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1
+    assert "gradient_checkpoint_session exit" in str(errors[0])
+    assert _ours_on_top()
+    with pytest.raises(checkpointing.CheckpointError, match="already open"):
+        session.__enter__()
+    session.__exit__(None, None, None)  # the owner leaves: the hook goes
+    assert _compat.top_saved_tensors_hooks() is None
+    with session:  # a session that was left can be entered again
+        assert _ours_on_top()
+    assert _compat.top_saved_tensors_hooks() is None
 
 
 def test_rule4_exit_saved_tensors_hooks_scope(leaves: tuple[torch.Tensor, ...]) -> None:
@@ -585,6 +638,201 @@ def test_rule9_pop_waits_for_a_safe_point_under_a_foreign_hook(
     assert _ours_on_top()  # nothing claims it, but it waits for a safe point
     (a * b).sum()  # our next pack is one
     assert _compat.top_saved_tensors_hooks() is None
+
+
+# -- Rule 10: torch.compile -----------------------------------------------------------------------
+
+# Dynamo reads ``.grad`` of non-leaf inputs while it wraps them and means to hide the warning
+# (torch 2.13, ``safe_grad_filter``); the suite's "error" filter turns it into an exception first.
+_dynamo_grad_warning = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+)
+COMPILE_BACKENDS = ["eager", "aot_eager"]
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Compile from scratch and leave no compiled code behind."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _noisy_linear(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    with gradient_checkpoint_scope():
+        noisy = weight + torch.randn_like(weight)
+    return F.linear(inp, noisy).tanh().sum()
+
+
+def _linear_tanh(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(inp, weight).tanh().sum()
+
+
+def _noisy_then(tail: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def step(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        with gradient_checkpoint_scope():
+            noisy = weight + torch.randn_like(weight)
+        return tail(inp, noisy)
+
+    return step
+
+
+def _compiled_step_results(
+    step: Callable[..., torch.Tensor],
+) -> tuple[int, list[torch.Tensor], int]:
+    """Bytes kept (examples/04's outer hook and session), input/weight grads, ops replayed."""
+    torch.manual_seed(5)
+    inp = torch.randn(4, 32, requires_grad=True)
+    weight = torch.randn(32, 32, requires_grad=True)
+    torch.manual_seed(6)
+    kept, loss = _kept_storages(lambda: step(inp, weight))
+    with _OpCounter() as counter:
+        grads = list(torch.autograd.grad(loss, (inp, weight)))
+    return kept, grads, sum(counter.counts.values())
+
+
+@_dynamo_grad_warning
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("where", ["scope-in-compiled-fn", "compiled-fn-after-scope"])
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_rule10_compiled_gradients_equal_eager(backend: str, where: str) -> None:
+    """Under torch.compile a scope gives eager's gradients and never keeps more; with the
+    eager backend (no AOTAutograd) the noisy weight is still replayed, not kept."""
+    plain_kept, want, _ = _compiled_step_results(_linear_tanh_with_noise)
+    if where == "scope-in-compiled-fn":
+        step = torch.compile(_noisy_linear, backend=backend)
+    else:
+        step = _noisy_then(torch.compile(_linear_tanh, backend=backend))
+    for _ in range(2):  # the second call runs cached code
+        kept, got, replayed = _compiled_step_results(step)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+        assert kept <= plain_kept
+        if backend == "eager":
+            assert replayed > 0
+            assert kept < plain_kept
+    assert _compat.top_saved_tensors_hooks() is None
+
+
+def _linear_tanh_with_noise(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _linear_tanh(inp, weight + torch.randn_like(weight))
+
+
+@_dynamo_grad_warning
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_rule10_compiled_fn_called_in_a_scope_is_recorded(backend: str) -> None:
+    """Dynamo compiles nothing while a scope is open: the block runs eagerly and is replayed."""
+    a = torch.randn(4, 4, requires_grad=True)
+    c = torch.randn(4, 4, requires_grad=True)
+    body = torch.compile(lambda t: (t.sin() * 2).exp(), backend=backend)
+    with gradient_checkpoint_scope():
+        z = body(a)
+    y = (z * c).sum()
+    del z
+    with _OpCounter() as counter:
+        y.backward()
+    assert counter.counts["aten.exp.default"] == 1
+    (wa,) = torch.autograd.grad(((a.sin() * 2).exp() * c).sum(), a)
+    torch.testing.assert_close(a.grad, wa)
+
+
+@_dynamo_grad_warning
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("where", ["scope-in-compiled-fn", "compiled-fn-after-scope"])
+def test_rule10_dynamo_never_traces_our_machinery(where: str) -> None:
+    """No graph dynamo captures holds code of ours: scope entry/exit and the hooks run eagerly,
+    also when autograd calls our pack hook from a frame dynamo left to run eagerly."""
+    traced_files: set[str] = set()
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        for node in gm.graph.nodes:
+            traced_files.update(re.findall(r'File "([^"]+)"', node.meta.get("stack_trace") or ""))
+        return gm.forward
+
+    if where == "scope-in-compiled-fn":
+        step = torch.compile(_noisy_linear, backend=recording)
+    else:
+        step = _noisy_then(torch.compile(_linear_tanh, backend=recording))
+    replayed = _compiled_step_results(step)[2]
+    assert replayed > 0
+    assert traced_files or where == "scope-in-compiled-fn"  # a tail after the scope is compiled
+    ours = os.path.dirname(checkpointing.__file__)
+    assert not [f for f in traced_files if f.startswith(ours)]
+
+
+@_dynamo_grad_warning
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_rule10_hook_leaves_when_tensors_die_in_compiled_code(backend: str) -> None:
+    """Without a session, the noisy weight dies inside the compiled function and our hook
+    leaves at once (the death callback runs eagerly, not traced by dynamo)."""
+    torch.manual_seed(2)
+    inp = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(8, 8, requires_grad=True)
+    torch.manual_seed(3)
+    want = torch.autograd.grad(_noisy_linear(inp, weight), (inp, weight))
+    step = torch.compile(_noisy_linear, backend=backend)
+    for _ in range(2):
+        torch.manual_seed(3)
+        loss = step(inp, weight)
+        assert _compat.top_saved_tensors_hooks() is None
+        for g, w in zip(torch.autograd.grad(loss, (inp, weight)), want, strict=True):
+            torch.testing.assert_close(g, w)
+
+
+def _train_step(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    loss = _noisy_linear(inp, weight)
+    loss.backward()
+    return loss.detach()
+
+
+@_dynamo_grad_warning
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_rule10_compiled_step_with_backward(backend: str) -> None:
+    """A compiled step that also runs backward replays the scope with our unpack hook run
+    eagerly (not traced), and gives eager's gradients."""
+    results = []
+    for step in (_train_step, torch.compile(_train_step, backend=backend)):
+        torch.manual_seed(2)
+        inp = torch.randn(4, 8, requires_grad=True)
+        weight = torch.randn(8, 8, requires_grad=True)
+        torch.manual_seed(3)
+        step(inp, weight)  # no dispatch mode around it: dynamo would skip every frame
+        results.append((inp.grad, weight.grad))
+    for g, w in zip(*results, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_rule10_fullgraph_raises_at_the_scope() -> None:
+    """fullgraph=True cannot compile a scope: dynamo raises at its __enter__ (README limits)."""
+    compiled = torch.compile(_noisy_linear, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="gradient_checkpoint_scope"):
+        compiled(torch.randn(2, 3), torch.randn(3, 3, requires_grad=True))
+    assert _compat.top_saved_tensors_hooks() is None
+
+
+@pytest.mark.parametrize("context", ["scope", "session"])
+def test_rule9_hooks_disabled_raises_and_leaves_no_claim(context: str) -> None:
+    """Where saved-tensors hooks are disabled, entering raises torch's error, as checkpoint
+    does, and claims nothing: a later scope's hook still leaves when its tensors die."""
+    a = torch.randn(3, requires_grad=True)
+    make = gradient_checkpoint_scope if context == "scope" else gradient_checkpoint_session
+    with (
+        torch.autograd.graph.disable_saved_tensors_hooks("hooks are off in this block"),
+        pytest.raises(RuntimeError, match="hooks are off in this block"),
+        make(),
+    ):
+        pass
+    with gradient_checkpoint_scope():
+        x = a.exp()
+    y = (x * x).sum()
+    del x
+    assert _compat.top_saved_tensors_hooks() is None
+    y.backward()
+    assert torch.equal(a.grad, 2 * a.exp() * a.exp())
 
 
 class _nullcontext:

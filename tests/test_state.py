@@ -1,6 +1,7 @@
 """``_state``: the parity helpers (side by side with torch.utils.checkpoint) and ``ForwardState``.
 
-See NOTE [RNG state shared when identical] in ``checkpointing/_state.py``: each rule has a test here.
+See NOTE [RNG state shared when identical] in ``checkpointing/_state.py``: each rule has a
+test here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,149 @@
+"""The cost floors behind the W3 numbers: what any hook- or mode-based design must pay per op.
+
+On W3's body (200 tiny elementwise ops, 250 tensors saved per step), one thread, CPU time,
+interleaved rounds (A B B A ...), medians:
+
+- a do-nothing pair of saved-tensor hooks (forward + backward), per saved tensor;
+- a do-nothing Python ``TorchDispatchMode`` around the forward, per op, with and without the
+  ``torch._disable_dynamo`` wrapper that torch 2.13 puts around every mode's
+  ``__torch_dispatch__`` (a mode opts out by answering ``False`` from ``_should_skip_dynamo``);
+- the forward-side caching mode of selective checkpointing, ours and torch's, per op.
+
+Run: ``python benchmarks/floors.py`` (about 20 s). RESULTS.md quotes its output.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+from _libs import Library, ours_library, torch_library
+from _workloads import tiny_ops
+
+OPS = 200
+
+
+class _Passthrough(TorchDispatchMode):
+    """Runs every op unchanged: the cost of a Python dispatch mode itself."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _PassthroughUnwrapped(_Passthrough):
+    """The same without torch's dynamo-disabling wrapper around ``__torch_dispatch__``."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _Box:
+    """What the do-nothing pack hook stores."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+def _median_seconds(cases: dict[str, Callable[[], object]], rounds: int = 30) -> dict[str, float]:
+    """Median seconds per call of each case, timed in A B B A rounds of 20 calls."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for index in range(rounds):
+        order = list(cases.items()) if index % 2 == 0 else list(cases.items())[::-1]
+        for name, case in order:
+            gc.collect()
+            start = time.process_time()
+            for _ in range(20):
+                case()
+            times[name].append((time.process_time() - start) / 20)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def hook_floor(x: Tensor, w: Tensor) -> None:
+    """Print the cost of do-nothing saved-tensor hooks per saved tensor (forward + backward)."""
+    saved = 0
+
+    def count(tensor: Tensor) -> Tensor:
+        nonlocal saved
+        saved += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        tiny_ops(x, w, OPS)
+
+    def plain() -> None:
+        tiny_ops(x, w, OPS).sum().backward()
+
+    def hooked() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: _Box(t.detach()), _unbox):
+            y = tiny_ops(x, w, OPS)
+        y.sum().backward()
+
+    medians = _median_seconds({"plain": plain, "hooks": hooked})
+    extra = (medians["hooks"] - medians["plain"]) / saved
+    print(f"step without hooks: {medians['plain'] * 1e3:.3f} ms ({saved} saved tensors)")
+    print(f"do-nothing saved-tensor hooks: +{extra * 1e6:.2f} us per saved tensor")
+
+
+def _unbox(box: _Box) -> Tensor:
+    return box.tensor
+
+
+def mode_floor(x: Tensor, w: Tensor, libs: list[Library]) -> None:
+    """Print the per-op cost of dispatch modes around the forward (no backward)."""
+
+    def under(make: Callable[[], Any]) -> Callable[[], object]:
+        def run() -> object:
+            with make():
+                return tiny_ops(x, w, OPS)
+
+        return run
+
+    cases: dict[str, Callable[[], object]] = {
+        "no mode": lambda: tiny_ops(x, w, OPS),
+        "do-nothing mode": under(_Passthrough),
+        "do-nothing mode, no dynamo wrapper": under(_PassthroughUnwrapped),
+    }
+    for lib in libs:
+        make_contexts = lib.save_matmuls
+        if make_contexts is not None:
+            cases[f"{lib.name} SAC caching mode"] = under(lambda m=make_contexts: m()[0])
+    medians = _median_seconds(cases)
+    base = medians["no mode"]
+    print(f"forward without a mode: {base * 1e3:.3f} ms")
+    for name, seconds in medians.items():
+        if name != "no mode":
+            print(f"{name}: +{(seconds - base) / OPS * 1e6:.2f} us per op")
+
+
+def main() -> int:
+    """Measure and print the floors."""
+    torch.set_num_threads(1)
+    torch.manual_seed(3)
+    x = torch.randn(64, requires_grad=True)
+    w = torch.nn.Parameter(torch.rand(64) + 0.5)
+    libs = [lib for lib in (ours_library(), torch_library()) if lib is not None]
+    hook_floor(x, w)
+    mode_floor(x, w, libs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
