@@ -64,14 +64,12 @@ def storage_bytes(tensor: torch.Tensor) -> bytes:
     return ctypes.string_at(storage.data_ptr(), storage.nbytes())
 
 
-def current_graph_task_id() -> int:
-    """Id of the backward graph task running on this thread, -1 outside backward (2.13)."""
-    return int(torch._C._current_graph_task_id())
+# Direct aliases, not wrappers: both run on every unpack of a saved tensor.
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""Id of the backward graph task running on this thread, -1 outside backward (2.13)."""
 
-
-def get_graph_exec_group() -> object | None:
-    """The active ``GraphExecGroup`` (a thread-local kept by autograd's C++ side, 2.13)."""
-    return torch._C._get_graph_exec_group()
+get_graph_exec_group: Callable[[], object | None] = torch._C._get_graph_exec_group
+"""The active ``GraphExecGroup`` (a thread-local kept by autograd's C++ side, 2.13)."""
 
 
 def set_graph_exec_group(group: object | None) -> None:

@@ -52,7 +52,7 @@ from ._determinism import (
     debug_error,
     too_many_saved,
 )
-from ._errors import CheckpointError, internal_assert
+from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, current_region, listener
 from ._state import ForwardState
 
@@ -199,6 +199,7 @@ class Frame:
         "kwargs",
         "loggers",
         "metadata",
+        "observed",
         "recompute_context",
         "saved_args",
         "state",
@@ -227,7 +228,8 @@ class Frame:
         self.forward_completed = False
         self.ignore_count_mismatch = False
         # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
-        token = current_region.set(f"inputs of {self.region()}") if listener.get() else None
+        self.observed = listener.get() is not None  # a report watches this frame
+        token = current_region.set(f"inputs of {self.region()}") if self.observed else None
         self.saved_args = [
             _compat.make_saved_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
         ]
@@ -242,7 +244,7 @@ class Frame:
         self.weak_holders.append(weakref.ref(holder))
         if self.metadata is not None:
             self.metadata.append((x.shape, x.dtype, x.device))
-        if listener.get() is not None:
+        if self.observed:
             announce(x, self.region(), "recomputed")
         return holder
 
@@ -276,21 +278,11 @@ class Frame:
             pass
         finally:
             _compat.pop_saved_tensors_hooks()
-        self._check(key, hook.count)
-
-    def _check(self, key: object, recomputed: int) -> None:
         if self.ignore_count_mismatch:
             return  # Rule 6: a forward cut short by its own backward saved fewer
-        check_counts(len(self.weak_holders), recomputed)
-        if self.metadata is None:
-            return
-        pairs = []
-        for idx, ref in enumerate(self.weak_holders):
-            holder = ref()
-            value = holder.values.get(key) if holder is not None else None
-            if value is not None:
-                pairs.append((idx, self.metadata[idx], value))
-        check_metadata(pairs)
+        check_counts(len(self.weak_holders), hook.count)
+        if hook.mismatches:
+            check_metadata(hook.mismatches)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -298,9 +290,13 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RecomputeHook:
-    """The pack hook active while a frame is recomputed for one backward."""
+    """The pack hook active while a frame is recomputed for one backward.
 
-    __slots__ = ("count", "frame", "key")
+    It also compares each recomputed tensor's metadata with the forward's as it goes, so the
+    check after recompute needs no second pass over the holders (this runs per saved tensor).
+    """
+
+    __slots__ = ("count", "frame", "key", "mismatches")
 
     def __init__(self, frame: Frame, key: object) -> None:
         # A strong reference is fine: this object lives only as long as the recompute call,
@@ -308,6 +304,7 @@ class _RecomputeHook:
         self.frame = frame
         self.key = key
         self.count = 0
+        self.mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
@@ -323,10 +320,12 @@ class _RecomputeHook:
             too_many_saved(n_saved)
         holder = frame.weak_holders[idx]()
         if holder is not None:  # a holder cleared by an earlier inner backward is skipped
-            internal_assert(
-                holder.values.get(self.key, _MISSING) is _MISSING, "holder filled twice"
-            )
+            if self.key in holder.values:
+                internal_error("holder filled twice")
             holder.values[self.key] = x
+            metadata = frame.metadata
+            if metadata is not None and metadata[idx] != (x.shape, x.dtype, x.device):
+                self.mismatches.append((idx, metadata[idx], x))
         if frame.early_stop and self.count == n_saved:
             raise _StopRecompute
         return x  # Rule 6: a backward inside the re-run can use it
@@ -342,7 +341,7 @@ def run_forward(
 ) -> Any:
     """Run the original forward with ``frame``'s hook on top of the stack (Rule 1)."""
     completed = False
-    token = current_region.set(frame.region()) if listener.get() else None
+    token = current_region.set(frame.region()) if frame.observed else None
     _compat.push_saved_tensors_hooks(frame.pack, frame.unpack)
     try:
         with forward_context:

@@ -107,18 +107,25 @@ class _Watcher:
         )
 
     def on_tensor(self, tensor: torch.Tensor, *, region: str, decision: Decision) -> None:
-        """Listener protocol: a mechanism took charge of ``tensor``."""
+        """Listener protocol: a mechanism took charge of ``tensor``. What a selective cache
+        saves is kept outside autograd's graph, so it counts towards ``kept_bytes`` here."""
         self.record(tensor, region, decision)
+        if decision == "saved":
+            self.keep(tensor)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """Outer hook: ``tensor`` is really kept. Return a detached alias, never the object
         itself (that would be a reference cycle through its ``grad_fn``)."""
         self.record(tensor, current_region.get() or _OUTSIDE, "saved")
+        self.keep(tensor)
+        return tensor.detach()
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage once in ``kept_bytes``."""
         if tensor.device.type != "meta":
             storage = tensor.untyped_storage()
             self.kept_storages[(storage.data_ptr(), tensor.device)] = storage.nbytes()
             self.report.kept_bytes = sum(self.kept_storages.values())
-        return tensor.detach()
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -144,11 +145,15 @@ class DefaultDeviceType:
         return DefaultDeviceType._default_device_type
 
 
-def _tensors_in(args: tuple[Any, ...]) -> Iterator[torch.Tensor]:
+def _tensors_in(args: tuple[Any, ...]) -> list[torch.Tensor]:
     """The tensors in ``args``, looking inside containers only when there are any."""
-    if any(isinstance(a, (tuple, list, dict)) for a in args):
-        return (a for a in tree_leaves(args) if isinstance(a, torch.Tensor))
-    return (a for a in args if isinstance(a, torch.Tensor))
+    tensors: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif isinstance(a, (tuple, list, dict)):
+            return [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+    return tensors
 
 
 def infer_device_type(*args: Any) -> str:
@@ -199,20 +204,21 @@ def set_device_states(
             module.set_rng_state(state)
 
 
-_last_cpu_rng: tuple[bytes, torch.Tensor] | None = None
+# The last capture, weakly: sharing must never keep a state alive after its regions are gone.
+_last_cpu_rng: weakref.ref[torch.Tensor] | None = None
 
 
 def shared_cpu_rng_state() -> torch.Tensor:
     """The CPU RNG state now, as the same tensor as the previous capture when the bytes are
-    identical (See NOTE [RNG state shared when identical], Rule 2). Racing threads can only
-    miss a chance to share, never share unequal states: the comparison is on the bytes."""
+    identical (See NOTE [RNG state shared when identical], Rule 2). Sharing is decided on the
+    full bytes, so unequal states are never shared; racing threads can only miss a chance to
+    share. (Hashing the 5 KB to pick a candidate costs more than comparing them.)"""
     global _last_cpu_rng
     state = torch.get_rng_state()
-    key = storage_bytes(state)
-    last = _last_cpu_rng
-    if last is not None and last[0] == key:
-        return last[1]
-    _last_cpu_rng = (key, state)
+    previous = _last_cpu_rng() if _last_cpu_rng is not None else None
+    if previous is not None and storage_bytes(previous) == storage_bytes(state):
+        return previous
+    _last_cpu_rng = weakref.ref(state)
     return state
 
 

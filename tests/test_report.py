@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import checkpointing
-from checkpointing import saved_tensors_report
+from checkpointing import policies, saved_tensors_report
 
 
 def _mlp() -> torch.nn.Sequential:
@@ -82,3 +82,21 @@ def test_table_has_header_rows_and_totals() -> None:
     assert "kept for backward:" in text
     assert "recompute cost:" in text
     assert len(text.splitlines()) == len(report.records) + 5
+
+
+def test_selective_cache_counts_towards_kept_bytes() -> None:
+    """What a selective policy saves is kept outside the graph and still counted as kept."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved_tensors_report() as report:
+        y = checkpointing.checkpoint(
+            lambda a: (a @ w).relu(),
+            x,
+            use_reentrant=False,
+            context_fn=policies.as_context_fn(policies.save_matmuls()),
+        )
+        kept_after_forward = report.kept_bytes
+        y.sum().backward()
+    saved = [r for r in report.records if r.decision == "saved" and r.op == "mm"]
+    assert len(saved) == 1
+    assert kept_after_forward == x.nbytes + 4 * 8 * 4  # the region's input and the mm output
