@@ -57,6 +57,9 @@ class SavedTensorsReport:
     recompute_flops: int = 0
     kept_bytes: int = 0
     """Bytes of the distinct storages kept between forward and backward (device memory)."""
+    activation_bytes: int = 0
+    """The part of ``kept_bytes`` that is activations: storages not owned by a leaf tensor (an
+    input or a parameter, which stay in memory whether or not anything is checkpointed)."""
 
     def bytes_by_decision(self) -> dict[Decision, int]:
         """Total tensor bytes per decision (a tensor saved twice counts twice here)."""
@@ -78,7 +81,8 @@ class SavedTensorsReport:
         totals = self.bytes_by_decision()
         lines.append("-" * len(header))
         lines.append(
-            f"kept for backward: {self.kept_bytes:,} bytes (distinct storages); "
+            f"kept for backward: {self.kept_bytes:,} bytes in distinct storages, "
+            f"{self.activation_bytes:,} of them activations; "
             + ", ".join(f"{k}: {v:,} bytes" for k, v in totals.items())
         )
         lines.append(
@@ -98,6 +102,7 @@ class _Watcher:
         self.report = report
         self.producers: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.kept_storages: dict[tuple[int, torch.device], int] = {}
+        self.activation_storages: dict[tuple[int, torch.device], int] = {}
 
     def record(self, tensor: torch.Tensor, region: str, decision: Decision) -> None:
         op: str = self.producers.get(tensor, _LEAF)  # type: ignore[no-untyped-call]  # untyped
@@ -122,10 +127,16 @@ class _Watcher:
 
     def keep(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage once in ``kept_bytes``."""
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            self.kept_storages[(storage.data_ptr(), tensor.device)] = storage.nbytes()
-            self.report.kept_bytes = sum(self.kept_storages.values())
+        if tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), tensor.device)
+        self.kept_storages[key] = storage.nbytes()
+        self.report.kept_bytes = sum(self.kept_storages.values())
+        base = _compat.view_base(tensor)
+        if not (tensor if base is None else base).is_leaf:
+            self.activation_storages[key] = storage.nbytes()
+            self.report.activation_bytes = sum(self.activation_storages.values())
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:

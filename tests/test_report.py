@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import checkpointing
@@ -35,6 +37,7 @@ def test_checkpointed_region_rows_are_recomputed_and_only_inputs_kept() -> None:
     kept = [r for r in report.records if r.decision == "saved"]
     assert [r.region for r in kept] == ["inputs of checkpoint(Sequential)"]
     assert report.kept_bytes == x.numel() * x.element_size()
+    assert report.activation_bytes == 0  # the only kept tensor is a leaf input
     recomputed = [r for r in report.records if r.decision == "recomputed"]
     assert {r.region for r in recomputed} == {"checkpoint(Sequential)"}
     assert "gelu" in {r.op for r in recomputed}
@@ -52,24 +55,26 @@ def test_recompute_cost_counts_ops_and_matmul_flops() -> None:
 
 
 def test_kept_bytes_matches_the_floor_for_a_chain() -> None:
-    """Kept bytes of N checkpointed layers equal N region inputs, far below no checkpoint."""
+    """Activation bytes of N checkpointed layers equal the region inputs; without checkpointing
+    every layer keeps two activations (Linear's input, GELU's input)."""
     layers = [torch.nn.Linear(32, 32) for _ in range(6)]
     x = torch.randn(16, 32, requires_grad=True)
+
+    def layer_fn(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: torch.nn.functional.gelu(layer(t))
 
     def run(use_checkpoint: bool) -> int:
         with saved_tensors_report() as report:
             h = x
             for layer in layers:
-                h = (
-                    checkpointing.checkpoint(layer, h, use_reentrant=False)
-                    if use_checkpoint
-                    else torch.tanh(layer(h))
-                )
-        return report.kept_bytes
+                fn = layer_fn(layer)
+                ckpt = checkpointing.checkpoint
+                h = ckpt(fn, h, use_reentrant=False) if use_checkpoint else fn(h)
+        return report.activation_bytes
 
     activation = 16 * 32 * 4
-    assert run(True) == 6 * activation
-    assert run(False) > 2 * 6 * activation
+    assert run(True) == 5 * activation  # the inputs of regions 2..6; region 1's input is x
+    assert run(False) == 11 * activation  # 6 GELU inputs and 5 Linear inputs (x is a leaf)
 
 
 def test_table_has_header_rows_and_totals() -> None:
