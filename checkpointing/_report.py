@@ -116,25 +116,25 @@ class _Watcher:
         saves is kept outside autograd's graph, so it counts towards ``kept_bytes`` here."""
         self.record(tensor, region, decision)
         if decision == "saved":
-            self.keep(tensor)
+            self.keep(tensor, activation=True)  # an op's output, though the cache detached it
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """Outer hook: ``tensor`` is really kept. Return a detached alias, never the object
         itself (that would be a reference cycle through its ``grad_fn``)."""
         self.record(tensor, current_region.get() or _OUTSIDE, "saved")
-        self.keep(tensor)
+        base = _compat.view_base(tensor)
+        self.keep(tensor, activation=not (tensor if base is None else base).is_leaf)
         return tensor.detach()
 
-    def keep(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s storage once in ``kept_bytes``."""
+    def keep(self, tensor: torch.Tensor, activation: bool) -> None:
+        """Count ``tensor``'s storage once in ``kept_bytes`` (and ``activation_bytes``)."""
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), tensor.device)
         self.kept_storages[key] = storage.nbytes()
         self.report.kept_bytes = sum(self.kept_storages.values())
-        base = _compat.view_base(tensor)
-        if not (tensor if base is None else base).is_leaf:
+        if activation:
             self.activation_storages[key] = storage.nbytes()
             self.report.activation_bytes = sum(self.activation_storages.values())
 
