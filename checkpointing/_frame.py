@@ -227,9 +227,9 @@ class Frame:
         self.metadata: list[Metadata] | None = [] if record_metadata else None
         self.forward_completed = False
         self.ignore_count_mismatch = False
-        # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
         self.observed = listener.get() is not None  # a report watches this frame
         token = current_region.set(f"inputs of {self.region()}") if self.observed else None
+        # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
         self.saved_args = [
             _compat.make_saved_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
         ]
