@@ -9,6 +9,7 @@ Names are looked up when called, so this module imports even while the API is be
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -132,3 +133,24 @@ def raised(call: Callable[[], object]) -> BaseException:
     except Exception as exc:  # compared by the caller
         return exc
     raise AssertionError(f"{call} did not raise")
+
+
+Outcome = tuple[object, list[tuple[type[Warning], str]]]
+
+
+def outcome(call: Callable[[], object]) -> Outcome:
+    """Run ``call``; return its result (or the exception type and message) and its warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result: object = call()
+        except Exception as exc:  # compared with torch's outcome by the caller
+            result = (type(exc), str(exc))
+    return result, [(w.category, str(w.message)) for w in caught]
+
+
+def error_of(result: Outcome) -> tuple[type[BaseException], str]:
+    """The (type, message) of an outcome that must be an exception."""
+    value = result[0]
+    assert isinstance(value, tuple), f"expected an exception, got {value!r}"
+    return value  # type: ignore[return-value]

@@ -9,41 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from frame_support import error_of, outcome
 from hypothesis import given
 from strategies import StackSpec, layer_stacks, layer_stacks_with_dropout
 from torch import nn
 
 import checkpointing
 
-Outcome = tuple[object, list[tuple[type[Warning], str]]]
 IMPLEMENTATIONS = pytest.mark.parametrize(
     "impl", [checkpointing.checkpoint, tc.checkpoint], ids=["ours", "torch"]
 )
 VARIANTS = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "frame"])
 
 
-def _outcome(call: Callable[[], object]) -> Outcome:
-    """Run ``call``; return its result (or the exception type and message) and its warnings."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            result: object = call()
-        except Exception as exc:  # compared with torch's outcome by the caller
-            result = (type(exc), str(exc))
-    return result, [(w.category, str(w.message)) for w in caught]
-
-
-def _error_of(outcome: Outcome) -> tuple[type[BaseException], str]:
-    result = outcome[0]
-    assert isinstance(result, tuple), f"expected an exception, got {result!r}"
-    return result  # type: ignore[return-value]
 
 
 def _plain(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +55,8 @@ def test_signature_matches_torch() -> None:
 def test_omitted_use_reentrant_warns_like_torch() -> None:
     """Omitting use_reentrant gives torch's single UserWarning, word for word."""
     x = torch.randn(3, requires_grad=True)
-    mine = _outcome(lambda: checkpointing.checkpoint(torch.sin, x))
-    theirs = _outcome(lambda: tc.checkpoint(torch.sin, x))
+    mine = outcome(lambda: checkpointing.checkpoint(torch.sin, x))
+    theirs = outcome(lambda: tc.checkpoint(torch.sin, x))
     assert mine[1] == theirs[1]
     assert [category for category, _ in mine[1]] == [UserWarning]
     assert "use_reentrant parameter should be passed explicitly" in mine[1][0][1]
@@ -113,13 +97,13 @@ def test_omitted_use_reentrant_means_reentrant() -> None:
 def test_reentrant_rejects_extra_kwargs_like_torch(use_reentrant: bool | None) -> None:
     """Extra keyword arguments with the reentrant variant: torch's ValueError (and warnings)."""
     x = torch.randn(3, requires_grad=True)
-    mine = _outcome(
+    mine = outcome(
         lambda: checkpointing.checkpoint(torch.sin, x, use_reentrant=use_reentrant, a=1, bb=2)
     )
-    theirs = _outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=use_reentrant, a=1, bb=2))
+    theirs = outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=use_reentrant, a=1, bb=2))
     assert mine[1] == theirs[1]
-    my_type, my_message = _error_of(mine)
-    their_type, their_message = _error_of(theirs)
+    my_type, my_message = error_of(mine)
+    their_type, their_message = error_of(theirs)
     assert my_type is their_type is ValueError
     assert their_message == "Unexpected keyword arguments: a,bb"
     assert my_message.startswith(their_message)
@@ -137,10 +121,10 @@ def test_reentrant_rejects_context_fn_and_debug_like_torch(extra: dict[str, Any]
     """context_fn or debug with the reentrant variant: torch's ValueError, its key phrase first."""
     x = torch.randn(3, requires_grad=True)
     ours = checkpointing.checkpoint
-    mine = _outcome(lambda: ours(torch.sin, x, use_reentrant=True, **extra))
-    theirs = _outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=True, **extra))
-    my_type, my_message = _error_of(mine)
-    their_type, their_message = _error_of(theirs)
+    mine = outcome(lambda: ours(torch.sin, x, use_reentrant=True, **extra))
+    theirs = outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=True, **extra))
+    my_type, my_message = error_of(mine)
+    their_type, their_message = error_of(theirs)
     assert my_type is their_type is ValueError
     assert my_message.startswith(their_message)
     assert "use_reentrant=False" in my_message
@@ -162,10 +146,10 @@ def test_kwargs_checked_before_context_fn_like_torch() -> None:
     """With both extra kwargs and debug=True, the kwargs error wins, as in torch."""
     x = torch.randn(3, requires_grad=True)
     ours = checkpointing.checkpoint
-    mine = _outcome(lambda: ours(torch.sin, x, use_reentrant=True, debug=True, z=1))
-    theirs = _outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=True, debug=True, z=1))
-    assert _error_of(mine)[1].startswith(_error_of(theirs)[1])
-    assert "Unexpected keyword arguments: z" in _error_of(mine)[1]
+    mine = outcome(lambda: ours(torch.sin, x, use_reentrant=True, debug=True, z=1))
+    theirs = outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=True, debug=True, z=1))
+    assert error_of(mine)[1].startswith(error_of(theirs)[1])
+    assert "Unexpected keyword arguments: z" in error_of(mine)[1]
 
 
 def test_reentrant_accepts_default_context_fn_and_debug_false() -> None:
@@ -221,8 +205,8 @@ def test_preserve_rng_state_is_not_passed_to_fn(
 def test_no_input_requires_grad_warnings_like_torch(use_reentrant: bool) -> None:
     """No input requiring grad: same warnings as torch (reentrant warns, the frame does not)."""
     x = torch.randn(3)
-    mine = _outcome(lambda: checkpointing.checkpoint(torch.sin, x, use_reentrant=use_reentrant))
-    theirs = _outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=use_reentrant))
+    mine = outcome(lambda: checkpointing.checkpoint(torch.sin, x, use_reentrant=use_reentrant))
+    theirs = outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=use_reentrant))
     assert mine[1] == theirs[1]
     assert len(mine[1]) == int(use_reentrant)
     assert isinstance(mine[0], torch.Tensor)
@@ -235,25 +219,25 @@ def test_no_input_requires_grad_warnings_like_torch(use_reentrant: bool) -> None
 def test_not_callable_raises_type_error_like_torch(use_reentrant: bool) -> None:
     """A non-callable function is a TypeError in both (ours names the API)."""
     x = torch.randn(3, requires_grad=True)
-    mine = _outcome(lambda: checkpointing.checkpoint(3, x, use_reentrant=use_reentrant))
-    theirs = _outcome(lambda: tc.checkpoint(3, x, use_reentrant=use_reentrant))
-    assert _error_of(mine)[0] is _error_of(theirs)[0] is TypeError
-    assert "checkpointing.checkpoint" in _error_of(mine)[1]
+    mine = outcome(lambda: checkpointing.checkpoint(3, x, use_reentrant=use_reentrant))
+    theirs = outcome(lambda: tc.checkpoint(3, x, use_reentrant=use_reentrant))
+    assert error_of(mine)[0] is error_of(theirs)[0] is TypeError
+    assert "checkpointing.checkpoint" in error_of(mine)[1]
 
 
 @pytest.mark.parametrize("bad", ["strict", "", None])
 def test_bad_determinism_check_raises_like_torch(bad: object) -> None:
     """An unknown determinism_check is a ValueError listing the allowed values, as in torch."""
     x = torch.randn(3, requires_grad=True)
-    mine = _outcome(
+    mine = outcome(
         lambda: checkpointing.checkpoint(torch.sin, x, use_reentrant=False, determinism_check=bad)
     )
-    theirs = _outcome(
+    theirs = outcome(
         lambda: tc.checkpoint(torch.sin, x, use_reentrant=False, determinism_check=bad)
     )
-    assert _error_of(mine)[0] is _error_of(theirs)[0] is ValueError
+    assert error_of(mine)[0] is error_of(theirs)[0] is ValueError
     for phrase in ("determinism_check", "default", "none"):
-        assert phrase in _error_of(mine)[1]
+        assert phrase in error_of(mine)[1]
 
 
 @VARIANTS
@@ -309,8 +293,8 @@ def test_under_no_grad_like_torch(use_reentrant: bool) -> None:
 
     x = torch.randn(3, requires_grad=True)
     with torch.no_grad():
-        mine = _outcome(lambda: checkpointing.checkpoint(fn, x, use_reentrant=use_reentrant))
-        theirs = _outcome(lambda: tc.checkpoint(fn, x, use_reentrant=use_reentrant))
+        mine = outcome(lambda: checkpointing.checkpoint(fn, x, use_reentrant=use_reentrant))
+        theirs = outcome(lambda: tc.checkpoint(fn, x, use_reentrant=use_reentrant))
     assert mine[1] == theirs[1]
     assert isinstance(mine[0], torch.Tensor)
     assert isinstance(theirs[0], torch.Tensor)

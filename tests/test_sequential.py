@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from frame_support import error_of, outcome
 from hypothesis import given
 from strategies import (
     StackSpec,
@@ -31,24 +31,8 @@ from checkpointing._sequential import segment_bounds
 
 VARIANTS = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "frame"])
 IMPLEMENTATIONS = {"ours": checkpointing.checkpoint_sequential, "torch": tc.checkpoint_sequential}
-Outcome = tuple[object, list[tuple[type[Warning], str]]]
 
 
-def _outcome(call: Callable[[], object]) -> Outcome:
-    """Run ``call``; return its result (or the exception type and message) and its warnings."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            result: object = call()
-        except Exception as exc:  # compared with torch's outcome by the caller
-            result = (type(exc), str(exc))
-    return result, [(w.category, str(w.message)) for w in caught]
-
-
-def _error_of(outcome: Outcome) -> tuple[type[BaseException], str]:
-    result = outcome[0]
-    assert isinstance(result, tuple), f"expected an exception, got {result!r}"
-    return result  # type: ignore[return-value]
 
 
 class Counted(nn.Module):
@@ -250,7 +234,7 @@ def test_omitted_use_reentrant_warns_once_like_torch() -> None:
     for name, run in IMPLEMENTATIONS.items():
         layers = [Counted(3, seed=i) for i in range(4)]
         x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
-        outcomes[name] = _outcome(lambda run=run, layers=layers, x=x: run(layers, 2, x))
+        outcomes[name] = outcome(lambda run=run, layers=layers, x=x: run(layers, 2, x))
         out = outcomes[name][0]
         assert isinstance(out, torch.Tensor)
         with pytest.raises(RuntimeError, match="use_reentrant=False"):
@@ -267,19 +251,19 @@ def test_unexpected_kwargs_raise_like_torch(use_reentrant: bool | None) -> None:
     """Extra keyword arguments: torch's ValueError (its message first) and the same warnings."""
     layers = [nn.Linear(3, 3) for _ in range(3)]
     x = torch.randn(2, 3, requires_grad=True)
-    mine = _outcome(
+    mine = outcome(
         lambda: checkpointing.checkpoint_sequential(
             layers, 2, x, use_reentrant=use_reentrant, foo=1, context_fn=None
         )
     )
-    theirs = _outcome(
+    theirs = outcome(
         lambda: tc.checkpoint_sequential(
             layers, 2, x, use_reentrant=use_reentrant, foo=1, context_fn=None
         )
     )
     assert mine[1] == theirs[1]
-    my_type, my_message = _error_of(mine)
-    their_type, their_message = _error_of(theirs)
+    my_type, my_message = error_of(mine)
+    their_type, their_message = error_of(theirs)
     assert my_type is their_type is ValueError
     assert their_message == "Unexpected keyword arguments: foo,context_fn"
     assert my_message.startswith(their_message)
@@ -309,10 +293,10 @@ def test_bad_segment_count_is_a_clear_value_error(
 def test_empty_chain_raises_value_error_like_torch() -> None:
     """An empty list of functions is a ValueError in both (ours says why)."""
     x = torch.randn(2, 3, requires_grad=True)
-    mine = _outcome(lambda: checkpointing.checkpoint_sequential([], 1, x, use_reentrant=True))
-    theirs = _outcome(lambda: tc.checkpoint_sequential([], 1, x, use_reentrant=True))
-    assert _error_of(mine)[0] is _error_of(theirs)[0] is ValueError
-    assert "checkpoint_sequential" in _error_of(mine)[1]
+    mine = outcome(lambda: checkpointing.checkpoint_sequential([], 1, x, use_reentrant=True))
+    theirs = outcome(lambda: tc.checkpoint_sequential([], 1, x, use_reentrant=True))
+    assert error_of(mine)[0] is error_of(theirs)[0] is ValueError
+    assert "checkpoint_sequential" in error_of(mine)[1]
 
 
 def test_input_without_grad_reentrant_like_torch() -> None:
@@ -322,7 +306,7 @@ def test_input_without_grad_reentrant_like_torch() -> None:
         layers = [Counted(3, seed=i) for i in range(6)]
         torch.manual_seed(14)  # the same input for both implementations
         x = torch.randn(2, 3, dtype=torch.float64)
-        result, caught = _outcome(
+        result, caught = outcome(
             lambda run=run, layers=layers, x=x: run(layers, 3, x, use_reentrant=True)
         )
         assert isinstance(result, torch.Tensor)
