@@ -149,10 +149,15 @@ def argument_index(op: OpOverload, name: str) -> int | None:
     return None
 
 
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_PROXY_MODE_KEY = torch._C._TorchDispatchModeKey.PROXY
+
+
 def proxy_tracing_active() -> bool:
     """True while AOTAutograd or export traces through a dispatch mode (a proxy mode is
-    active), false in eager and in non-strict make_fx tracing (2.13)."""
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:
+    active), false in eager and in non-strict make_fx tracing (2.13). Runs per op of selective
+    checkpointing, hence the names bound once above."""
+    if _get_dispatch_mode(_PROXY_MODE_KEY) is None:
         return False
     return not torch.compiler._is_non_strict_tracing()
 

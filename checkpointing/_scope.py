@@ -309,13 +309,26 @@ class _Op:
     """One taped op: its function, flattened arguments (tensors replaced by markers), the slot
     of each new tensor output, the groups it creates or writes, and the groups it reads."""
 
-    __slots__ = ("clones", "func", "leaves", "outs", "random", "reads", "spec", "touches")
+    __slots__ = (
+        "clones",
+        "func",
+        "is_view",
+        "leaves",
+        "outs",
+        "random",
+        "reads",
+        "spec",
+        "touches",
+    )
 
-    def __init__(self, func: OpOverload, leaves: list[Any], spec: Any, random: bool) -> None:
+    def __init__(
+        self, func: OpOverload, leaves: list[Any], spec: Any, random: bool, is_view: bool
+    ) -> None:
         self.func = func
         self.leaves = leaves
         self.spec = spec
         self.random = random
+        self.is_view = is_view
         self.outs: tuple[int | None, ...] = ()
         self.reads: set[int] = set()
         self.touches: set[int] = set()
@@ -379,19 +392,31 @@ class _Tape:
         self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[_Op, list[Any]]:
         """Turn an op's arguments into markers before it runs (versions as read)."""
-        flat: list[Any] = []
-        spec = _flatten((args, kwargs), flat)
-        written = _written_ids(func, args, kwargs)
-        random = torch.Tag.nondeterministic_seeded in func.tags
-        op = _Op(func, [self._marker(leaf) for leaf in flat], spec, random)
+        facts = _op_facts.get(func)
+        if facts is None:
+            facts = _learn_facts(func)
+        written_positions, random, is_view, hidden_writes = facts
+        flat: list[Any]
+        if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):
+            flat = list(args)  # the common case: flat positional arguments
+            spec: _Spec = _FLAT
+        else:
+            flat = []
+            spec = _flatten((args, kwargs), flat)
+        written = (
+            _written_ids(written_positions, hidden_writes, args, kwargs)
+            if written_positions or hidden_writes
+            else _NO_IDS
+        )
+        op = _Op(func, [self._marker(leaf) for leaf in flat], spec, random, is_view)
         for position, leaf in enumerate(op.leaves):
             if isinstance(leaf, _Slot):
                 group = self.group_of[leaf.slot]
                 op.reads.add(group)
-                if id(flat[position]) in written:
+                if written and id(flat[position]) in written:
                     op.touches.add(group)
                     self.last_write[group] = len(self.ops)
-            elif isinstance(leaf, (_Outside, _Foreign)) and id(flat[position]) in written:
+            elif isinstance(leaf, _Outside | _Foreign) and id(flat[position]) in written:
                 op.clones.add(position)
         if random:
             self._note_generator(flat, kwargs)
@@ -399,14 +424,24 @@ class _Tape:
 
     def finish(self, op: _Op, flat_args: list[Any], out: Any) -> None:
         """Give each new tensor output a slot (views join their base's group) and append."""
-        outs: list[int | None] = []
         first = op.leaves[0] if op.leaves else None
         view_group = self.group_of[first.slot] if isinstance(first, _Slot) else None
+        group = view_group if op.is_view else None
+        if type(out) is torch.Tensor:  # the common case: one plain tensor
+            if any(out is a for a in flat_args):
+                op.outs = (None,)  # an input written in place
+            else:
+                slot = self._new_slot(out, group)
+                op.touches.add(self.group_of[slot])
+                op.outs = (slot,)
+            self.ops.append(op)
+            return
+        outs: list[int | None] = []
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor) or any(tensor is a for a in flat_args):
                 outs.append(None)  # not a tensor, or an input written in place
                 continue
-            slot = self._new_slot(tensor, view_group if op.func.is_view else None)
+            slot = self._new_slot(tensor, group)
             op.touches.add(self.group_of[slot])
             outs.append(slot)
         op.outs = tuple(outs)
@@ -534,8 +569,11 @@ class _Tape:
             _materialize(leaf, position in op.clones, values, foreign)
             for position, leaf in enumerate(op.leaves)
         ]
-        args, kwargs = _unflatten(op.spec, iter(leaves))
-        result = op.func(*args, **kwargs)
+        if op.spec is _FLAT:
+            result = op.func(*leaves)
+        else:
+            args, kwargs = _unflatten(op.spec, iter(leaves))
+            result = op.func(*args, **kwargs)
         if any(slot is not None for slot in op.outs):
             for slot, tensor in zip(op.outs, tree_leaves(result), strict=True):
                 if slot is not None:
@@ -545,6 +583,8 @@ class _Tape:
 # Op arguments are flattened by hand: torch's ``tree_flatten``/``tree_unflatten`` leave a few
 # cyclic objects per call, and the tape records every op of a scope (SPEC §6, "No garbage").
 _Spec = Any  # None for a leaf; (container type, [child specs]) or (dict, [(key, spec)])
+_FLAT: Final = "flat"  # the spec of ``(args, {})`` where no argument is a container
+_CONTAINERS: Final = (tuple, list, dict)
 
 
 def _flatten(obj: Any, leaves: list[Any]) -> _Spec:
@@ -595,15 +635,37 @@ def _materialize(
     return leaf
 
 
-def _written_ids(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
-    """Ids of the tensors ``func`` writes: schema-marked arguments plus hidden writes."""
+# Per op, worked out once from its schema: the (position, name) of each argument it writes,
+# whether it draws random numbers, whether it returns a view, and whether it has hidden writes.
+_OpFacts = tuple[tuple[tuple[int, str], ...], bool, bool, bool]
+_op_facts: dict[OpOverload, _OpFacts] = {}
+_NO_IDS: Final[frozenset[int]] = frozenset()
+
+
+def _learn_facts(func: OpOverload) -> _OpFacts:
+    facts = _op_facts[func] = (
+        written_arguments(func),
+        torch.Tag.nondeterministic_seeded in func.tags,
+        bool(func.is_view),
+        func.overloadpacket in _HIDDEN_WRITES,
+    )
+    return facts
+
+
+def _written_ids(
+    written: tuple[tuple[int, str], ...],
+    hidden_writes: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> set[int]:
+    """Ids of the tensors an op writes: schema-marked arguments plus hidden writes."""
     ids: set[int] = set()
-    for position, name in written_arguments(func):
+    for position, name in written:
         value = args[position] if position < len(args) else kwargs.get(name)
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(tensor, torch.Tensor):
                 ids.add(id(tensor))
-    if func.overloadpacket in _HIDDEN_WRITES and len(args) > 5 and args[5] is True:
+    if hidden_writes and len(args) > 5 and args[5] is True:
         ids.update(id(t) for t in args[3:5] if isinstance(t, torch.Tensor))
     return ids
 

@@ -303,6 +303,14 @@ _ACTIONS: Final[dict[object, _Action]] = {
 }
 # Torch's members find ours in ``_ACTIONS`` (equal and same hash); an int must not find a bool.
 _ANSWER_TYPES: Final = frozenset({CheckpointPolicy, _TorchCheckpointPolicy, bool})
+# The same map keyed by identity, for the per-op path: every answer of an accepted type is one of
+# these singletons, and ``id`` skips the Python-level ``__hash__`` of our members.
+_ACTION_OF_ID: Final[dict[int, _Action]] = {
+    **{id(member): _ACTIONS[member] for member in CheckpointPolicy},
+    **{id(member): _ACTIONS[member] for member in _TorchCheckpointPolicy},
+    id(True): _Action.SAVE,
+    id(False): _Action.RECOMPUTE,
+}
 
 
 class _CacheEntryMutated(Exception):
@@ -584,20 +592,13 @@ _INDUCTOR_CODE: Final = _compat.inductor_compiled_code
 # its inputs alone.
 _NEVER: Final = -1
 _ALWAYS: Final = -2
-_draw_rules: dict[object, int] = {}
-_pure: dict[object, bool] = {}
+_op_facts: dict[object, tuple[int, bool]] = {}
 
 
-class _Producer:
-    """Where the output of a recompute-marked op sits in the cache, for a later tag (Rule 8)."""
-
-    __slots__ = ("index", "key", "ref", "version")
-
-    def __init__(self, out: torch.Tensor, key: object, index: int) -> None:
-        self.ref = weakref.ref(out)
-        self.key = key
-        self.index = index
-        self.version = out._version
+# Where the output of a recompute-marked op sits in the cache, for a later tag (Rule 8): a weak
+# reference to the output, its cache key and index, and its version then. A tuple, not a class:
+# one is made per recomputed op of every forward.
+_Producer: TypeAlias = tuple[weakref.ref[torch.Tensor], object, int, int]
 
 
 class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -616,7 +617,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.offload_stats = stats
         # Set by torch.compile's activation-checkpoint lowering (Rule 9).
         self.ac_graph_id: int | None = None
-        self.func_counter: defaultdict[object, int] = defaultdict(int)
+        self.func_counter: dict[object, int] = {}
         self._producers: dict[int, _Producer] = {}
 
     def __exit__(self, *exc: object) -> None:
@@ -639,11 +640,20 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         key = func if func is not _INDUCTOR_CODE else _region_key(func, args)
-        index = self.func_counter[key]
-        self.func_counter[key] = index + 1
+        counter = self.func_counter
+        index = counter.get(key, 0)
+        counter[key] = index + 1
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-        action = _action_of(self.policy(ctx, func, *args, **kwargs), self.policy, func)
-        random = _draws_random(func, args, kwargs)
+        answer = self.policy(ctx, func, *args, **kwargs)
+        # Rule 2, inline: answers are singletons (enum members, bools), so identity finds them.
+        action = _ACTION_OF_ID.get(id(answer)) if type(answer) in _ANSWER_TYPES else None
+        if action is None:
+            raise _bad_answer(answer, self.policy, func)
+        facts = _op_facts.get(func)
+        if facts is None:
+            facts = _learn_facts(func)
+        draw_rule, pure = facts
+        random = draw_rule == _ALWAYS or (draw_rule >= 0 and _draws_at(draw_rule, args, kwargs))
         if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
             self.storage[key][index] = _keep(out, action, self.offload_stats)
             return out
@@ -651,18 +661,19 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         if func is TAG_OP:
             if action is not _Action.RECOMPUTE:
                 self._hand_over(args[0] if args else kwargs["x"], action)
-        elif not random and type(out) is torch.Tensor and _is_pure(func):
-            self._producers[id(out)] = _Producer(out, key, index)
+        elif pure and not random and type(out) is torch.Tensor:
+            self._producers[id(out)] = (weakref.ref(out), key, index, out._version)
         return out
 
     def _hand_over(self, tensor: torch.Tensor, action: _Action) -> None:
         """Rule 8: give a kept tag's decision to the op that produced ``tensor``, if allowed."""
         producer = self._producers.pop(id(tensor), None)
-        if producer is None or producer.ref() is not tensor:
+        if producer is None:
             return
-        if tensor._version != producer.version:
+        ref, key, index, version = producer
+        if ref() is not tensor or tensor._version != version:
             return
-        self.storage[producer.key][producer.index] = _keep(tensor, action, self.offload_stats)
+        self.storage[key][index] = _keep(tensor, action, self.offload_stats)
 
     def _dispatch_traced(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Rule 9: what torch does under AOTAutograd tracing, so the partitioner decides."""
@@ -673,7 +684,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         count_before = _compat.traced_node_count()
         out = func(*args, **kwargs)
         key = _region_key(func, args)
-        index = self.func_counter[key]
+        index = self.func_counter.get(key, 0)
         self.func_counter[key] = index + 1
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         answer = self.policy(ctx, func, *args, **kwargs)
@@ -719,7 +730,7 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
         self.storage = storage
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
         self.offload_stats = stats
-        self.func_counter: defaultdict[object, int] = defaultdict(int)
+        self.func_counter: dict[object, int] = {}
 
     def __enter__(self) -> _CachedMode:
         self.func_counter.clear()  # Rule 6: every recompute starts from index 0.
@@ -738,14 +749,15 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
         key = func if func is not _INDUCTOR_CODE else _region_key(func, args)
-        index = self.func_counter[key]
-        self.func_counter[key] = index + 1
+        counter = self.func_counter
+        index = counter.get(key, 0)
+        counter[key] = index + 1
         slots = self.storage.get(key)
         slot = None if slots is None else slots.get(index)
+        if slot is _RECOMPUTE:  # the common case first
+            return func(*args, **kwargs)
         if slot is None or slots is None:
             raise RuntimeError(_MSG_NOT_CACHED.format(op=func, index=index))
-        if slot is _RECOMPUTE:
-            return func(*args, **kwargs)
         if isinstance(slot, _Marker):  # the only other marker: _CONSUMED
             raise RuntimeError(_MSG_EXTRA_BACKWARD)
         slots[index] = _CONSUMED
@@ -766,13 +778,23 @@ def _region_key(func: object, args: tuple[Any, ...]) -> object:
 
 def _draws_random(func: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Rule 10: whether this call of ``func`` drew random numbers."""
-    rule = _draw_rules.get(func)
-    if rule is None:
-        rule = _draw_rules[func] = _draw_rule(func)
+    facts = _op_facts.get(func)
+    rule = (facts if facts is not None else _learn_facts(func))[0]
     if rule < 0:
         return rule == _ALWAYS
+    return _draws_at(rule, args, kwargs)
+
+
+def _draws_at(rule: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Rule 10 for an op with a ``dropout_p`` argument at position ``rule``: draws unless 0."""
     dropout_p = args[rule] if len(args) > rule else kwargs.get("dropout_p", 0.0)
     return bool(dropout_p != 0)
+
+
+def _learn_facts(func: object) -> tuple[int, bool]:
+    """Work out and remember ``func``'s draw rule (Rule 10) and whether it is pure (Rule 8)."""
+    facts = _op_facts[func] = (_draw_rule(func), _is_pure(func))
+    return facts
 
 
 def _draw_rule(func: object) -> int:
@@ -784,10 +806,7 @@ def _draw_rule(func: object) -> int:
 
 def _is_pure(func: object) -> bool:
     """Rule 8: whether ``func`` leaves its inputs alone (then it may take a tag's decision)."""
-    pure = _pure.get(func)
-    if pure is None:
-        pure = _pure[func] = isinstance(func, OpOverload) and not _compat.op_mutates_inputs(func)
-    return pure
+    return isinstance(func, OpOverload) and not _compat.op_mutates_inputs(func)
 
 
 def create_selective_checkpoint_contexts(

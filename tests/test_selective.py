@@ -382,6 +382,22 @@ def test_rule3_recompute_running_other_ops_names_op_and_index_like_torch() -> No
             assert "aten.cos.default invocation index 0" in str(exc)
 
 
+def test_rule3_divergence_raises_even_when_the_forward_kept_nothing_like_torch() -> None:
+    """A region whose every op was recomputed still checks the recompute's op sequence."""
+    for step in (_step_torch, _step_ours):
+        flag = {"sin": True}
+
+        def region(x: torch.Tensor, w: torch.Tensor, flag: dict[str, bool] = flag) -> torch.Tensor:
+            h = x * w
+            h = h.sin() if flag["sin"] else h.cos()
+            flag["sin"] = False
+            return h.exp()
+
+        exc = raised(lambda region=region, step=step: step(region, [], *_inputs()))
+        assert type(exc) is RuntimeError, step
+        assert "encountered during backward but not found in storage" in str(exc)
+
+
 def test_rule4_ignored_ops_never_reach_the_policy_or_the_cache() -> None:
     """``detach`` and metadata queries run as they are: the policy never sees them."""
     policy = ScriptedPolicy((True,))
