@@ -86,7 +86,9 @@ def is_recomputing() -> bool:
 
 @contextlib.contextmanager
 def marked_as_recompute() -> Iterator[None]:
-    """Make ``is_recomputing()`` true for the body (every mechanism's re-run goes through it)."""
+    """Make ``is_recomputing()`` true for the body: the scope's tape replay uses it;
+    ``ForwardState.restored()`` sets the same depth inline (its class-based context is the
+    checkpoint's per-recompute path and skips a generator frame)."""
     token = _recompute_depth.set(_recompute_depth.get() + 1)
     try:
         yield
