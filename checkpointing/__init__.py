@@ -12,6 +12,10 @@ from ._checkpoint import checkpoint
 from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
+from ._frame import (
+    checkpoint_without_reentrant_generator as _checkpoint_without_reentrant_generator,
+)
+from ._module import checkpoint_module, remove_checkpoint_module
 from ._reentrant import CheckpointFunction
 from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
 from ._scope import gradient_checkpoint_scope, gradient_checkpoint_session
@@ -48,6 +52,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
+    "checkpoint_module",
     "checkpoint_sequential",
     "checkpoint_wrapper",
     "create_selective_checkpoint_contexts",
@@ -57,6 +62,7 @@ __all__ = [
     "gradient_checkpoint_session",
     "is_recomputing",
     "noop_context_fn",
+    "remove_checkpoint_module",
     "saved_tensors_report",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",

@@ -2,26 +2,21 @@
 
 Owns the public signature (identical to ``torch.utils.checkpoint.checkpoint`` in 2.13), the
 warning when ``use_reentrant`` is omitted, and the argument errors. The reentrant variant lives in
-``_reentrant``, the non-reentrant frame in ``_frame``, the determinism and debug machinery in
+``_reentrant``; the non-reentrant variant is ``_frame``'s generator, driven here exactly as
+``checkpoint_module``'s hooks drive it (one path); the determinism and debug machinery lives in
 ``_determinism``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
-import torch
-import torch.utils.checkpoint as _torch_checkpoint
-
 from . import _compat
-from ._determinism import OpLogger, debug_enabled, metadata_fn_for
-from ._frame import Frame, early_stop_enabled, run_forward
+from ._frame import checkpoint_without_reentrant_generator, run_generator
 from ._reentrant import CheckpointFunction
-from ._state import ContextFn, ForwardState, noop_context_fn
+from ._state import ContextFn, is_noop_context_fn, noop_context_fn
 
 __all__ = ["checkpoint"]
 
@@ -42,20 +37,10 @@ _MSG_REENTRANT_ONLY_DEFAULTS = (
     "(checkpointing.checkpoint: got use_reentrant=True with {what}. Fix: pass "
     "use_reentrant=False.)"
 )
-_MSG_DEBUG_WITH_CONTEXT_FN = (
-    "debug=True is incompatible with non-default context_fn (checkpointing.checkpoint: the "
-    "debug report installs its own op loggers as the forward and recompute contexts). Fix: "
-    "drop debug=True, or drop context_fn while debugging."
-)
 _MSG_NOT_CALLABLE = (
     "checkpointing.checkpoint: expected a callable as the first argument (the function to "
     "checkpoint), got {type_name}. Fix: checkpoint(fn, *inputs, use_reentrant=False)."
 )
-
-
-def _is_noop(context_fn: ContextFn) -> bool:
-    """Ours or torch's ``noop_context_fn``: code moving over from torch may pass either."""
-    return context_fn is noop_context_fn or context_fn is _torch_checkpoint.noop_context_fn
 
 
 @_compat.disable_dynamo
@@ -106,50 +91,11 @@ def checkpoint(
     if use_reentrant:
         if kwargs:
             raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
-        if not _is_noop(context_fn) or debug is not False:
-            what = "context_fn" if not _is_noop(context_fn) else "debug=True"
+        if not is_noop_context_fn(context_fn) or debug is not False:
+            what = "context_fn" if not is_noop_context_fn(context_fn) else "debug=True"
             raise ValueError(_MSG_REENTRANT_ONLY_DEFAULTS.format(what=what))
         return CheckpointFunction.apply(function, preserve, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
-    return _checkpoint_non_reentrant(
-        function, args, kwargs, preserve, context_fn, determinism_check, debug, early_stop
+    gen = checkpoint_without_reentrant_generator(
+        function, preserve, context_fn, determinism_check, debug, early_stop, *args, **kwargs
     )
-
-
-def _checkpoint_non_reentrant(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    preserve_rng_state: bool,
-    context_fn: ContextFn,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-) -> Any:
-    """Validate, then run ``fn`` under a new ``Frame`` (or plainly when grad is off)."""
-    loggers: tuple[OpLogger, OpLogger] | None = None
-    if debug_enabled(debug):
-        if not _is_noop(context_fn):
-            raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
-        loggers = (OpLogger(), OpLogger())
-    record_metadata = metadata_fn_for(determinism_check) is not None
-    forward_context: AbstractContextManager[Any]
-    recompute_context: AbstractContextManager[Any]
-    if loggers is not None:
-        forward_context, recompute_context = loggers[0].mode(), loggers[1].mode()
-    elif _is_noop(context_fn):
-        forward_context = recompute_context = contextlib.nullcontext()
-    else:
-        forward_context, recompute_context = context_fn()  # called once per call, as torch
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)  # nothing will be saved: no frame, no state capture
-    frame = Frame(
-        fn,
-        args,
-        kwargs,
-        ForwardState(args, preserve_rng_state),
-        recompute_context,
-        record_metadata,
-        early_stop_enabled(early_stop),
-        loggers,
-    )
-    return run_forward(frame, fn, args, kwargs, forward_context, preserve_rng_state)
+    return run_generator(gen, function, *args, **kwargs)

@@ -222,3 +222,25 @@ def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
         for index, argument in enumerate(op._schema.arguments)
         if argument.alias_info is not None and argument.alias_info.is_write
     )
+
+
+def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
+    """The forward pre-hooks registered on ``module`` (2.13: ``nn.Module._forward_pre_hooks``;
+    there is no public accessor)."""
+    return list(module._forward_pre_hooks.values())
+
+
+def remove_forward_hooks(
+    module: torch.nn.Module, pre_hook: Callable[..., Any], hook: Callable[..., Any]
+) -> None:
+    """Remove the forward pre-hook ``pre_hook`` and forward hook ``hook`` (compared with ``==``,
+    so bound methods of one object match) from ``module``. A ``RemovableHandle`` would do, but
+    ``copy.deepcopy`` of a module copies its hooks and not the handles' targets (2.13: the
+    ``nn.Module._forward_*hooks*`` dicts)."""
+    for key in [k for k, h in module._forward_pre_hooks.items() if h == pre_hook]:
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+    for key in [k for k, h in module._forward_hooks.items() if h == hook]:
+        del module._forward_hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
+        module._forward_hooks_always_called.pop(key, None)

@@ -26,6 +26,9 @@ NOTE [Nestable checkpoint]
           and a forward that has not finished may save more during recompute than so far.
   Rule 7. Identical CPU RNG states of consecutive regions are kept once, not per region (see
           ``_state``, NOTE [RNG state shared when identical]); replay is always bit-identical.
+  Rule 8. The forward phase is a generator that pushes the frame's hook at its first ``next()``
+          and pops it when it ends, is closed or has an exception thrown in: whoever drives it
+          (``checkpoint``, module hooks, third-party code), the hook stack is left as found.
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, Final, Self
@@ -49,19 +52,23 @@ from ._determinism import (
     OpLogger,
     check_counts,
     check_metadata,
+    debug_enabled,
     debug_error,
+    metadata_fn_for,
     too_many_saved,
 )
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, current_region, listener
-from ._state import ForwardState
+from ._state import ContextFn, ForwardState, is_noop_context_fn, noop_context_fn
 
 __all__ = [
     "Frame",
     "GraphExecGroup",
     "Holder",
+    "checkpoint_without_reentrant_generator",
     "early_stop_enabled",
     "graph_key",
+    "run_generator",
     "set_checkpoint_early_stop",
     "unpack_holder",
 ]
@@ -249,8 +256,10 @@ class Frame:
         return holder
 
     def region(self) -> str:
-        """How reports name this region."""
-        return f"checkpoint({getattr(self.fn, '__qualname__', type(self.fn).__name__)})"
+        """How reports name this region (``region_name``: set by ``checkpoint_module``)."""
+        fn = self.fn
+        name = getattr(fn, "region_name", None) or getattr(fn, "__qualname__", None)
+        return f"checkpoint({name or type(fn).__name__})"
 
     def unpack(self, holder: Holder) -> torch.Tensor:
         """Forward unpack hook: recompute on first need in this backward, then hand out."""
@@ -331,24 +340,61 @@ class _RecomputeHook:
         return x  # Rule 6: a backward inside the re-run can use it
 
 
-def run_forward(
-    frame: Frame,
+def checkpoint_without_reentrant_generator(
     fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    forward_context: AbstractContextManager[Any],
-    preserve_rng_state: bool,
-) -> Any:
-    """Run the original forward with ``frame``'s hook on top of the stack (Rule 1)."""
+    preserve_rng_state: bool = True,
+    context_fn: ContextFn = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    *args: Any,
+    **kwargs: Any,
+) -> Generator[None, None, None]:
+    """The forward phase of a non-reentrant checkpoint, as a generator (torch's contract).
+
+    The first ``next()`` validates, captures the forward state and pushes the frame's hooks; the
+    caller then runs ``fn(*args, **kwargs)`` itself; the second ``next()`` pops the hooks, checks
+    the forward and ends the generator (``StopIteration``). ``close()`` or ``throw()`` at the
+    pause pops the hooks too, so the caller's hook stack is exactly as before (See NOTE
+    [Nestable checkpoint], Rule 8). ``checkpoint(..., use_reentrant=False)`` drives this, and so
+    do ``checkpoint_module``'s hooks and third-party code written against torch's generator.
+    """
+    loggers: tuple[OpLogger, OpLogger] | None = None
+    if debug_enabled(debug):
+        if not is_noop_context_fn(context_fn):
+            raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
+        loggers = (OpLogger(), OpLogger())
+    record_metadata = metadata_fn_for(determinism_check) is not None
+    forward_context: AbstractContextManager[Any]
+    recompute_context: AbstractContextManager[Any]
+    if loggers is not None:
+        forward_context, recompute_context = loggers[0].mode(), loggers[1].mode()
+    elif is_noop_context_fn(context_fn):
+        forward_context = recompute_context = _NULL_CONTEXT
+    else:
+        forward_context, recompute_context = context_fn()  # called once per call, as torch
+    if not torch.is_grad_enabled():
+        yield  # nothing will be saved: no frame, no state capture
+        return
+    frame = Frame(
+        fn,
+        args,
+        kwargs,
+        ForwardState(args, preserve_rng_state),
+        recompute_context,
+        record_metadata,
+        early_stop_enabled(early_stop),
+        loggers,
+    )
     completed = False
     token = current_region.set(frame.region()) if frame.observed else None
-    _compat.push_saved_tensors_hooks(frame.pack, frame.unpack)
+    _compat.push_saved_tensors_hooks(frame.pack, frame.unpack)  # Rule 1
     try:
         with forward_context:
-            out = fn(*args, **kwargs)
+            yield
             completed = True
     finally:
-        _compat.pop_saved_tensors_hooks()
+        _compat.pop_saved_tensors_hooks()  # Rule 8: also on close() and throw()
         if token is not None:
             current_region.reset(token)
     if not completed:
@@ -356,9 +402,32 @@ def run_forward(
     frame.forward_completed = True
     if frame.state.device_initialized_during(preserve_rng_state):
         raise RuntimeError(_MSG_DEVICE_INIT)
+
+
+def run_generator(
+    gen: Generator[None, None, None], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """Drive ``gen`` around ``fn(*args, **kwargs)``: what ``checkpoint`` does with it.
+
+    An exception from ``fn`` is thrown into the generator, so the forward context sees it (and
+    may not swallow it) and the hooks are popped before the exception leaves this call."""
+    next(gen)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as error:
+        gen.throw(error)
+        raise  # not reached: the generator re-raises ``error`` or the suppression error
+    for _ in gen:
+        internal_error("the frame generator yielded twice")
     return out
 
 
+_NULL_CONTEXT: Final = contextlib.nullcontext()
+_MSG_DEBUG_WITH_CONTEXT_FN = (
+    "debug=True is incompatible with non-default context_fn (checkpointing.checkpoint: the "
+    "debug report installs its own op loggers as the forward and recompute contexts). Fix: "
+    "drop debug=True, or drop context_fn while debugging."
+)
 _MSG_CONTEXT_SUPPRESSED = (
     "torch.utils.checkpoint: the forward context provided by context_fn suppressed an "
     "exception raised during the checkpointed forward. This is not supported because "

@@ -36,6 +36,7 @@ from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 
 from ._compat import (
     DeviceContext,
@@ -55,6 +56,7 @@ __all__ = [
     "detach_variable",
     "get_device_states",
     "infer_device_type",
+    "is_noop_context_fn",
     "is_recomputing",
     "marked_as_recompute",
     "noop_context_fn",
@@ -99,6 +101,11 @@ def marked_as_recompute() -> Iterator[None]:
 def noop_context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
     """The default ``context_fn``: run forward and recompute under no extra context."""
     return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def is_noop_context_fn(context_fn: object) -> bool:
+    """Ours or torch's ``noop_context_fn``: code moving over from torch may pass either."""
+    return context_fn is noop_context_fn or context_fn is _torch_checkpoint.noop_context_fn
 
 
 def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -27,10 +27,12 @@ OWN_NAMES = {
     "SavedTensorRecord",
     "SavedTensorsReport",
     "apply_activation_checkpointing",
+    "checkpoint_module",
     "checkpoint_wrapper",
     "gradient_checkpoint_scope",
     "gradient_checkpoint_session",
     "is_recomputing",
+    "remove_checkpoint_module",
     "saved_tensors_report",
 }
 # Public attributes that are deliberately not in __all__: the one public submodule.
@@ -178,3 +180,11 @@ def test_sac_ignored_ops_match_torch() -> None:
     if ours is None:
         pytest.fail("checkpointing.SAC_IGNORED_OPS is not exported")
     assert set(ours) == set(torch_checkpoint.SAC_IGNORED_OPS)
+
+
+def test_generator_has_torchs_positional_signature() -> None:
+    """``_checkpoint_without_reentrant_generator`` takes torch's arguments in torch's order."""
+    ours = checkpointing._checkpoint_without_reentrant_generator
+    theirs = torch_checkpoint._checkpoint_without_reentrant_generator
+    assert _parameters(ours) == _parameters(theirs)
+    assert "_checkpoint_without_reentrant_generator" not in checkpointing.__all__

@@ -1,0 +1,244 @@
+"""Hook-based checkpointing of one module: ``checkpoint_module`` and its undo.
+
+Owns the behaviour of torch's composable ``torch.distributed._composable.checkpoint(module)``:
+a forward pre-hook starts ``_frame``'s generator (first ``next()``), the module's own forward runs,
+an always-called forward hook ends it (second ``next()``). The module object, its class, its
+parameter names and its ``state_dict`` keys are untouched, which is what FSDP2 (``fully_shard``)
+and optimizers keyed by name need. The frame, holders, recompute and checks all belong to
+``_frame``; this module only decides when the generator starts and ends.
+
+NOTE [Module checkpoint hooks]
+  Rule 1. The pre-hook runs after the pre-hooks registered before it (it sees the arguments they
+          produced, as torch's does) and the forward hook runs first among forward hooks
+          (``prepend=True``), so user forward hooks run outside the region, as with torch.
+  Rule 2. Open generators are kept per thread on a stack: a module may be re-entered (recursion)
+          and run in several threads at once; each forward hook ends the generator its own
+          pre-hook started. Nothing of a finished call stays on the module.
+  Rule 3. While a module is recomputed its own hooks are off, for that thread only (the region is
+          already being recomputed); checkpointed children met during the re-run still checkpoint
+          (NOTE [Nestable checkpoint], Rule 3).
+  Rule 4. The forward hook is ``always_call=True``: an exception in forward still ends the
+          generator, so the hook stack is left as found and the next step works.
+  Rule 5. Options are validated when the hooks are installed, not at the first forward.
+
+Rejected: torch's ``_no_hook`` as a ``context_fn`` wrapper around the user's recompute context: it
+makes every ``context_fn`` non-default, so ``debug=True`` can never be used (torch raises). We
+instead hand the generator a small callable that switches the hooks off around the re-run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from typing import Any, Final
+
+from torch import nn
+
+from . import _compat
+from ._determinism import metadata_fn_for
+from ._frame import checkpoint_without_reentrant_generator
+from ._state import ContextFn, noop_context_fn
+
+__all__ = ["checkpoint_module", "remove_checkpoint_module"]
+
+_OPTIONS: Final = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+_MSG_REENTRANT = (
+    "use_reentrant=True is not supported in composable checkpoint. Please use "
+    "torch.utils.checkpoint.checkpoint instead. (checkpointing.checkpoint_module drives the "
+    "non-reentrant frame from module hooks. Fix: drop use_reentrant, or wrap the module with "
+    "checkpointing.checkpoint_wrapper(module, use_reentrant=True).)"
+)
+_MSG_UNEXPECTED = (
+    "Unexpected keyword arguments: {names}. (checkpointing.checkpoint_module accepts "
+    "{allowed}. Fix: remove the others; arguments of the module's forward are passed when the "
+    "module is called, not here.)"
+)
+_MSG_NOT_MODULE = (
+    "checkpointing.{api}: expected an nn.Module, got {type_name}. Fix: pass the module itself, "
+    "e.g. checkpoint_module(model.layers[0])."
+)
+_MSG_APPLIED_TWICE = (
+    "checkpointing.checkpoint_module: {type_name} is already checkpointed by checkpoint_module. "
+    "Applying it twice would checkpoint the same region inside itself. Fix: call "
+    "checkpointing.remove_checkpoint_module(module) first to change its options."
+)
+_MSG_NOT_APPLIED = (
+    "checkpointing.remove_checkpoint_module: {type_name} is not checkpointed by "
+    "checkpoint_module, so there is nothing to remove. Fix: only remove what "
+    "checkpoint_module(module) installed."
+)
+_MSG_REMOVE_IN_FORWARD = (
+    "checkpointing.remove_checkpoint_module: called while the module's forward is running. "
+    "Fix: remove the checkpoint between steps, not from inside the module's forward."
+)
+_MSG_CONTEXT_FN = (
+    "checkpointing.checkpoint_module: context_fn must be callable and return two context "
+    "managers, got {type_name}. Fix: pass e.g. functools.partial("
+    "create_selective_checkpoint_contexts, policy)."
+)
+_MSG_NOT_EXHAUSTED = (
+    "Expected non-reentrant activation checkpoint generator to be exhausted, but it was not! "
+    "(checkpointing.checkpoint_module: this is a bug in checkpointing, please report it.)"
+)
+
+
+class _ModuleCheckpoint:
+    """The hooks of one checkpointed module and the generators they have open (Rule 2)."""
+
+    __slots__ = ("open", "options", "recomputing")
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.open: dict[int, list[Generator[None, None, None]]] = {}
+        self.recomputing: dict[int, int] = {}  # thread -> depth of re-runs in progress (Rule 3)
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Start the region: capture state and push the frame's hooks."""
+        thread = threading.get_ident()
+        if self.recomputing.get(thread):
+            return  # Rule 3
+        o = self.options
+        gen = checkpoint_without_reentrant_generator(
+            _Rerun(module, self),
+            o["preserve_rng_state"],
+            o["context_fn"],
+            o["determinism_check"],
+            o["debug"],
+            o["early_stop"],
+            *args,
+            **kwargs,
+        )
+        next(gen)
+        self.open.setdefault(thread, []).append(gen)
+
+    def forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """End the region: pop the frame's hooks and check the forward (Rule 4)."""
+        thread = threading.get_ident()
+        if self.recomputing.get(thread):
+            return  # Rule 3
+        stack = self.open.get(thread)
+        if not stack:
+            return  # an earlier pre-hook raised before ours ran: nothing was started
+        gen = stack.pop()
+        if not stack:
+            del self.open[thread]  # Rule 2: nothing of a finished call stays
+        for _ in gen:
+            raise RuntimeError(_MSG_NOT_EXHAUSTED)
+
+
+class _Rerun:
+    """What the frame re-runs in backward: the module, with its own hooks off (Rule 3)."""
+
+    __slots__ = ("module", "state")
+
+    def __init__(self, module: nn.Module, state: _ModuleCheckpoint) -> None:
+        self.module = module
+        self.state = state
+
+    @property
+    def region_name(self) -> str:
+        """How reports name the region: after the module's class, as ``checkpoint(module)``."""
+        return type(self.module).__qualname__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        recomputing = self.state.recomputing
+        thread = threading.get_ident()
+        recomputing[thread] = recomputing.get(thread, 0) + 1
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            depth = recomputing.pop(thread)
+            if depth > 1:
+                recomputing[thread] = depth - 1
+
+
+def _installed(module: nn.Module) -> _ModuleCheckpoint | None:
+    """The state whose hooks sit on ``module``, found through the hooks themselves (so a
+    ``copy.deepcopy`` of a checkpointed module is found too)."""
+    for hook in _compat.forward_pre_hooks(module):
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, _ModuleCheckpoint):
+            return owner
+    return None
+
+
+def checkpoint_module(
+    module: nn.Module,
+    *,
+    use_reentrant: bool = False,
+    preserve_rng_state: bool = True,
+    context_fn: ContextFn = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **unexpected: Any,
+) -> nn.Module:
+    """Checkpoint ``module`` through forward hooks: its activations are recomputed in backward.
+
+    The behaviour of torch's composable ``torch.distributed._composable.checkpoint(module)``,
+    on our frame: the module keeps its class, names and ``state_dict`` keys (unlike a wrapper),
+    so it composes with FSDP2's ``fully_shard``, with optimizers and with checkpoints on disk.
+    The options are those of non-reentrant ``checkpointing.checkpoint``; SAC policies and
+    ``checkpointing.policies`` work through ``context_fn``; ``debug=True`` works (torch's
+    raises). Undo with ``checkpointing.remove_checkpoint_module(module)``.
+
+    Args:
+        module: the module whose every call becomes one checkpointed region.
+        use_reentrant: must be ``False``: ``True`` raises ``NotImplementedError`` (as torch).
+        preserve_rng_state, context_fn, determinism_check, debug, early_stop: as in
+            ``checkpointing.checkpoint(..., use_reentrant=False)``.
+
+    Returns:
+        ``module`` itself.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        >>> _ = checkpointing.checkpoint_module(block)
+        >>> block(torch.randn(2, 4)).sum().backward()
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(_MSG_NOT_MODULE.format(api="checkpoint_module", type_name=type(module)))
+    if use_reentrant:
+        raise NotImplementedError(_MSG_REENTRANT)
+    if unexpected:
+        raise ValueError(
+            _MSG_UNEXPECTED.format(names=",".join(unexpected), allowed=", ".join(_OPTIONS))
+        )
+    if not callable(context_fn):
+        raise TypeError(_MSG_CONTEXT_FN.format(type_name=type(context_fn).__name__))
+    metadata_fn_for(determinism_check)  # Rule 5: a bad value raises its ValueError now
+    if _installed(module) is not None:
+        raise ValueError(_MSG_APPLIED_TWICE.format(type_name=type(module).__name__))
+    state = _ModuleCheckpoint(
+        {
+            "preserve_rng_state": preserve_rng_state,
+            "context_fn": context_fn,
+            "determinism_check": determinism_check,
+            "debug": debug,
+            "early_stop": early_stop,
+        }
+    )
+    module.register_forward_pre_hook(state.pre_hook, with_kwargs=True)
+    module.register_forward_hook(state.forward_hook, prepend=True, always_call=True)
+    return module
+
+
+def remove_checkpoint_module(module: nn.Module) -> nn.Module:
+    """Undo ``checkpoint_module(module)``: remove its hooks; the module runs plainly again.
+
+    Graphs built while it was checkpointed keep working (their frames do not need the hooks).
+    Raises ``ValueError`` if ``module`` is not checkpointed by ``checkpoint_module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            _MSG_NOT_MODULE.format(api="remove_checkpoint_module", type_name=type(module))
+        )
+    state = _installed(module)
+    if state is None:
+        raise ValueError(_MSG_NOT_APPLIED.format(type_name=type(module).__name__))
+    if state.open:
+        raise RuntimeError(_MSG_REMOVE_IN_FORWARD)
+    _compat.remove_forward_hooks(module, state.pre_hook, state.forward_hook)
+    return module
