@@ -7,14 +7,12 @@ ready-made ``checkpointing.policies``, and reports of what is saved for backward
 
 from __future__ import annotations
 
+from . import _frame
 from . import policies as policies
 from ._checkpoint import checkpoint
 from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
-from ._frame import (
-    checkpoint_without_reentrant_generator as _checkpoint_without_reentrant_generator,
-)
 from ._module import checkpoint_module, remove_checkpoint_module
 from ._reentrant import CheckpointFunction
 from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
@@ -37,6 +35,10 @@ from ._state import (
     set_device_states,
 )
 from ._wrappers import apply_activation_checkpointing, checkpoint_wrapper
+
+# Not in __all__: torch's private name, for code written against torch's generator (README,
+# "For library authors").
+_checkpoint_without_reentrant_generator = _frame.checkpoint_without_reentrant_generator
 
 __all__ = [
     "SAC_IGNORED_OPS",

@@ -39,7 +39,7 @@ from ._determinism import metadata_fn_for
 from ._frame import checkpoint_without_reentrant_generator
 from ._state import ContextFn, noop_context_fn
 
-__all__ = ["checkpoint_module", "remove_checkpoint_module"]
+__all__ = ["checkpoint_module", "is_module_checkpointed", "remove_checkpoint_module"]
 
 _OPTIONS: Final = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
 
@@ -161,6 +161,11 @@ def _installed(module: nn.Module) -> _ModuleCheckpoint | None:
         if isinstance(owner, _ModuleCheckpoint):
             return owner
     return None
+
+
+def is_module_checkpointed(module: nn.Module) -> bool:
+    """Whether ``checkpoint_module`` hooks sit on ``module``."""
+    return _installed(module) is not None
 
 
 def checkpoint_module(

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ._checkpoint import checkpoint
+from ._module import is_module_checkpointed
 from ._state import is_recomputing
 
 __all__ = ["CheckpointWrapper", "apply_activation_checkpointing", "checkpoint_wrapper"]
@@ -240,8 +241,10 @@ def apply_activation_checkpointing(
 
     Same name and use as torch.distributed's function. The root is never wrapped (wrap it with
     ``checkpoint_wrapper``). Children are visited before their parents, so a match inside a
-    match gives nested checkpoints; existing ``CheckpointWrapper`` modules are left as they are,
-    so applying twice wraps nothing new.
+    match gives nested checkpoints; existing ``CheckpointWrapper`` modules, and modules already
+    hooked by ``checkpoint_module``, are left as they are, so applying twice wraps nothing new.
+    ``checkpoint_wrapper_fn=checkpointing.checkpoint_module`` checkpoints through hooks instead
+    of wrappers: module names, types and ``state_dict`` keys stay as they were.
 
     Example:
         >>> import torch, checkpointing
@@ -263,7 +266,7 @@ def _wrap_children(
     options: dict[str, Any],
 ) -> None:
     for name, child in list(parent.named_children()):
-        if isinstance(child, CheckpointWrapper):
+        if isinstance(child, CheckpointWrapper) or is_module_checkpointed(child):
             continue
         _wrap_children(child, wrapper_fn, check_fn, options)
         if check_fn(child):

@@ -28,6 +28,7 @@ MECHANISMS = (
     "scope",
     "sequential",
     "wrapper",
+    "module",
 )
 WIDTH = 8
 
@@ -125,4 +126,6 @@ def forward(mechanism: str, params: list[torch.Tensor], x: torch.Tensor) -> torc
         return checkpointing.checkpoint_sequential(layers, 2, x, use_reentrant=False)
     if mechanism == "wrapper":
         return checkpoint_wrapper(_Layer(_block, w1, b1, w2))(x)
+    if mechanism == "module":
+        return checkpointing.checkpoint_module(_Layer(_block, w1, b1, w2))(x)
     raise ValueError(f"unknown mechanism {mechanism!r}")

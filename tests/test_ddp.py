@@ -36,6 +36,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "scope": {},
     "sequential": {},
     "wrapper": {},
+    "module": {},
     "reentrant_static_graph": {"static_graph": True},
 }
 NEEDS = {"sac": "create_selective_checkpoint_contexts", "scope": "gradient_checkpoint_scope"}
@@ -61,6 +62,12 @@ class Model(torch.nn.Module):
         if mechanism == "wrapper":
             apply_activation_checkpointing(
                 self.blocks, check_fn=lambda m: isinstance(m, torch.nn.Linear)
+            )
+        if mechanism == "module":  # the README's recipe: hooks instead of wrappers
+            apply_activation_checkpointing(
+                self.blocks,
+                checkpoint_wrapper_fn=checkpointing.checkpoint_module,
+                check_fn=lambda m: isinstance(m, torch.nn.Linear),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
