@@ -93,6 +93,7 @@ class _ModuleCheckpoint:
         self.open: dict[int, list[Generator[None, None, None]]] = {}
         self.recomputing: dict[int, int] = {}  # thread -> depth of re-runs in progress (Rule 3)
 
+    @_compat.disable_dynamo  # pushes saved-tensor hooks: dynamo breaks the graph here instead
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Start the region: capture state and push the frame's hooks."""
         thread = threading.get_ident()
@@ -112,6 +113,7 @@ class _ModuleCheckpoint:
         next(gen)
         self.open.setdefault(thread, []).append(gen)
 
+    @_compat.disable_dynamo
     def forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """End the region: pop the frame's hooks and check the forward (Rule 4)."""
         thread = threading.get_ident()
