@@ -59,7 +59,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def examples(session: nox.Session) -> None:
     """Run every ``examples/*.py`` script against the installed wheel; each must exit 0."""
-    _install(session)
+    _install(session, "hf")  # examples/08_transformers.py
     scripts = sorted((ROOT / "examples").glob("*.py"))
     if not scripts:
         session.error("no examples/*.py to run")

@@ -17,10 +17,13 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+import transformers
 from mechanism_support import require
 
 import checkpointing
 from checkpointing._wrappers import apply_activation_checkpointing, checkpoint_wrapper
+from checkpointing.integrations import transformers as hf_checkpointing
+from checkpointing.policies import save_matmuls
 
 
 @dataclass(frozen=True)
@@ -543,3 +546,100 @@ def test_reentrant_without_grad_inputs_warns(module: Any) -> None:
 def test_catalogue_size() -> None:
     """The catalogue covers every mistake listed in issue 7 and more (counted in the report)."""
     assert len(MISTAKES) >= 30
+
+
+# --- checkpointing.integrations.transformers (issue 13) -----------------------------------------
+
+
+def _tiny_llama(cls: type[transformers.PreTrainedModel] = transformers.LlamaForCausalLM) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return cls(config)
+
+
+class _NoCheckpointing(transformers.LlamaForCausalLM):
+    supports_gradient_checkpointing = False
+
+
+class _PreV435Hook(transformers.LlamaForCausalLM):
+    def _set_gradient_checkpointing(self, module: Any, value: bool = False) -> None:
+        module.gradient_checkpointing = value
+
+
+class _OtherCheckpointing(transformers.LlamaForCausalLM):
+    def _set_gradient_checkpointing(self, enable: bool = True, *args: Any, **kwargs: Any) -> None:
+        self.other_checkpointing = enable
+
+
+def _hook_ignored(hf: Any) -> None:
+    model = _tiny_llama(_OtherCheckpointing)
+    try:
+        hf.enable(model)
+    finally:
+        assert not model.other_checkpointing  # left as it was
+
+
+HF_MISTAKES: dict[str, Mistake] = {
+    "transformers: not a PreTrainedModel": Mistake(
+        lambda hf: hf.enable(torch.nn.Linear(2, 2)),
+        TypeError,
+        ("integrations.transformers.enable", "expected a transformers PreTrainedModel", "Linear"),
+    ),
+    "transformers: disable on a plain module": Mistake(
+        lambda hf: hf.disable(torch.nn.Linear(2, 2)),
+        TypeError,
+        ("integrations.transformers.disable", "PreTrainedModel", "Fix"),
+    ),
+    "transformers: model without checkpointing": Mistake(
+        lambda hf: hf.enable(_tiny_llama(_NoCheckpointing)),
+        ValueError,
+        ("_NoCheckpointing does not support activation checkpointing", "apply_activation", "Fix"),
+    ),
+    "transformers: pre-4.35 hook": Mistake(
+        lambda hf: hf.enable(_tiny_llama(_PreV435Hook)),
+        ValueError,
+        ("_PreV435Hook._set_gradient_checkpointing", "transformers < 4.35", "left as it was"),
+    ),
+    "transformers: hook that checkpoints another way": Mistake(
+        _hook_ignored,
+        ValueError,
+        ("_OtherCheckpointing._set_gradient_checkpointing did not hand", "overridden", "Fix"),
+    ),
+    "transformers: unknown option": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), offload=True),
+        TypeError,
+        ("unknown checkpoint option(s) ['offload']", "ignores them", "offload_ops", "Fix"),
+    ),
+    "transformers: policy and context_fn": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), policy=save_matmuls(), context_fn=lambda: None),
+        ValueError,
+        ("got both policy= and context_fn=", "Fix"),
+    ),
+    "transformers: reentrant with a policy": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), policy=save_matmuls(), use_reentrant=True),
+        ValueError,
+        ("use_reentrant=True cannot run a policy", "Fix"),
+    ),
+    "transformers: every_n_layers of 0": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), every_n_layers=0),
+        ValueError,
+        ("every_n_layers must be a positive int", "got 0", "Fix"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_MISTAKES))
+def test_transformers_mistake_raises_clear_error(name: str) -> None:
+    """Each mistake with ``checkpointing.integrations.transformers`` raises clearly."""
+    mistake = HF_MISTAKES[name]
+    with pytest.raises(mistake.error) as info:
+        mistake.call(hf_checkpointing)
+    message = str(info.value)
+    missing = [p for p in mistake.phrases if p not in message]
+    assert not missing, f"{name}: phrases {missing} not in message:\n{message}"

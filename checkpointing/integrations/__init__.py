@@ -1,0 +1,12 @@
+"""Integrations with libraries where users already switch activation checkpointing on.
+
+One module per outside library, each importing that library itself, so that importing
+``checkpointing`` (or this package) never imports any of them:
+
+- ``checkpointing.integrations.transformers``: Hugging Face ``transformers`` models checkpoint
+  their layers with ``checkpointing.checkpoint``, policies and budget plans included.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

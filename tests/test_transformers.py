@@ -1,0 +1,396 @@
+"""``checkpointing.integrations.transformers`` on tiny random Hugging Face models (no downloads).
+
+Every check runs the same model three ways side by side: plain (no checkpointing), transformers'
+own ``activation_checkpointing_enable()`` (torch's checkpoint) and ours, from the same weights
+and RNG seed, in training mode with dropout on. Tests named ``test_rule<k>_...`` check Rule k of
+NOTE [transformers integration].
+"""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import checkpointing
+from checkpointing import _compat
+from checkpointing.integrations import transformers as hf_checkpointing
+from checkpointing.policies import MATMUL_OPS, offload_ops, save_matmuls
+
+VOCAB, BATCH, SEQ = 64, 2, 16
+# A model whose checkpointing is switched by a setup function (None: plain).
+Setup = Callable[[transformers.PreTrainedModel], None] | None
+
+
+def _llama(layers: int = 3) -> transformers.PreTrainedModel:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.1,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2() -> transformers.PreTrainedModel:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, use_cache=False
+    )  # resid, embedding and attention dropout: 0.1 each by default
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert() -> transformers.PreTrainedModel:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+    )  # hidden and attention dropout: 0.1 each by default
+    return transformers.BertForMaskedLM(config)
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert}
+
+
+def _hf_own(model: transformers.PreTrainedModel) -> None:
+    model.activation_checkpointing_enable()
+
+
+def _ours(model: transformers.PreTrainedModel) -> None:
+    hf_checkpointing.enable(model)
+
+
+@dataclass
+class Step:
+    """One training step's outcome."""
+
+    loss: torch.Tensor
+    grads: list[torch.Tensor | None]
+    report: checkpointing.SavedTensorsReport
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def _step(model: transformers.PreTrainedModel, setup: Setup, *, train: bool = True) -> Step:
+    """Forward and backward of a copy of ``model`` switched by ``setup``, from seed 1."""
+    model = copy.deepcopy(model).train(train)
+    if setup is not None:
+        setup(model)
+    ids = _ids()
+    torch.manual_seed(1)
+    with checkpointing.saved_tensors_report() as report:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    return Step(loss.detach(), [p.grad for p in model.parameters()], report)
+
+
+def _assert_same_step(ours: Step, reference: Step) -> None:
+    assert torch.equal(ours.loss, reference.loss)
+    assert len(ours.grads) == len(reference.grads)
+    for mine, theirs in zip(ours.grads, reference.grads, strict=True):
+        assert (mine is None) == (theirs is None)  # None: a frozen parameter, in both runs
+        assert mine is None or torch.equal(mine, theirs)
+    assert any(grad is not None for grad in ours.grads)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> transformers.PreTrainedModel:
+    """Each tiny model once per module (built from its config, random weights)."""
+    torch.manual_seed(0)
+    return MODELS[request.param]()
+
+
+@pytest.fixture(scope="module")
+def llama() -> transformers.PreTrainedModel:
+    """A 3-layer Llama with attention dropout."""
+    torch.manual_seed(0)
+    return _llama()
+
+
+def test_gradients_equal_plain_and_hf_own(model: transformers.PreTrainedModel) -> None:
+    """With dropout, our layers give bit-identical loss and gradients to the plain run and to
+    transformers' own checkpointing (torch's checkpoint)."""
+    ours = _step(model, _ours)
+    assert ours.report.recompute_ops > 0  # the layers really were checkpointed
+    _assert_same_step(ours, _step(model, None))
+    _assert_same_step(ours, _step(model, _hf_own))
+
+
+def test_kept_bytes_at_most_hf_own(model: transformers.PreTrainedModel) -> None:
+    """Our checkpointing keeps no more activation bytes than transformers' own, and far fewer
+    than the plain run."""
+    ours = _step(model, _ours).report
+    hf_own = _step(model, _hf_own).report
+    plain = _step(model, None).report
+    assert ours.activation_bytes <= hf_own.activation_bytes
+    assert ours.kept_bytes <= hf_own.kept_bytes
+    assert ours.activation_bytes < plain.activation_bytes / 2
+
+
+@contextmanager
+def _matmul_bytes_in_layers(model: transformers.PreTrainedModel) -> Iterator[list[int]]:
+    """Count the bytes of matmul outputs produced inside the model's decoder layers."""
+    inside = [False]
+    total = [0]
+
+    class _Counter(_compat.TorchDispatchMode):  # type: ignore[misc, no-untyped-call]
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if inside[0] and func in MATMUL_OPS:
+                total[0] += sum(
+                    t.numel() * t.element_size()
+                    for t in _compat.tree_leaves(out)
+                    if isinstance(t, torch.Tensor)
+                )
+            return out
+
+    handles = []
+    for layer in model.model.layers:
+        handles.append(layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)))
+        handles.append(layer.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
+    try:
+        with _Counter():
+            yield total
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_save_matmuls_keeps_exactly_the_layers_matmuls(llama: transformers.PreTrainedModel) -> None:
+    """``policy=save_matmuls()``: same gradients; it keeps the layers' matmul outputs on top of
+    full checkpointing's bytes, byte for byte."""
+    plain_model = copy.deepcopy(llama).train()
+    ids = _ids()
+    torch.manual_seed(1)
+    with _matmul_bytes_in_layers(plain_model) as matmul_bytes:
+        plain_model(input_ids=ids, labels=ids)
+    saving = _step(llama, lambda m: hf_checkpointing.enable(m, policy=save_matmuls()))
+    full = _step(llama, _ours)
+    _assert_same_step(saving, _step(llama, None))
+    assert matmul_bytes[0] > 0
+    assert saving.report.kept_bytes - full.report.kept_bytes == matmul_bytes[0]
+    assert saving.report.recompute_ops < full.report.recompute_ops
+
+
+def test_offload_policy_keeps_fewer_bytes(llama: transformers.PreTrainedModel) -> None:
+    """``policy=offload_ops(...)``: same gradients; the matmul outputs that ``save_matmuls``
+    keeps are offloaded instead, so the device keeps only full checkpointing's bytes."""
+    offloading = _step(llama, lambda m: hf_checkpointing.enable(m, policy=offload_ops(*MATMUL_OPS)))
+    saving = _step(llama, lambda m: hf_checkpointing.enable(m, policy=save_matmuls()))
+    full = _step(llama, _ours)
+    _assert_same_step(offloading, _step(llama, None))
+    offloaded = offloading.report.bytes_by_decision()["offloaded"]
+    assert offloaded == saving.report.kept_bytes - full.report.kept_bytes > 0
+    assert offloading.report.kept_bytes == full.report.kept_bytes < saving.report.kept_bytes
+    assert offloading.report.kept_bytes <= _step(llama, _hf_own).report.kept_bytes
+
+
+def _checkpointed_layers(model: transformers.PreTrainedModel) -> list[bool]:
+    return [bool(layer.gradient_checkpointing) for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("every_n_layers", [1, 2, 3])
+def test_rule1_every_n_layers_matches_hf(every_n_layers: int) -> None:
+    """``every_n_layers`` checkpoints the very layers transformers' own option does, each with
+    our function, and gives the same gradients and kept bytes."""
+    torch.manual_seed(0)
+    model = _llama(layers=4)
+    ours = copy.deepcopy(model)
+    hf_checkpointing.enable(ours, every_n_layers=every_n_layers)
+    hf_own = copy.deepcopy(model)
+    hf_own.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    assert _checkpointed_layers(ours) == _checkpointed_layers(hf_own)
+    assert sum(_checkpointed_layers(ours)) == len(range(0, 4, every_n_layers))
+    for layer in ours.model.layers:
+        assert repr(layer._gradient_checkpointing_func).startswith("checkpointing.checkpoint(")
+    our_step = _step(model, lambda m: hf_checkpointing.enable(m, every_n_layers=every_n_layers))
+    hf_step = _step(
+        model, lambda m: m.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    )
+    _assert_same_step(our_step, hf_step)
+    assert our_step.report.kept_bytes == hf_step.report.kept_bytes
+
+
+def test_disable_restores_plain_forward(llama: transformers.PreTrainedModel) -> None:
+    """After ``disable``, no layer checkpoints: the step keeps and computes what the plain run
+    does, and the model looks as after transformers' own enable and disable."""
+
+    def enable_then_disable(model: transformers.PreTrainedModel) -> None:
+        hf_checkpointing.enable(model, policy=save_matmuls())
+        hf_checkpointing.disable(model)
+        assert not model.is_activation_checkpointing
+        assert not getattr(model, "_require_grads_hooks", None)
+        for module in model.modules():
+            assert "checkpointing" not in repr(getattr(module, "_gradient_checkpointing_func", ""))
+
+    restored = _step(llama, enable_then_disable)
+    plain = _step(llama, None)
+    _assert_same_step(restored, plain)
+    assert restored.report.recompute_ops == 0
+    assert restored.report.kept_bytes == plain.report.kept_bytes
+
+
+def _embedding_output(model: transformers.PreTrainedModel) -> torch.Tensor:
+    return model.get_input_embeddings()(_ids())
+
+
+def test_rule3_input_grads_as_hf(llama: transformers.PreTrainedModel) -> None:
+    """The input embeddings' output requires grad after ``enable`` (as after transformers' own),
+    even with frozen embeddings, and ``disable`` removes only the hooks ``enable`` added."""
+    ours, hf_own = copy.deepcopy(llama), copy.deepcopy(llama)
+    for model in (ours, hf_own):
+        model.get_input_embeddings().weight.requires_grad_(False)
+    hf_checkpointing.enable(ours)
+    hf_own.activation_checkpointing_enable()
+    assert _embedding_output(ours).requires_grad
+    assert _embedding_output(hf_own).requires_grad
+    hf_checkpointing.disable(ours)
+    assert not _embedding_output(ours).requires_grad
+    # Hooks the user (or PEFT) installed before stay after disable.
+    ours.enable_input_require_grads()
+    hf_checkpointing.enable(ours)
+    hf_checkpointing.disable(ours)
+    assert _embedding_output(ours).requires_grad
+    ours.disable_input_require_grads()
+
+
+def test_rule3_reentrant_with_frozen_embeddings(llama: transformers.PreTrainedModel) -> None:
+    """With frozen embeddings, ``use_reentrant=True`` still gives the layers their gradients:
+    the embeddings' output requires grad, as transformers arranges for its own checkpointing."""
+
+    def frozen(setup: Setup) -> Setup:
+        def apply(model: transformers.PreTrainedModel) -> None:
+            model.get_input_embeddings().weight.requires_grad_(False)
+            if setup is not None:
+                setup(model)
+
+        return apply
+
+    ours = _step(llama, frozen(lambda m: hf_checkpointing.enable(m, use_reentrant=True)))
+    assert ours.report.recompute_ops > 0
+    assert sum(grad is None for grad in ours.grads) == 1  # the embeddings only
+    _assert_same_step(ours, _step(llama, frozen(None)))
+
+
+def test_rule5_eval_mode_runs_plainly(llama: transformers.PreTrainedModel) -> None:
+    """In eval mode the layers run their plain forward (nothing recomputed), as with
+    transformers' own checkpointing."""
+    ours = _step(llama, _ours, train=False)
+    plain = _step(llama, None, train=False)
+    _assert_same_step(ours, plain)
+    assert ours.report.recompute_ops == 0
+    assert ours.report.kept_bytes == plain.report.kept_bytes
+
+
+def _train(model: transformers.PreTrainedModel, setup: Setup, steps: int) -> list[torch.Tensor]:
+    """AdamW steps on a copy of ``model``; the losses, then the final parameters."""
+    model = copy.deepcopy(model).train()
+    if setup is not None:
+        setup(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(VOCAB, (BATCH, SEQ), generator=generator)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses + [p.detach() for p in model.parameters()]
+
+
+def test_adamw_steps_identical_to_hf_own(llama: transformers.PreTrainedModel) -> None:
+    """Three AdamW steps with dropout: losses and parameters bit-identical to transformers' own
+    checkpointing and to the plain run."""
+    policy = save_matmuls()
+    ours = _train(llama, lambda m: hf_checkpointing.enable(m, policy=policy), steps=3)
+    for reference in (_train(llama, _hf_own, steps=3), _train(llama, None, steps=3)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+
+
+def test_rule4_options_reach_checkpoint_not_forward(llama: transformers.PreTrainedModel) -> None:
+    """Checkpoint options are passed to every layer's checkpoint (here ``debug`` and
+    ``early_stop``), not to the layer's forward."""
+    model = copy.deepcopy(llama)
+    hf_checkpointing.enable(model, debug=True, early_stop=False, determinism_check="none")
+    function = model.model.layers[0]._gradient_checkpointing_func
+    assert function.options == {
+        "use_reentrant": False,
+        "debug": True,
+        "early_stop": False,
+        "determinism_check": "none",
+    }
+    _assert_same_step(
+        _step(llama, lambda m: hf_checkpointing.enable(m, debug=True)), _step(llama, None)
+    )
+
+
+def test_enable_twice_replaces_the_policy(llama: transformers.PreTrainedModel) -> None:
+    """A second ``enable`` (or transformers' own enable) replaces the first: the last one wins."""
+
+    def twice(model: transformers.PreTrainedModel) -> None:
+        hf_checkpointing.enable(model, policy=save_matmuls())
+        hf_checkpointing.enable(model)
+
+    assert _step(llama, twice).report.kept_bytes == _step(llama, _ours).report.kept_bytes
+
+
+def test_module_docstring_examples() -> None:
+    """The examples in the integration's docstrings run as written."""
+    result = doctest.testmod(hf_checkpointing, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+_IMPORT_PROBE = """
+import sys
+import checkpointing, checkpointing.integrations, checkpointing.policies
+assert "transformers" not in sys.modules, "importing checkpointing imported transformers"
+sys.modules["transformers"] = None  # as if it were not installed
+try:
+    import checkpointing.integrations.transformers
+except ImportError as error:
+    print(error)
+else:
+    raise AssertionError("no ImportError without transformers")
+"""
+
+
+def test_transformers_is_optional() -> None:
+    """Importing ``checkpointing`` never imports transformers; without it, the integration
+    module raises an ImportError that says what to install."""
+    package_parent = str(Path(checkpointing.__file__).parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE],
+        env={**os.environ, "PYTHONPATH": package_parent},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for phrase in ("checkpointing.integrations.transformers", "pip install transformers", "5.23"):
+        assert phrase in result.stdout
