@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import torch
 from torch._C._autograd import SavedTensor as SavedTensor
 from torch._C._autograd import _make_saved_tensor
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
+from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch._higher_order_ops.wrap import _resolve_inductor_callable
 from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_compiled_code
 from torch._ops import HigherOrderOperator as HigherOrderOperator
@@ -89,6 +91,17 @@ def disable_dynamo(fn: _F) -> _F:
     (2.13: ``torch._disable_dynamo``)."""
     disable: Callable[[_F], _F] = torch._disable_dynamo  # type: ignore[attr-defined,assignment]  # private, overloaded
     return disable(fn)
+
+
+def skip_dynamo_in_code(fn: _F) -> _F:
+    """Keep dynamo out of ``fn`` and of every frame it calls, as ``disable_dynamo`` does, but
+    recorded once on ``fn``'s code object, so that a call costs nothing (no wrapper frame, no
+    eval-frame switch). For hot functions called by torch itself, such as a dispatch mode's
+    ``__torch_dispatch__`` (2.13: ``torch._C._dynamo.eval_frame.set_code_exec_strategy`` with
+    SKIP for the frame and its callees, the mechanism behind dynamo's own ``skip_code``)."""
+    code = fn.__code__
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    return fn
 
 
 def active_device_context() -> DeviceContext | None:
@@ -244,3 +257,11 @@ def remove_forward_hooks(
         del module._forward_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         module._forward_hooks_always_called.pop(key, None)
+
+
+def dynamo_eval_frame_active() -> bool:
+    """Whether dynamo's frame-evaluation callback is set in this thread, i.e. new Python frames
+    may be compiled (2.13: ``torch._C._dynamo.eval_frame.get_eval_frame_callback``). When it is
+    not, a ``disable_dynamo`` wrapper would only set it to ``None`` again: calling the function
+    directly is the same and skips that wrapper's cost."""
+    return _get_eval_frame_callback() not in (None, False)
