@@ -145,29 +145,28 @@ def test_parent_and_children_both_checkpointed() -> None:
     _all_three(lambda model: _step(model, _input()), prepare=_nested)
 
 
-def test_nested_recompute_runs_the_same_ops_as_torch() -> None:
-    """Nesting: the ops re-run in backward are those torch re-runs."""
-    counts = {}
-    for variant in ("torch", "ours"):
-        model, x = _nested(variant), _input()
+def _backward_ops(prepare: Callable[[str], nn.Sequential]) -> dict[str, Counter[str]]:
+    """The aten ops each variant runs in backward (recompute included)."""
+    counts: dict[str, Counter[str]] = {}
+    for variant in APPLY:
+        model, x = prepare(variant), _input()
         torch.manual_seed(7)
         loss = model(x).sum()
         with counting_ops() as ops:
             loss.backward()
         counts[variant] = ops
+    return counts
+
+
+def test_nested_recompute_runs_the_same_ops_as_torch() -> None:
+    """Nesting: the ops re-run in backward are those torch re-runs."""
+    counts = _backward_ops(_nested)
     assert counts["ours"] == counts["torch"]
 
 
 def test_recompute_op_counts_match_torch() -> None:
     """The ops run in backward (recompute included) are exactly torch's."""
-    counts: dict[str, Counter[str]] = {}
-    for variant in APPLY:
-        model, x = _prepared(variant), _input()
-        torch.manual_seed(7)
-        loss = model(x).sum()
-        with counting_ops() as ops:
-            loss.backward()
-        counts[variant] = ops
+    counts = _backward_ops(_prepared)
     assert counts["ours"] == counts["torch"]
     assert counts["ours"]["aten.tanh.default"] == 3  # each block re-ran its forward once
     assert counts["plain"]["aten.tanh.default"] == 0
