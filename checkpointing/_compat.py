@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import torch
 from torch._C._autograd import SavedTensor as SavedTensor
 from torch._C._autograd import _make_saved_tensor
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 from torch._higher_order_ops.wrap import _resolve_inductor_callable
 from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_compiled_code
 from torch._ops import HigherOrderOperator as HigherOrderOperator

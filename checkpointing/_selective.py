@@ -55,6 +55,14 @@ NOTE [Selective checkpoint cache]
           gradients. Recomputing a random op is cheap. An op with a ``dropout_p`` argument
           (the fused attention kernels) draws only when it is not 0, so attention without
           dropout is kept as the policy says.
+  Rule 11. Dynamo never traces the modes' ``__torch_dispatch__`` nor what it calls (a policy,
+          the op's own Python kernels). This matters when a ``torch.compile``d function runs
+          inside a region and breaks its graph: the eager ops between its graphs reach our
+          modes with dynamo's frame hook set, and dynamo would compile our dispatch code.
+          Torch keeps it out with a wrapper around every mode's ``__torch_dispatch__`` (a
+          Python call and two eval-frame switches per op); ours opt out of the wrapper and mark
+          the code objects once instead (``_compat.skip_dynamo_in_code``), same protection,
+          no cost per op. Under AOTAutograd tracing (Rule 9) dynamo's hook is already off.
 
 Rejected: wrapping every output through a pytree map like torch (a tree walk per op); single
 tensors, the common case, are wrapped directly and only containers are mapped. Keeping the
@@ -610,6 +618,10 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
     def ignore_compile_internals(cls) -> bool:
         return True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
+
     def __init__(self, policy: Policy, storage: _Storage, stats: OffloadStats) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         self.policy = policy
@@ -624,6 +636,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._producers.clear()
         super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
 
+    @_compat.skip_dynamo_in_code  # Rule 11
     def __torch_dispatch__(
         self,
         func: Op,
@@ -725,6 +738,10 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
     def ignore_compile_internals(cls) -> bool:
         return True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
+
     def __init__(self, storage: _Storage, allow_cache_entry_mutation: bool, stats: OffloadStats):
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         self.storage = storage
@@ -737,6 +754,7 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
         super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         return self
 
+    @_compat.skip_dynamo_in_code  # Rule 11
     def __torch_dispatch__(
         self,
         func: Op,

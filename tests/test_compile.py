@@ -9,12 +9,16 @@ is really checkpointed (it re-runs in backward).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch._dynamo.utils import counters
 
 import checkpointing
+from checkpointing import create_selective_checkpoint_contexts
+from checkpointing.policies import as_context_fn, save_matmuls
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 # After the graph break, dynamo reads ``.grad`` of the checkpoint's (non-leaf) output while it
@@ -91,3 +95,103 @@ def test_checkpoint_breaks_the_graph_instead_of_being_traced() -> None:
     explanation = torch._dynamo.explain(model)(torch.randn(3, 4))
     assert explanation.graph_break_count >= 1
     assert explanation.graph_count >= 2
+
+
+# --- Selective checkpointing: our dispatch modes stay out of dynamo (NOTE [Selective checkpoint
+# cache], Rule 11, in checkpointing/_selective.py) ----------------------------------------------
+
+
+def _sac_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Matmuls (kept by ``save_matmuls``) between elementwise ops (recomputed)."""
+    return ((x @ w).sin() @ w).cos()
+
+
+def _breaking(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A function that dynamo splits in two: ``bool()`` of a tensor and a NumPy round trip run
+    eagerly between the graphs, as ops that reach whatever dispatch mode is active."""
+    h = (x @ w).sin()
+    if h.sum() > 0:
+        h = h * 2
+    h = h + torch.from_numpy(h.detach().numpy().copy())
+    return (h @ w).cos()
+
+
+def _frames_converted(run: Callable[[], object]) -> int:
+    """How many Python frames dynamo was handed while ``run`` ran, from a fresh start."""
+    torch._dynamo.reset()
+    counters.clear()
+    run()
+    return int(counters["frames"]["total"])
+
+
+def _sac_grads(fn: Callable[[], torch.Tensor], *inputs: torch.Tensor) -> list[torch.Tensor]:
+    fn().sum().backward()
+    grads = [t.grad.clone() for t in inputs if t.grad is not None]
+    for t in inputs:
+        t.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rule11_compiled_code_with_graph_breaks_inside_sac_never_traces_our_modes(
+    backend: str,
+) -> None:
+    """A compiled function that breaks its graph, run inside our SAC region: gradients equal
+    eager's and dynamo is handed exactly the frames it gets outside SAC (our modes'
+    ``__torch_dispatch__`` and the policy are kept out, as torch's wrapper would)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+    want = _sac_grads(lambda: _breaking(x, w), x, w)
+    compiled = torch.compile(_breaking, backend=backend)
+    context_fn = as_context_fn(save_matmuls())
+    got: list[list[torch.Tensor]] = []
+
+    def inside_sac() -> None:
+        got.append(
+            _sac_grads(
+                lambda: checkpointing.checkpoint(
+                    compiled, x, w, use_reentrant=False, context_fn=context_fn
+                ),
+                x,
+                w,
+            )
+        )
+
+    outside = _frames_converted(lambda: _sac_grads(lambda: compiled(x, w), x, w))
+    inside = _frames_converted(inside_sac)
+    assert outside >= 2  # the graph break really happened
+    assert inside == outside
+    for g, e in zip(got[0], want, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rule11_our_sac_contexts_in_torch_checkpoint_inside_torch_compile(backend: str) -> None:
+    """Our contexts handed to torch's own checkpoint inside a compiled function (where torch
+    traces them, Rule 9): every backend gives eager's gradients from one frame, one graph."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+    want = _sac_grads(lambda: _sac_block(x, w), x, w)
+    context_fn = as_context_fn(save_matmuls())
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(
+            _sac_block, x, w, use_reentrant=False, context_fn=context_fn
+        )
+
+    compiled = torch.compile(step, backend=backend)
+    got: list[list[torch.Tensor]] = []
+    assert _frames_converted(lambda: got.append(_sac_grads(lambda: compiled(x, w), x, w))) == 1
+    assert counters["stats"]["unique_graphs"] == 1
+    for g, e in zip(got[0], want, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_rule11_our_modes_opt_out_of_torchs_per_op_wrapper() -> None:
+    """Our modes' ``__torch_dispatch__`` is the plain function (no ``torch._disable_dynamo``
+    wrapper, which would show as ``__wrapped__``); torch's own SAC mode keeps the wrapper."""
+    forward, recompute = create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+    for mode in (forward, recompute):
+        assert not hasattr(type(mode).__torch_dispatch__, "__wrapped__")
+    theirs, _ = torch_checkpoint.create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+    assert hasattr(type(theirs).__torch_dispatch__, "__wrapped__")
