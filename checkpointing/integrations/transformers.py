@@ -213,7 +213,7 @@ def _check_model(model: object, api: str) -> None:
 
 
 def _options(
-    policy: Policy | None, every_n_layers: object, checkpoint_options: dict[str, Any]
+    policy: Policy | None, every_n: object, checkpoint_options: dict[str, Any]
 ) -> dict[str, Any]:
     """The options each layer passes to ``checkpoint``, checked now (Rule 4)."""
     unknown = sorted(checkpoint_options.keys() - _CHECKPOINT_OPTIONS)
@@ -221,10 +221,8 @@ def _options(
         hint = _HINT_OFFLOAD if "offload" in unknown else ""
         allowed = sorted(_CHECKPOINT_OPTIONS)
         raise TypeError(_MSG_UNKNOWN_OPTION.format(names=unknown, allowed=allowed, hint=hint))
-    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int):
-        raise ValueError(_MSG_EVERY_N_LAYERS.format(got=every_n_layers))
-    if every_n_layers < 1:
-        raise ValueError(_MSG_EVERY_N_LAYERS.format(got=every_n_layers))
+    if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
+        raise ValueError(_MSG_EVERY_N_LAYERS.format(got=every_n))
     options = {"use_reentrant": False, **checkpoint_options}
     if policy is not None:
         if "context_fn" in options:
