@@ -13,7 +13,8 @@ NOTE [Determinism checks]
           must equal the saved one's; the error lists every position that differs.
   Rule 3. ``"none"`` skips Rule 2 (and records no metadata at all in forward); any other value is
           a ``ValueError`` that lists the allowed values.
-  Rule 4. With debug on, the error carries both op logs and names the first divergent op.
+  Rule 4. With debug on, the error carries both op logs and names the first divergent op, and
+          keeps torch's guidance paragraph word for word.
 """
 
 from __future__ import annotations
@@ -92,12 +93,31 @@ An error happened while unpacking tensors; dumping logs of latest computation be
 {recompute_ops}
 +------------------------------------------------------------------------------+
 {divergence}
- ERROR: Detected non-determinism while running activation checkpointing.
- The tensors saved during the original forward differ from those saved during recomputation,
- which happens when different operators run in the two passes. Compare the logs above (detach
- calls are ignored: checkpointing itself adds them), starting at the first divergence.
+ ERROR: Detected non-determinism while running activation checkpointing
+
+{guidance}
+ In this report each operator is followed by the line of your code that ran it ("at
+ file:line"), detach calls are left out of the comparison (checkpointing itself adds them), and
+ the first divergence is named above the ERROR line.
  Original error:
 {error}
+"""
+# torch's own guidance, word for word: tools and tests search error texts for it. Its last part
+# (a map of torch's four report sections) is left out: this report is laid out differently.
+_MSG_TORCH_GUIDANCE = """\
+ You are seeing this error because you passed `debug=True` to checkpoint and
+ tensors to be saved during the original forward and differ between those saved
+ during recomputation. This can happen if different operators were ran in the
+ original forward and in the recomputation.
+
+ To identify where the mismatch may be coming from, you can do the following:
+
+ 1) Compare the operators ran during original forward and recomputation to
+    see where they differ. These operators are printed above in the order they
+    were executed.
+
+ 2) Review the stack trace for each operator to locate its invocation source.
+    Each operator's stack trace is printed in their execution order.
 """
 
 
@@ -271,6 +291,7 @@ def debug_error(error: CheckpointError, forward: OpLogger, recompute: OpLogger) 
             forward_ops=forward.lines(),
             recompute_ops=recompute.lines(),
             divergence=first_divergence(forward, recompute),
+            guidance=_MSG_TORCH_GUIDANCE,
             error=str(error),
         )
     ) from error

@@ -329,6 +329,20 @@ def test_debug_report_keeps_the_original_error() -> None:
     assert "Number of tensors saved during recomputation: 2" in message
 
 
+@pytest.mark.parametrize("way", ["argument", "setting"])
+def test_debug_report_keeps_torchs_guidance_word_for_word(way: str) -> None:
+    """Rule 4: torch's guidance paragraph, cut from torch's own report, is in ours verbatim."""
+    torch_message = str(_debug_ways(TORCH)[way](saves_fewer))
+    start = torch_message.index("You are seeing this error because you passed `debug=True`")
+    end = torch_message.index("Note that the logs can be quite long")
+    guidance = torch_message[start:end].rstrip()
+    assert "1) Compare the operators" in guidance
+    assert "2) Review the stack trace" in guidance
+    for v in BOTH:
+        message = _assert_checkpoint_error(v, _debug_ways(v)[way](saves_fewer), guidance)
+        assert message.index(guidance) > message.index("Operations executed during recomputation")
+
+
 def test_debug_setting_off_overrides_the_argument() -> None:
     """set_checkpoint_debug_enabled(False) beats debug=True; None defers to the argument."""
     for v in BOTH:

@@ -404,6 +404,20 @@ MISTAKES: dict[str, Mistake] = {
         CheckpointError,
         ("different metadata", "torch.float64", "debug=True"),
     ),
+    "function saves fewer tensors in recompute, debug=True": Mistake(
+        lambda m: _non_reentrant(m, _changing_fn(True), _x(), debug=True).sum().backward(),
+        CheckpointError,
+        (
+            "Operations executed during recomputation",
+            "First divergence at op",
+            "Detected non-determinism while running activation checkpointing",
+            "You are seeing this error because you passed `debug=True` to checkpoint and",
+            "1) Compare the operators ran during original forward and recomputation to",
+            "2) Review the stack trace for each operator to locate its invocation source.",
+            "Number of tensors saved during forward: 2",
+        ),
+        torch_too=True,
+    ),
     "context_fn suppresses an exception of the forward": Mistake(
         _suppressing_context,
         RuntimeError,
