@@ -112,6 +112,16 @@ def _assert_same_step(ours: Step, reference: Step) -> None:
     assert any(grad is not None for grad in ours.grads)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch thread: these tiny models gain nothing from two, and on a busy machine the
+    second thread's waiting costs more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request: pytest.FixtureRequest) -> transformers.PreTrainedModel:
     """Each tiny model once per module (built from its config, random weights)."""
