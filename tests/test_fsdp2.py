@@ -1,17 +1,24 @@
 """FSDP2 (``fully_shard``, gloo, 2 CPU processes) with our checkpointing, against torch's.
 
 One pair of spawned workers runs every case: a stack of residual blocks (Linear, dropout, tanh,
-Linear), checkpointed per block in one of several ways, sharded with ``fully_shard`` per block and
-at the root, one forward and backward on the rank's own half of a global batch. Each worker writes
-the full gradients (``p.grad.full_tensor()``) and the activation bytes kept for backward
-(``saved_tensors_report``) of every case to a file; the tests compare them.
+Linear), checkpointed per block in one of several ways (``checkpoint_module``, the wrappers,
+selective checkpointing, and weight noise in a ``gradient_checkpoint_scope``; the hooks and
+wrappers both before and after ``fully_shard``), sharded with ``fully_shard`` per block and at
+the root, two forward/backward steps on the rank's own half of a global batch. Each worker writes
+the accumulated full gradients (``p.grad.full_tensor()``) and the bytes that the first forward
+leaves alive for backward of every case to a file; the tests compare them.
 
 Data and randomness, consciously: rank ``r`` feeds rows ``r::2`` of the global batch, and the CPU
-RNG is seeded identically on both ranks before every case, so both ranks draw the same dropout
-masks and weight noise. FSDP2 averages the two ranks' gradients; the single-process reference does
-the same sums in the test process: one plain run per half, from the same seed, averaged. Ours
-against torch's equivalent under ``fully_shard`` is compared bitwise (same ops, same reduction);
-against the single process to 1e-12 (float64; the reduction adds in another order).
+RNG is seeded identically on both ranks before every step (each step its own seed), so both ranks
+draw the same dropout masks and weight noise. FSDP2 averages the two ranks' gradients; the
+single-process reference does the same sums in the test process: one plain run per half and
+step, from that step's seed, averaged over halves. Ours against torch's equivalent under
+``fully_shard`` is compared bitwise (same ops, same reduction); against the single process to
+1e-12 (float64; the reduction adds in another order).
+
+Bytes: a dispatch mode records every storage that an aten op allocates during the first forward,
+and counts those still alive when it returns (FSDP2's own buffers left out). Unlike an outer
+saved-tensors hook, this sees what a selective-checkpoint cache keeps, ours or torch's alike.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ DEPTH = 3
 BATCH = 4  # rows per rank
 NOISE = 0.05
 SEED = 1234
+STEPS = 2  # gradients accumulate over both: the hooks must leave nothing behind between steps
 
 # Case -> the single-process run it must match (and, if any, torch's equivalent it must match
 # bitwise under fully_shard).
@@ -140,7 +148,9 @@ def _prepare(case: str) -> nn.Module:
         "torch_sac": functools.partial(torch_checkpoint, context_fn=_torch_sac_context),
         "ours_sac": functools.partial(
             checkpointing.checkpoint_module,
-            context_fn=checkpointing.policies.as_context_fn(save_matmuls()),
+            context_fn=functools.partial(
+                checkpointing.create_selective_checkpoint_contexts, save_matmuls()
+            ),
         ),
     }
     after_shard = case.endswith("_after_shard")
@@ -216,12 +226,16 @@ def _bytes_alive_after() -> Iterator[list[int]]:
 
 
 def _run_case(case: str, x: torch.Tensor) -> dict[str, Any]:
-    """One forward and backward of ``case`` under ``fully_shard``: full gradients and bytes."""
+    """``STEPS`` forwards and backwards of ``case`` under ``fully_shard``, each from its own
+    seed: the accumulated full gradients, and the bytes kept from the first forward."""
     net = _prepare(case)
     torch.manual_seed(SEED)
     with _bytes_alive_after() as alive:
         loss = _loss(net, x)
     loss.backward()
+    for step in range(1, STEPS):
+        torch.manual_seed(SEED + step)
+        _loss(net, x).backward()
     grads = {
         _name(name): p.grad.full_tensor()  # type: ignore[union-attr]
         for name, p in net.named_parameters()
@@ -252,13 +266,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @functools.cache
 def _single_process(noise: str) -> dict[str, torch.Tensor]:
-    """Gradients of one process without checkpointing: each rank's half from the same seed,
-    averaged as FSDP2's reduce-scatter averages them."""
+    """Gradients of one process without checkpointing: each step on each rank's half from that
+    step's seed, averaged over ranks as FSDP2's reduce-scatter averages them."""
     net = Net(noise=noise)
     batch = _global_batch()
-    for rank in range(WORLD_SIZE):
-        torch.manual_seed(SEED)
-        _loss(net, batch[rank::WORLD_SIZE]).backward()
+    for step in range(STEPS):
+        for rank in range(WORLD_SIZE):
+            torch.manual_seed(SEED + step)
+            _loss(net, batch[rank::WORLD_SIZE]).backward()
     return {name: p.grad / WORLD_SIZE for name, p in net.named_parameters()}  # type: ignore[operator]
 
 
