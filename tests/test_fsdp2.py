@@ -36,6 +36,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_support import WORLD_SIZE, gloo_group, spawn_pair
 from torch import nn
+from torch.distributed._composable import checkpoint as torch_checkpoint
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper as torch_checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import checkpointing
@@ -132,13 +138,6 @@ def _torch_sac_context() -> Any:
 
 def _prepare(case: str) -> nn.Module:
     """The case's model: checkpointed per block, then (or, ``*_after_shard``, first) sharded."""
-    from torch.distributed._composable import checkpoint as torch_checkpoint
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        checkpoint_wrapper as torch_checkpoint_wrapper,
-    )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     net = Net(noise=case.removeprefix("noise_") if case.startswith("noise_") else "none")
     checkpoint_block: dict[str, Any] = {
         "torch_module": torch_checkpoint,
