@@ -14,6 +14,7 @@ from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
 from ._module import checkpoint_module, remove_checkpoint_module
+from ._planning import ActivationPlan, plan_checkpointing
 from ._reentrant import CheckpointFunction
 from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
 from ._scope import gradient_checkpoint_scope, gradient_checkpoint_session
@@ -42,6 +43,7 @@ _checkpoint_without_reentrant_generator = _frame.checkpoint_without_reentrant_ge
 
 __all__ = [
     "SAC_IGNORED_OPS",
+    "ActivationPlan",
     "CheckpointError",
     "CheckpointFunction",
     "CheckpointPolicy",
@@ -64,6 +66,7 @@ __all__ = [
     "gradient_checkpoint_session",
     "is_recomputing",
     "noop_context_fn",
+    "plan_checkpointing",
     "remove_checkpoint_module",
     "saved_tensors_report",
     "set_checkpoint_debug_enabled",

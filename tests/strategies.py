@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from checkpointing import policies
+from checkpointing._planning.solver import Problem, RegionChoices, Unit
 from checkpointing._selective import CheckpointPolicy
 
 LayerKind = Literal["linear", "relu", "gelu", "tanh", "silu", "layernorm", "dropout"]
@@ -195,9 +196,7 @@ def stacks_and_segments(
 
 def segment_counts(max_functions: int = 12) -> st.SearchStrategy[tuple[int, int]]:
     """``(n_functions, segments)`` pairs with ``1 <= segments <= n_functions <= max_functions``."""
-    return st.integers(1, max_functions).flatmap(
-        lambda n: st.tuples(st.just(n), st.integers(1, n))
-    )
+    return st.integers(1, max_functions).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,12 +204,32 @@ def segment_counts(max_functions: int = 12) -> st.SearchStrategy[tuple[int, int]
 # ---------------------------------------------------------------------------------------------
 
 OpName = Literal[
-    "sin", "tanh", "sigmoid", "relu", "softmax", "mul_w", "add_w", "matmul_w", "center",
-    "add_column_sums", "mix_detached", "dropout",
+    "sin",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "softmax",
+    "mul_w",
+    "add_w",
+    "matmul_w",
+    "center",
+    "add_column_sums",
+    "mix_detached",
+    "dropout",
 ]
 PROGRAM_OPS: tuple[OpName, ...] = (
-    "sin", "tanh", "sigmoid", "relu", "softmax", "mul_w", "add_w", "matmul_w", "center",
-    "add_column_sums", "mix_detached", "dropout",
+    "sin",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "softmax",
+    "mul_w",
+    "add_w",
+    "matmul_w",
+    "center",
+    "add_column_sums",
+    "mix_detached",
+    "dropout",
 )
 
 
@@ -323,12 +342,36 @@ def op_programs(draw: st.DrawFn, *, min_depth: int = 1, max_leaves: int = 10) ->
 # --- Selective checkpointing: op chains and random policies (tests/test_selective.py) ---------
 
 SacStep = Literal[
-    "matmul", "addmm", "bmm", "relu", "sin", "sigmoid", "mul_self", "add_input", "transpose",
-    "chunk_cat", "max_dim", "softmax", "tag", "rand_mul",
+    "matmul",
+    "addmm",
+    "bmm",
+    "relu",
+    "sin",
+    "sigmoid",
+    "mul_self",
+    "add_input",
+    "transpose",
+    "chunk_cat",
+    "max_dim",
+    "softmax",
+    "tag",
+    "rand_mul",
 ]
 SAC_STEPS: tuple[SacStep, ...] = (
-    "matmul", "addmm", "bmm", "relu", "sin", "sigmoid", "mul_self", "add_input", "transpose",
-    "chunk_cat", "max_dim", "softmax", "tag", "rand_mul",
+    "matmul",
+    "addmm",
+    "bmm",
+    "relu",
+    "sin",
+    "sigmoid",
+    "mul_self",
+    "add_input",
+    "transpose",
+    "chunk_cat",
+    "max_dim",
+    "softmax",
+    "tag",
+    "rand_mul",
 )
 
 
@@ -394,9 +437,7 @@ def sac_chains(
 ) -> SacChain:
     """A random ``SacChain`` of 1..10 steps (of ``kinds``) on a 2..6 square tensor."""
     steps = draw(st.lists(st.sampled_from(kinds), min_size=min_steps, max_size=max_steps))
-    return SacChain(
-        tuple(steps), n=draw(st.integers(2, 6)), seed=draw(st.integers(0, 2**31 - 1))
-    )
+    return SacChain(tuple(steps), n=draw(st.integers(2, 6)), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 def sac_answers(*, offload: bool = True) -> st.SearchStrategy[tuple[object, ...]]:
@@ -404,20 +445,42 @@ def sac_answers(*, offload: bool = True) -> st.SearchStrategy[tuple[object, ...]
     ``ScriptedPolicy`` returns in turn; ``offload=False`` leaves out the offload values."""
     ours = [p for p in CheckpointPolicy if offload or "OFFLOAD" not in p.name]
     theirs = [p for p in torch_checkpoint.CheckpointPolicy if offload or "OFFLOAD" not in p.name]
-    return st.lists(
-        st.sampled_from([*ours, *theirs, True, False]), min_size=1, max_size=8
-    ).map(tuple)
+    return st.lists(st.sampled_from([*ours, *theirs, True, False]), min_size=1, max_size=8).map(
+        tuple
+    )
 
 
 # --- Scope API: random op graphs with gradient_checkpoint_scope blocks (test_scope_properties) ---
 
 GraphOpName = Literal[
-    "add", "mul", "sin", "tanh", "exp", "matmul", "sum", "mean", "t", "reshape", "slice",
-    "dropout", "noise",
+    "add",
+    "mul",
+    "sin",
+    "tanh",
+    "exp",
+    "matmul",
+    "sum",
+    "mean",
+    "t",
+    "reshape",
+    "slice",
+    "dropout",
+    "noise",
 ]
 GRAPH_OPS: tuple[GraphOpName, ...] = (
-    "add", "mul", "sin", "tanh", "exp", "matmul", "sum", "mean", "t", "reshape", "slice",
-    "dropout", "noise",
+    "add",
+    "mul",
+    "sin",
+    "tanh",
+    "exp",
+    "matmul",
+    "sum",
+    "mean",
+    "t",
+    "reshape",
+    "slice",
+    "dropout",
+    "noise",
 )
 
 
@@ -538,3 +601,33 @@ def scoped_graphs(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 8) ->
         blocks = ((a, b), (c, d)) if layout == "sequential" else ((a, d), (b, c))
     n, seed = draw(st.integers(2, 4)), draw(st.integers(0, 2**31 - 1))
     return ScopedGraph(steps, blocks, n=n, seed=seed)
+
+
+@st.composite
+def planner_problems(draw: st.DrawFn, *, max_regions: int = 3, max_units: int = 3) -> Problem:
+    """A small ``checkpointing._planning.solver.Problem``: 1-3 regions with 0-3 units each,
+    storages of 1-8 "bytes"; region inputs may be the previous region's last unit output
+    (a storage two regions keep, as in a chain of blocks), and some storages are kept outside
+    every region."""
+    storage_bytes: dict[int, int] = {}
+
+    def storage() -> int:
+        key = len(storage_bytes)
+        storage_bytes[key] = draw(st.integers(1, 8))
+        return key
+
+    regions = []
+    previous: int | None = None
+    for _ in range(draw(st.integers(1, max_regions))):
+        inputs = {previous} if previous is not None and draw(st.booleans()) else {storage()}
+        units = tuple(
+            Unit(("aten.mm.default", i), draw(st.integers(0, 5)) / 1000, (storage(),))
+            for i in range(draw(st.integers(0, max_units)))
+        )
+        outputs = [s for u in units for s in u.storages]
+        saved = set(inputs) | {s for s in outputs if draw(st.booleans())}
+        forced = draw(st.integers(0, 3)) / 1000
+        regions.append(RegionChoices(frozenset(saved), frozenset(inputs), forced, units))
+        previous = outputs[-1] if outputs else None
+    outside = frozenset(s for s in storage_bytes if draw(st.integers(0, 9)) == 0)
+    return Problem(tuple(regions), storage_bytes, outside)

@@ -23,6 +23,7 @@ PARITY_CLASSES = [n for n in PARITY_NAMES if inspect.isclass(getattr(torch_check
 # Our own public names beyond torch's (README "Entry points"). Adding a name to __all__ means
 # adding it here too, so that every change of the public surface is a deliberate one.
 OWN_NAMES = {
+    "ActivationPlan",
     "OffloadStats",
     "SavedTensorRecord",
     "SavedTensorsReport",
@@ -32,6 +33,7 @@ OWN_NAMES = {
     "gradient_checkpoint_scope",
     "gradient_checkpoint_session",
     "is_recomputing",
+    "plan_checkpointing",
     "remove_checkpoint_module",
     "saved_tensors_report",
 }

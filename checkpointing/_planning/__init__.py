@@ -1,0 +1,57 @@
+"""Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
+
+``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``profile.py``
+watches real steps; ``solver.py`` chooses. The rules below are shared by all three.
+
+NOTE [Planner model]
+  Rule 1. Bytes are storages: a tensor kept for backward costs its whole storage, once, however
+          many views of it are kept and however many ops keep it (as the saved-tensor report
+          counts them).
+  Rule 2. Activations are the storages produced by ops during the step; the parameters, buffers
+          and example inputs (and anything made before the step) are not: they stay in memory
+          whatever is checkpointed. Tensors that do not require grad but are saved (dropout
+          masks, attention masks made in forward) are activations: they take memory.
+  Rule 3. An op inside a region is keyed by its overload and its occurrence index among that
+          overload's calls in one call of the region, counting as selective checkpointing counts
+          (``SAC_IGNORED_OPS`` skipped; NOTE [Selective checkpoint cache], Rule 3), so the
+          policy installed by ``apply`` sees in forward the keys the profile saw, and recompute
+          replays the forward's decisions.
+  Rule 4. Views cost nothing: an op whose outputs share an input's storage is never saved (its
+          base is) and is always re-run in recompute, where it is free.
+  Rule 5. In-place groups share their producer's fate: a storage written in place inside a
+          region (and the op that made it) is recomputed, never saved: a saved producer would be
+          version-checked against its later writes, a saved writer would not re-apply its write
+          to the recomputed base.
+  Rule 6. Random ops (and everything in their in-place group, e.g. dropout's mask) are
+          recomputed (NOTE [Selective checkpoint cache], Rule 10).
+  Rule 7. What a choice keeps: the storages saved outside every region, plus per region either
+          what autograd saves in it (not checkpointed) or its inputs and its saved ops' outputs
+          (checkpointed). The exact count is their union; the solver's knapsack uses the sum per
+          region, an upper bound (a storage kept by two regions counts twice), and every answer
+          is checked, and finished, against the exact union.
+  Rule 8. Profiling leaves the model as found: parameters (values and ``.grad``: gradients go
+          through ``torch.autograd.grad``), buffers (copied back), CPU and CUDA RNG states
+          (``torch.random.fork_rng``), module hooks (removed).
+  Rule 9. An op's time is its fastest over the measured steps, summed over the region's calls.
+          Below ``_TRUSTED_SECONDS`` a time is mostly dispatch noise: ops whose FLOPs torch
+          counts get FLOPs / (the FLOP rate of the step's slower ops) instead.
+  Rule 10. Offload (``host_budget``, accelerators only) replaces recompute of an op output
+          where moving it to host and back (at ``_HOST_BYTES_PER_SECOND`` each way) is predicted
+          cheaper than re-running the op, best gain per host byte first, within the host budget;
+          it does not change the device bytes the solver chose.
+  Rule 11. ``apply`` installs ``checkpoint_module`` (non-reentrant; names and ``state_dict``
+          keys untouched) on each checkpointed region, with a selective policy only where it
+          keeps or offloads something: a region that keeps nothing runs as plain checkpoint.
+  Rule 12. Inputs whose shapes differ from the profiled ones warn once per ``apply`` ("re-plan"):
+          the bytes and times describe the profiled shapes only.
+
+Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
+hidden behind the frame's holders), and torch's ``SACEstimator`` (private, CUDA-oriented, and it
+counts per tensor, not per storage).
+"""
+
+from __future__ import annotations
+
+from .plan import ActivationPlan, RegionDecision, plan_checkpointing
+
+__all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]

@@ -1,0 +1,640 @@
+"""``plan_checkpointing`` and ``ActivationPlan``: the planner's front door and its result.
+
+Owns choosing the regions, reading the budget, turning the solver's answer into per-region
+decisions keyed by op name and occurrence (Rule 3), installing them with ``checkpoint_module``
+and a selective policy per region (Rule 11), removing them, printing them and their JSON form.
+Profiling belongs to ``profile``, deciding to ``solver``; the checkpoint mechanics to
+``_module`` and ``_selective``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from .. import _compat
+from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
+from .._selective import (
+    CheckpointPolicy,
+    Op,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
+from .._state import noop_context_fn
+from .profile import StepProfile, profile_step, tensors
+from .solver import Problem, Solution, kept_storages, solve
+
+__all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]
+
+_FORMAT: Final = "checkpointing.ActivationPlan/1"
+# Host<->device bandwidth assumed for offload, each way (PCIe 4 x16 in practice reaches ~12-25
+# GB/s; the lower end keeps offload from looking cheaper than it is).
+_HOST_BYTES_PER_SECOND: Final = 10e9
+
+Key = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionDecision:
+    """What the plan does with one region (a submodule, by its qualified name)."""
+
+    name: str
+    type_name: str
+    checkpoint: bool
+    save: tuple[Key, ...] = ()
+    """Outputs kept from the forward: (op, occurrence index within one call of the region)."""
+    offload: tuple[Key, ...] = ()
+    """Outputs moved to host memory in forward and back for recompute."""
+    ops: int = 0
+    kept_bytes: int = 0
+    recompute_ms: float = 0.0
+
+    def describe(self) -> str:
+        """The decision in words, for the table."""
+        if not self.checkpoint:
+            return "keep (no checkpoint)"
+        parts = [f"save {len(self.save)}/{self.ops} ops" if self.save else "recompute all"]
+        if self.offload:
+            parts.append(f"offload {len(self.offload)}")
+        return "checkpoint, " + ", ".join(parts)
+
+
+_MSG_BUDGET_TYPE = (
+    "checkpointing.plan_checkpointing: budget must be a float in (0, 1] (a fraction of the "
+    "activation bytes the model keeps without checkpointing) or an int (bytes), got {got!r}. "
+    "Fix: e.g. budget=0.5 or budget=2 * 1024**3."
+)
+_MSG_HOST_BUDGET = (
+    "checkpointing.plan_checkpointing: host_budget must be None or an int >= 0 (bytes of host "
+    "memory offloaded activations may use), got {got!r}. Fix: e.g. host_budget=8 * 1024**3."
+)
+_MSG_BELOW_FLOOR = (
+    "checkpointing.plan_checkpointing: budget {budget:,} bytes is below the smallest reachable "
+    "{floor:,} bytes ({share:.1%} of the {baseline:,} bytes kept without checkpointing: every "
+    "region checkpointed, keeping only its inputs and what runs outside the regions). Fix: give "
+    "a budget of at least {floor:,} bytes, or choose regions that split the model finer "
+    "(regions=...) so that less is kept at their boundaries."
+)
+_MSG_NO_REGIONS = (
+    "checkpointing.plan_checkpointing: found no regions in {type_name}: {why}. Fix: pass "
+    "regions=lambda module: isinstance(module, MyBlock) naming the blocks to checkpoint."
+)
+_MSG_REGIONS_TYPE = (
+    "checkpointing.plan_checkpointing: regions must be None or a predicate "
+    "(module) -> bool, got {got!r}. Fix: e.g. regions=lambda m: isinstance(m, MyBlock)."
+)
+_MSG_CHECKPOINTED = (
+    "checkpointing.plan_checkpointing: region {name!r} is already checkpointed, so profiling "
+    "would not see what it saves. Fix: call plan.remove(model) (or "
+    "checkpointing.remove_checkpoint_module) before planning again."
+)
+_MSG_APPLIED_TWICE = (
+    "checkpointing.ActivationPlan.apply: this plan is already applied to a model; applying it "
+    "again would checkpoint its regions twice. Fix: call plan.remove(model) first."
+)
+_MSG_OTHER_MODEL = (
+    "checkpointing.ActivationPlan.apply: this plan was profiled on another model object "
+    "({expected}), not on the {observed} given. Its bytes and times describe that model. Fix: "
+    "plan this one with plan_checkpointing(model, ...), or apply a copy of the decisions on "
+    "purpose: ActivationPlan.from_json(plan.to_json()).apply(model)."
+)
+_MSG_STRUCTURE = (
+    "checkpointing.ActivationPlan.apply: the model has no {type_name} named {name!r} (found "
+    "{found}). The plan's regions must exist in the model under the same names. Fix: apply the "
+    "plan to the model it was made for, or re-plan this one with plan_checkpointing."
+)
+_MSG_NOT_APPLIED = (
+    "checkpointing.ActivationPlan.remove: this plan is not applied to the {type_name} given, so "
+    "there is nothing to remove. Fix: remove it from the model passed to plan.apply(model)."
+)
+_MSG_REGION_TAKEN = (
+    "checkpointing.ActivationPlan.apply: region {name!r} is already checkpointed (by "
+    "checkpoint_module or another plan). Fix: remove that checkpoint first."
+)
+_MSG_RESHAPED = (
+    "checkpointing.ActivationPlan: the model was called with input shapes {observed}, but the "
+    "plan was profiled with {expected}; its bytes and times do not describe these inputs, so "
+    "the budget may not hold. Fix: re-plan with plan_checkpointing(model, inputs_of_this_shape, "
+    "budget=...). (Warned once per apply.)"
+)
+_MSG_JSON = (
+    "checkpointing.ActivationPlan.from_json: {why}. Fix: pass the text plan.to_json() wrote."
+)
+_MSG_UNKNOWN_OP = (
+    "checkpointing.ActivationPlan.from_json: unknown op {name!r} (expected a name like "
+    "'aten.mm.default' that torch.ops resolves). Fix: load the plan with the torch version "
+    "and custom-op libraries it was made with, or re-plan."
+)
+
+
+def plan_checkpointing(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    budget: float | int,
+    regions: Callable[[nn.Module], bool] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    host_budget: int | None = None,
+) -> ActivationPlan:
+    """Choose what to checkpoint so that the activations kept for backward fit ``budget``.
+
+    Profiles a few real forward+backward steps of ``model`` on the example inputs (the model,
+    its buffers, ``.grad`` and the RNG states are left as they were), then chooses per region
+    whether to checkpoint it and, inside checkpointed regions, which op outputs to keep,
+    recompute or (with ``host_budget`` on an accelerator) offload, at the least predicted
+    recompute time. Nothing is installed until ``plan.apply(model)``.
+
+    Args:
+        model: any ``nn.Module``; it must run without checkpointing while it is profiled.
+        example_inputs: the positional arguments of one step (a tensor, or a tuple of them).
+        budget: a float in (0, 1]: a fraction of the activation bytes the model keeps without
+            checkpointing; or an int: bytes. Activation bytes are the storages autograd keeps
+            for backward, each once, except the parameters, buffers and example inputs.
+        regions: a predicate on submodules naming the regions (the outermost matches);
+            default: the blocks of the model's longest ``nn.ModuleList``/``nn.Sequential``.
+        example_kwargs: keyword arguments of one step.
+        loss_fn: ``loss_fn(output) -> scalar``; default: the sum of the floating-point outputs.
+        host_budget: bytes of host memory that offloaded outputs may use (accelerators only;
+            on CPU, host memory is the device memory and nothing is offloaded).
+
+    Returns:
+        An ``ActivationPlan``: ``print(plan)``, ``plan.apply(model)``, ``plan.remove(model)``,
+        ``plan.frontier()``, ``plan.to_json()``.
+
+    Raises:
+        ValueError: the budget is below the smallest reachable bytes (the message names them).
+
+    Example:
+        >>> import torch, checkpointing
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8),
+        ...                               torch.nn.Tanh()) for _ in range(4)])
+        >>> x = torch.randn(16, 8, requires_grad=True)
+        >>> plan = checkpointing.plan_checkpointing(model, x, budget=0.75)
+        >>> _ = plan.apply(model)
+        >>> model(x).sum().backward()
+        >>> _ = plan.remove(model)
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise TypeError(_MSG_BUDGET_TYPE.format(got=budget))
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
+    if host_budget is not None and (
+        isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0
+    ):
+        raise ValueError(_MSG_HOST_BUDGET.format(got=host_budget))
+    named = find_regions(model, regions)
+    for name, module in named:
+        if is_module_checkpointed(module):
+            raise ValueError(_MSG_CHECKPOINTED.format(name=name))
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    profile = profile_step(model, named, args, dict(example_kwargs or {}), loss_fn)
+    problem = profile.problem()
+    first = solve(problem, 0)
+    floor, baseline = first.floor_bytes, first.baseline_bytes
+    budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
+    if budget_bytes < floor:
+        raise ValueError(
+            _MSG_BELOW_FLOOR.format(
+                budget=budget_bytes, floor=floor, baseline=baseline, share=floor / max(baseline, 1)
+            )
+        )
+    solution = solve(problem, budget_bytes)
+    offload = _offloads(profile, problem, solution, host_budget)
+    plan = ActivationPlan._from_solution(profile, problem, solution, budget_bytes, offload)
+    plan._model = weakref.ref(model)
+    return plan
+
+
+def find_regions(
+    model: nn.Module, predicate: Callable[[nn.Module], bool] | None
+) -> list[tuple[str, nn.Module]]:
+    """The regions, outermost matches of ``predicate`` (default: the longest container's
+    blocks), in the model's module order, with their qualified names."""
+    if predicate is None:
+        containers = [
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) > 0
+        ]
+        if not containers:
+            raise ValueError(
+                _MSG_NO_REGIONS.format(
+                    type_name=type(model).__name__, why="it has no nn.ModuleList or nn.Sequential"
+                )
+            )
+        name, container = max(containers, key=lambda c: len(c[1]))  # the first longest
+        prefix = f"{name}." if name else ""
+        return [(f"{prefix}{child}", m) for child, m in container.named_children()]
+    if not callable(predicate):
+        raise TypeError(_MSG_REGIONS_TYPE.format(got=predicate))
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found)
+        if not inside and predicate(module):
+            found.append((name, module))
+    if not found:
+        raise ValueError(
+            _MSG_NO_REGIONS.format(type_name=type(model).__name__, why="the predicate matched none")
+        )
+    return found
+
+
+def _offloads(
+    profile: StepProfile, problem: Problem, solution: Solution, host_budget: int | None
+) -> list[frozenset[int]]:
+    """Per region, the units to offload instead of recomputing: where moving the output to host
+    and back is predicted cheaper than recomputing it, best gain per host byte first, within
+    ``host_budget`` (Rule 10). Nothing on CPU: there, host memory is the device memory."""
+    chosen: list[set[int]] = [set() for _ in problem.regions]
+    if host_budget is None or profile.device.startswith("cpu"):
+        return [frozenset(c) for c in chosen]
+    candidates = []
+    for index, (region, choice) in enumerate(zip(problem.regions, solution.choices, strict=True)):
+        if not choice.checkpoint:
+            continue
+        for position, unit in enumerate(region.units):
+            nbytes = sum(problem.storage_bytes[s] for s in unit.storages)
+            gain = unit.seconds - 2 * nbytes / _HOST_BYTES_PER_SECOND
+            if position not in choice.saved and gain > 0 and nbytes > 0:
+                candidates.append((-gain / nbytes, index, position, nbytes))
+    used = 0
+    for _, index, position, nbytes in sorted(candidates):
+        if used + nbytes <= host_budget:
+            used += nbytes
+            chosen[index].add(position)
+    return [frozenset(c) for c in chosen]
+
+
+class _KeyedPolicy:
+    """One region call's selective policy: the decision for each (op, occurrence) (Rule 3).
+    A fresh one per call of the region, so occurrences count from 0 in every forward."""
+
+    __slots__ = ("counts", "decisions")
+
+    def __init__(self, decisions: dict[tuple[Op, int], CheckpointPolicy]) -> None:
+        self.decisions = decisions
+        self.counts: dict[Op, int] = {}
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        index = self.counts.get(op, 0)
+        self.counts[op] = index + 1
+        return self.decisions.get((op, index), CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+class _RegionContexts:
+    """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``."""
+
+    __slots__ = ("decisions",)
+
+    def __init__(self, decisions: dict[tuple[Op, int], CheckpointPolicy]) -> None:
+        self.decisions = decisions
+
+    def __call__(self) -> tuple[_compat.TorchDispatchMode, _compat.TorchDispatchMode]:
+        return create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
+
+
+def resolve_op(name: str) -> Op:
+    """The op named like ``aten.mm.default`` (what ``str(op)`` gives)."""
+    namespace, _, rest = name.partition(".")
+    packet, _, overload = rest.rpartition(".")
+    try:
+        op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, RuntimeError):
+        raise ValueError(_MSG_UNKNOWN_OP.format(name=name)) from None
+    if not isinstance(op, _compat.OpOverload):
+        raise ValueError(_MSG_UNKNOWN_OP.format(name=name))
+    return op
+
+
+@dataclass
+class _Applied:
+    """Where a plan is installed: the model, its checkpointed regions, the shape-check hook."""
+
+    model: weakref.ref[nn.Module]
+    modules: list[nn.Module]
+    hook: torch.utils.hooks.RemovableHandle | None = None
+    warned: bool = False
+
+
+class ActivationPlan:
+    """What to checkpoint, save, recompute and offload to fit a memory budget.
+
+    Made by ``checkpointing.plan_checkpointing`` (or ``ActivationPlan.from_json``). Install
+    with ``apply(model)``, undo with ``remove(model)``; ``print(plan)`` shows per region the
+    decision, kept bytes and predicted recompute time against the budget; ``frontier()`` gives
+    the (kept bytes, recompute ms) trade-off from keeping everything to checkpointing all.
+
+    Attributes:
+        regions: one ``RegionDecision`` per region, in model order.
+        budget_bytes, baseline_bytes, floor_bytes: the budget, the bytes kept without
+            checkpointing, and the fewest bytes any plan keeps.
+        kept_bytes, recompute_ms: the plan's predicted kept bytes and recompute time.
+        step_ms: the profiled step's time (forward and backward, without checkpointing).
+        solver: ``"exact"``, or ``"greedy"`` with ``bound_ms`` its worst-case excess.
+    """
+
+    def __init__(
+        self,
+        *,
+        regions: tuple[RegionDecision, ...],
+        budget_bytes: int,
+        baseline_bytes: int,
+        floor_bytes: int,
+        outside_bytes: int,
+        kept_bytes: int,
+        recompute_ms: float,
+        step_ms: float,
+        solver: str,
+        bound_ms: float,
+        device: str,
+        input_shapes: list[list[int]],
+        frontier: list[tuple[int, float]],
+    ) -> None:
+        self.regions = regions
+        self.budget_bytes = budget_bytes
+        self.baseline_bytes = baseline_bytes
+        self.floor_bytes = floor_bytes
+        self.outside_bytes = outside_bytes
+        self.kept_bytes = kept_bytes
+        self.recompute_ms = recompute_ms
+        self.step_ms = step_ms
+        self.solver = solver
+        self.bound_ms = bound_ms
+        self.device = device
+        self.input_shapes = input_shapes
+        self._frontier = frontier
+        self._model: weakref.ref[nn.Module] | None = None
+        self._applied: _Applied | None = None
+
+    @classmethod
+    def _from_solution(
+        cls,
+        profile: StepProfile,
+        problem: Problem,
+        solution: Solution,
+        budget_bytes: int,
+        offload: list[frozenset[int]],
+    ) -> ActivationPlan:
+        decisions = []
+        for index, (region, choice) in enumerate(
+            zip(profile.regions, solution.choices, strict=True)
+        ):
+            units = problem.regions[index].units
+            moved = offload[index]
+            kept = kept_storages(problem, index, choice) - problem.outside
+            recompute = 0.0
+            if choice.checkpoint:
+                recompute = problem.regions[index].forced_seconds + sum(
+                    u.seconds
+                    for i, u in enumerate(units)
+                    if i not in choice.saved and i not in moved
+                )
+            decisions.append(
+                RegionDecision(
+                    name=region.name,
+                    type_name=region.type_name,
+                    checkpoint=choice.checkpoint,
+                    save=tuple(units[i].key for i in sorted(choice.saved)),
+                    offload=tuple(units[i].key for i in sorted(moved)),
+                    ops=len(region.ops),
+                    kept_bytes=sum(problem.storage_bytes[s] for s in kept),
+                    recompute_ms=1e3 * recompute,
+                )
+            )
+        return cls(
+            regions=tuple(decisions),
+            budget_bytes=budget_bytes,
+            baseline_bytes=solution.baseline_bytes,
+            floor_bytes=solution.floor_bytes,
+            outside_bytes=sum(problem.storage_bytes[s] for s in problem.outside),
+            kept_bytes=solution.kept_bytes,
+            recompute_ms=sum(d.recompute_ms for d in decisions),
+            step_ms=1e3 * profile.step_seconds,
+            solver=solution.method,
+            bound_ms=1e3 * solution.bound_seconds,
+            device=profile.device,
+            input_shapes=profile.input_shapes,
+            frontier=[(b, 1e3 * s) for b, s in solution.frontier],
+        )
+
+    # -- installing ---------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Install the plan: ``checkpoint_module`` (non-reentrant, names and ``state_dict``
+        keys untouched) on each checkpointed region, with a selective policy where it keeps or
+        offloads outputs. Returns ``model``. Raises ``ValueError`` if the plan is applied
+        already, was profiled on another model, or names regions the model lacks."""
+        if self._applied is not None:
+            raise ValueError(_MSG_APPLIED_TWICE)
+        bound = None if self._model is None else self._model()
+        if self._model is not None and bound is not model:
+            raise ValueError(
+                _MSG_OTHER_MODEL.format(
+                    expected=_describe_model(bound), observed=_describe_model(model)
+                )
+            )
+        modules = dict(model.named_modules())
+        chosen = []
+        for region in self.regions:
+            module = modules.get(region.name)
+            if module is None or type(module).__qualname__ != region.type_name:
+                found = type(module).__qualname__ if module is not None else "nothing"
+                raise ValueError(
+                    _MSG_STRUCTURE.format(type_name=region.type_name, name=region.name, found=found)
+                )
+            if region.checkpoint:
+                if is_module_checkpointed(module):
+                    raise ValueError(_MSG_REGION_TAKEN.format(name=region.name))
+                chosen.append((region, module))
+        for region, module in chosen:
+            checkpoint_module(module, context_fn=_context_fn(region))
+        applied = _Applied(weakref.ref(model), [m for _, m in chosen])
+        applied.hook = model.register_forward_pre_hook(
+            lambda _m, args, kwargs: self._check_shapes(applied, args, kwargs), with_kwargs=True
+        )
+        self._applied = applied
+        self._model = weakref.ref(model)
+        return model
+
+    def remove(self, model: nn.Module) -> nn.Module:
+        """Undo ``apply(model)``: the regions run plainly again. Returns ``model``."""
+        applied = self._applied
+        if applied is None or applied.model() is not model:
+            raise ValueError(_MSG_NOT_APPLIED.format(type_name=type(model).__name__))
+        for module in applied.modules:
+            remove_checkpoint_module(module)
+        if applied.hook is not None:
+            applied.hook.remove()
+        self._applied = None
+        return model
+
+    def _check_shapes(self, applied: _Applied, args: Any, kwargs: Any) -> None:
+        """Rule 12: warn once per apply when the inputs differ from the profiled ones."""
+        if applied.warned:
+            return
+        shapes = [list(t.shape) for t in tensors((args, kwargs))]
+        if shapes != self.input_shapes:
+            applied.warned = True
+            warnings.warn(
+                _MSG_RESHAPED.format(observed=shapes, expected=self.input_shapes),
+                UserWarning,
+                stacklevel=2,
+            )
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def frontier(self) -> list[tuple[int, float]]:
+        """(predicted kept bytes, predicted recompute ms) along the trade-off, from keeping
+        everything (no checkpoint, 0 ms) to checkpointing every region and keeping nothing."""
+        return list(self._frontier)
+
+    def table(self) -> str:
+        """Per region: decision, kept bytes, recompute ms; then the totals and the budget."""
+        width = max([len("(outside regions)"), *(len(r.name) for r in self.regions)])
+        type_width = max([4, *(len(r.type_name) for r in self.regions)])
+        header = (
+            f"{'region':<{width}}  {'type':<{type_width}}  {'decision':<30} "
+            f"{'kept bytes':>14} {'recompute ms':>13}"
+        )
+        lines = [
+            f"ActivationPlan: {len(self.regions)} regions, budget {self.budget_bytes:,} bytes "
+            f"({self.budget_bytes / max(self.baseline_bytes, 1):.1%} of the "
+            f"{self.baseline_bytes:,} kept without checkpointing)",
+            header,
+            "-" * len(header),
+        ]
+        for r in self.regions:
+            lines.append(
+                f"{r.name:<{width}}  {r.type_name:<{type_width}}  {r.describe():<30} "
+                f"{r.kept_bytes:>14,} {r.recompute_ms:>13.3f}"
+            )
+        lines.append(
+            f"{'(outside regions)':<{width}}  {'':<{type_width}}  {'':<30} "
+            f"{self.outside_bytes:>14,} {0.0:>13.3f}"
+        )
+        lines.append("-" * len(header))
+        solver = (
+            "exact"
+            if self.solver == "exact"
+            else f"greedy, within {self.bound_ms:.3f} ms of the additive optimum"
+        )
+        lines.append(
+            f"predicted: {self.kept_bytes:,} bytes kept (each storage once) <= budget "
+            f"{self.budget_bytes:,}; recompute {self.recompute_ms:.3f} ms per step "
+            f"(profiled step {self.step_ms:.3f} ms)"
+        )
+        lines.append(
+            f"smallest reachable: {self.floor_bytes:,} bytes; solver: {solver}; "
+            f"device: {self.device}"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        checkpointed = sum(r.checkpoint for r in self.regions)
+        return (
+            f"ActivationPlan({checkpointed}/{len(self.regions)} regions checkpointed, "
+            f"{self.kept_bytes:,} of {self.budget_bytes:,} budget bytes)"
+        )
+
+    # -- JSON ---------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """The plan as JSON text, ops by name (``aten.mm.default``); read back by
+        ``ActivationPlan.from_json``."""
+        data = {
+            "format": _FORMAT,
+            "budget_bytes": self.budget_bytes,
+            "baseline_bytes": self.baseline_bytes,
+            "floor_bytes": self.floor_bytes,
+            "outside_bytes": self.outside_bytes,
+            "kept_bytes": self.kept_bytes,
+            "recompute_ms": self.recompute_ms,
+            "step_ms": self.step_ms,
+            "solver": self.solver,
+            "bound_ms": self.bound_ms,
+            "device": self.device,
+            "input_shapes": self.input_shapes,
+            "frontier": self._frontier,
+            "regions": [asdict(r) for r in self.regions],
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ActivationPlan:
+        """A plan from ``to_json``'s text; it applies to any model with the same region names
+        and types (the op names are checked now)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(_MSG_JSON.format(why=f"not JSON ({error})")) from None
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(_MSG_JSON.format(why=f"not a plan (expected format {_FORMAT!r})"))
+        try:
+            regions = tuple(
+                RegionDecision(
+                    name=r["name"],
+                    type_name=r["type_name"],
+                    checkpoint=bool(r["checkpoint"]),
+                    save=tuple((str(op), int(i)) for op, i in r["save"]),
+                    offload=tuple((str(op), int(i)) for op, i in r["offload"]),
+                    ops=int(r["ops"]),
+                    kept_bytes=int(r["kept_bytes"]),
+                    recompute_ms=float(r["recompute_ms"]),
+                )
+                for r in data["regions"]
+            )
+            plan = cls(
+                regions=regions,
+                budget_bytes=int(data["budget_bytes"]),
+                baseline_bytes=int(data["baseline_bytes"]),
+                floor_bytes=int(data["floor_bytes"]),
+                outside_bytes=int(data["outside_bytes"]),
+                kept_bytes=int(data["kept_bytes"]),
+                recompute_ms=float(data["recompute_ms"]),
+                step_ms=float(data["step_ms"]),
+                solver=str(data["solver"]),
+                bound_ms=float(data["bound_ms"]),
+                device=str(data["device"]),
+                input_shapes=[list(map(int, s)) for s in data["input_shapes"]],
+                frontier=[(int(b), float(ms)) for b, ms in data["frontier"]],
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            why = f"a field is missing or malformed ({error!r})"
+            raise ValueError(_MSG_JSON.format(why=why)) from None
+        for region in regions:
+            for name, _ in (*region.save, *region.offload):
+                resolve_op(name)
+        return plan
+
+
+def _context_fn(region: RegionDecision) -> Any:
+    """Rule 11: a region that keeps nothing runs as plain checkpoint (no selective modes)."""
+    if not region.save and not region.offload:
+        return noop_context_fn
+    decisions: dict[tuple[Op, int], CheckpointPolicy] = {}
+    for name, index in region.save:
+        decisions[(resolve_op(name), index)] = CheckpointPolicy.MUST_SAVE
+    for name, index in region.offload:
+        decisions[(resolve_op(name), index)] = CheckpointPolicy.MUST_CPU_OFFLOAD
+    return _RegionContexts(decisions)
+
+
+def _describe_model(model: nn.Module | None) -> str:
+    if model is None:
+        return "a model that no longer exists"
+    return f"{type(model).__name__} at {id(model):#x}"

@@ -1,0 +1,400 @@
+"""Memory-budget planning (SPEC §8): profile, solver, ``ActivationPlan``.
+
+The models are small versions of the benchmark's W1 (Linear+GELU blocks) and W2
+(TransformerEncoderLayer with dropout), and a tiny Llama-style decoder built from plain modules.
+Every applied plan is checked against the plain run (gradients bit-identical, dropout included)
+and against ``saved_tensors_report`` (activation bytes within the budget).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from torch import nn
+
+import checkpointing
+from checkpointing import ActivationPlan, plan_checkpointing
+from checkpointing._planning.solver import Choice, Problem, kept_bytes, recompute_seconds, solve
+from tests.strategies import planner_problems
+
+BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+# --- models -------------------------------------------------------------------------------------
+
+
+def mlp(depth: int = 6, width: int = 32) -> nn.Sequential:
+    """W1, small: ``depth`` x (Linear + GELU)."""
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)))
+
+
+def transformer(depth: int = 3) -> nn.Sequential:
+    """W2, small: ``depth`` x TransformerEncoderLayer(32, 4 heads, dropout 0.1), training."""
+    return nn.Sequential(
+        *(
+            nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.1, batch_first=True)
+            for _ in range(depth)
+        )
+    ).train()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    """Llama's block: RMSNorm, causal attention with RoPE, RMSNorm, SwiGLU MLP, residuals."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.gate = nn.Linear(dim, 2 * dim, bias=False)
+        self.up = nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attention.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    """Embedding, ``depth`` decoder layers (a ModuleList), final norm and LM head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(DecoderLayer(dim, heads) for _ in range(depth))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head_dim = dim // heads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        angles = torch.outer(torch.arange(t).float(), inv).repeat(1, 2)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def llama_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Next-token loss against fixed targets (the token ids shifted by one)."""
+    targets = torch.arange(logits.shape[1]).remainder(logits.shape[-1]).expand(logits.shape[0], -1)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+Case = tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Callable | None]
+CASES: dict[str, Case] = {
+    "W1 mlp": (mlp, lambda: torch.randn(16, 32, requires_grad=True), None),
+    "W2 transformer": (transformer, lambda: torch.randn(2, 16, 32, requires_grad=True), None),
+    "llama": (TinyLlama, lambda: torch.randint(0, 64, (2, 16)), llama_loss),
+}
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None) -> torch.Tensor:
+    out = model(x)
+    return out.sum() if loss_fn is None else loss_fn(out)
+
+
+def grads_of(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None, seed: int = 7):
+    """Gradients of parameters (and of ``x`` if it requires grad) after one step."""
+    torch.manual_seed(seed)
+    wrt = [*model.parameters(), *([x] if x.requires_grad else [])]
+    return torch.autograd.grad(loss_of(model, x, loss_fn), wrt)
+
+
+def measured(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None):
+    """(report of one step, its gradients), with the same seed as ``grads_of``."""
+    torch.manual_seed(7)
+    wrt = [*model.parameters(), *([x] if x.requires_grad else [])]
+    with checkpointing.saved_tensors_report() as report:
+        grads = torch.autograd.grad(loss_of(model, x, loss_fn), wrt)
+    return report, grads
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_budget_sweep_fits_measured_bytes_and_keeps_gradients(case: str) -> None:
+    """For budgets 0.1..0.9: the measured activation bytes fit the budget (+2 %) and gradients
+    equal the plain run bit for bit; a budget below the floor raises naming the floor."""
+    build, inputs, loss_fn = CASES[case]
+    torch.manual_seed(0)
+    model, x = build(), inputs()
+    expected = grads_of(model, x, loss_fn)
+    reference = plan_checkpointing(model, x, budget=1.0, loss_fn=loss_fn)
+    feasible = 0
+    for budget in BUDGETS:
+        if int(budget * reference.baseline_bytes) < reference.floor_bytes:
+            with pytest.raises(ValueError, match=f"smallest reachable {reference.floor_bytes:,}"):
+                plan_checkpointing(model, x, budget=budget, loss_fn=loss_fn)
+            continue
+        plan = plan_checkpointing(model, x, budget=budget, loss_fn=loss_fn)
+        feasible += 1
+        plan.apply(model)
+        try:
+            report, grads = measured(model, x, loss_fn)
+        finally:
+            plan.remove(model)
+        assert report.activation_bytes <= plan.budget_bytes * 1.02, (budget, str(plan))
+        assert plan.kept_bytes <= plan.budget_bytes
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True)), budget
+    assert feasible >= 4
+
+
+def test_prediction_equals_report_without_untracked_tensors() -> None:
+    """On W1 (every saved tensor requires grad) the predicted bytes are the measured ones,
+    for the plain run and for a plan."""
+    model, x = mlp(), torch.randn(16, 32, requires_grad=True)
+    plain, _ = measured(model, x, None)
+    plan = plan_checkpointing(model, x, budget=0.7)
+    assert plan.baseline_bytes == plain.activation_bytes
+    plan.apply(model)
+    report, _ = measured(model, x, None)
+    plan.remove(model)
+    assert report.activation_bytes == plan.kept_bytes
+
+
+def test_saved_ops_are_the_plan_s_keys() -> None:
+    """What selective checkpointing keeps in forward is what the plan lists (NOTE [Planner
+    model], Rule 3): the same ops, and one kept tensor at least per listed (op, index)."""
+    model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
+    plan = plan_checkpointing(model, x, budget=0.3)
+    expected = sorted(op.split(".")[1] for r in plan.regions if r.checkpoint for op, _ in r.save)
+    assert expected, str(plan)
+    plan.apply(model)
+    report, _ = measured(model, x, None)
+    plan.remove(model)
+    kept = sorted(r.op for r in report.records if r.region == "sac" and r.decision == "saved")
+    assert sorted(set(kept)) == sorted(set(expected))
+    assert len(kept) >= len(expected)
+
+
+def test_profile_leaves_model_untouched() -> None:
+    """Planning changes no parameter, buffer (BatchNorm statistics), ``.grad`` or RNG state."""
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2)) for _ in range(3))
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    state = copy.deepcopy(model.state_dict())
+    grads = [(p.grad, p.grad.clone()) for p in model.parameters()]
+    rng = torch.get_rng_state()
+    plan_checkpointing(model, x, budget=0.5)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    for p, (grad, copy_) in zip(model.parameters(), grads, strict=True):
+        assert p.grad is grad
+        assert torch.equal(grad, copy_)
+    assert x.grad is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_apply_keeps_names_and_state_dict_keys() -> None:
+    """``apply`` uses ``checkpoint_module``: module names, types and state_dict keys stay."""
+    model = TinyLlama()
+    names = [(n, type(m)) for n, m in model.named_modules()]
+    keys = list(model.state_dict())
+    plan = plan_checkpointing(model, torch.randint(0, 64, (2, 16)), budget=0.3, loss_fn=llama_loss)
+    plan.apply(model)
+    assert [(n, type(m)) for n, m in model.named_modules()] == names
+    assert list(model.state_dict()) == keys
+    assert any(r.checkpoint for r in plan.regions)
+    plan.remove(model)
+
+
+def test_regions_by_predicate() -> None:
+    """A predicate picks the regions (the outermost matches), named by qualified name."""
+    model = TinyLlama()
+    plan = plan_checkpointing(
+        model,
+        torch.randint(0, 64, (2, 16)),
+        budget=0.5,
+        loss_fn=llama_loss,
+        regions=lambda m: isinstance(m, DecoderLayer | RMSNorm),
+    )
+    assert [r.name for r in plan.regions] == ["layers.0", "layers.1", "layers.2", "norm"]
+
+
+def test_apply_twice_and_to_another_model_raise() -> None:
+    """Applying a plan twice, or to a model it was not profiled on, is a clear error; removing
+    a plan that is not applied too."""
+    model, x = mlp(), torch.randn(16, 32, requires_grad=True)
+    plan = plan_checkpointing(model, x, budget=0.6)
+    with pytest.raises(ValueError, match="not applied"):
+        plan.remove(model)
+    plan.apply(model)
+    with pytest.raises(ValueError, match="already applied"):
+        plan.apply(model)
+    plan.remove(model)
+    with pytest.raises(ValueError, match="profiled on another model"):
+        plan.apply(mlp())
+
+
+def test_json_round_trip_with_readable_op_names() -> None:
+    """``to_json``/``from_json`` round-trip; ops read as ``aten.<op>.<overload>``; the loaded
+    plan applies to a copy of the model with the same bytes and gradients."""
+    model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
+    plan = plan_checkpointing(model, x, budget=0.3)
+    text = plan.to_json()
+    names = [op for r in json.loads(text)["regions"] for op, _ in r["save"]]
+    assert names
+    assert all(n.startswith("aten.") and n.count(".") == 2 for n in names)
+    loaded = ActivationPlan.from_json(text)
+    assert loaded.to_json() == text
+    twin = copy.deepcopy(model)
+    plan.apply(model)
+    loaded.apply(twin)
+    (a, grads_a), (b, grads_b) = measured(model, x, None), measured(twin, x, None)
+    assert a.activation_bytes == b.activation_bytes
+    assert all(torch.equal(g, h) for g, h in zip(grads_a, grads_b, strict=True))
+    plan.remove(model)
+    loaded.remove(twin)
+
+
+def test_from_json_rejects_bad_text() -> None:
+    """Text that is not a plan, or names an op torch does not know, is a ``ValueError``."""
+    plan = plan_checkpointing(transformer(), torch.randn(2, 16, 32), budget=0.3, loss_fn=None)
+    with pytest.raises(ValueError, match="not a plan"):
+        ActivationPlan.from_json("{}")
+    data = json.loads(plan.to_json())
+    region = next(r for r in data["regions"] if r["save"])
+    region["save"][0][0] = "aten.no_such_op.default"
+    with pytest.raises(ValueError, match=r"unknown op 'aten\.no_such_op\.default'"):
+        ActivationPlan.from_json(json.dumps(data))
+
+
+def test_other_input_shapes_warn_once() -> None:
+    """Inputs of other shapes than the profiled ones warn once per apply, saying re-plan."""
+    model = mlp()
+    plan = plan_checkpointing(model, torch.randn(16, 32, requires_grad=True), budget=0.6)
+    plan.apply(model)
+    model(torch.randn(16, 32)).sum().backward()  # profiled shapes: no warning (an error here)
+    with pytest.warns(UserWarning, match="re-plan"):
+        model(torch.randn(8, 32)).sum().backward()
+    model(torch.randn(8, 32)).sum().backward()  # once: a second warning would fail the test
+    plan.remove(model)
+
+
+def test_budget_below_floor_names_the_smallest_reachable_bytes() -> None:
+    """A budget below the floor raises ``ValueError`` with the floor in bytes."""
+    model, x = mlp(), torch.randn(16, 32, requires_grad=True)
+    floor = plan_checkpointing(model, x, budget=1.0).floor_bytes
+    with pytest.raises(ValueError, match=f"smallest reachable {floor:,} bytes"):
+        plan_checkpointing(model, x, budget=floor - 1)
+    assert plan_checkpointing(model, x, budget=floor).kept_bytes <= floor
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.5, -3, True, "half"])
+def test_bad_budget_is_rejected(budget: object) -> None:
+    """A budget that is neither a fraction in (0, 1] nor a byte count is rejected clearly."""
+    with pytest.raises((TypeError, ValueError), match="budget must be a float in"):
+        plan_checkpointing(mlp(), torch.randn(4, 32), budget=budget)  # type: ignore[arg-type]
+
+
+def test_frontier_runs_from_keep_everything_to_checkpoint_all() -> None:
+    """The frontier starts at (baseline, 0 ms), ends at the floor, bytes falling as time rises."""
+    model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
+    plan = plan_checkpointing(model, x, budget=0.5)
+    points = plan.frontier()
+    assert points[0] == (plan.baseline_bytes, 0.0)
+    assert points[-1][0] == plan.floor_bytes
+    for (b1, t1), (b2, t2) in itertools.pairwise(points):
+        assert b2 < b1
+        assert t2 >= t1
+
+
+def test_table_shows_regions_decisions_and_budget() -> None:
+    """``print(plan)`` lists every region with its decision, then the totals against the budget."""
+    model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
+    text = str(plan_checkpointing(model, x, budget=0.4))
+    for name in ("0", "1", "2", "(outside regions)", "TransformerEncoderLayer", "budget"):
+        assert name in text
+    assert "checkpoint, " in text
+    assert "recompute ms" in text
+
+
+# --- solver -------------------------------------------------------------------------------------
+
+
+def all_choices(problem: Problem):
+    """Every choice of every region (brute force)."""
+    per_region = []
+    for region in problem.regions:
+        options = [Choice(False)]
+        for size in range(len(region.units) + 1):
+            options += [
+                Choice(True, frozenset(s))
+                for s in itertools.combinations(range(len(region.units)), size)
+            ]
+        per_region.append(options)
+    return itertools.product(*per_region)
+
+
+def shared_storages(problem: Problem) -> bool:
+    """Whether two regions may keep one storage (then the additive byte model overcounts)."""
+    seen: set[int] = set()
+    for region in problem.regions:
+        mine = set(region.saved) | set(region.inputs)
+        mine |= {s for u in region.units for s in u.storages}
+        mine -= problem.outside
+        if mine & seen:
+            return True
+        seen |= mine
+    return False
+
+
+@given(planner_problems())
+def test_solver_fits_and_is_near_brute_force(problem: Problem) -> None:
+    """At every budget from the floor up, exact and greedy answers fit the exact byte count;
+    without storages shared between regions, the exact answer is the brute-force optimum and
+    the greedy one is within its stated bound of it."""
+    choices = list(all_choices(problem))
+    plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
+    floor = solve(problem, plain).floor_bytes
+    assert floor >= min(kept_bytes(problem, c) for c in choices)
+    for budget in range(floor, plain + 1):
+        best = min(
+            recompute_seconds(problem, c) for c in choices if kept_bytes(problem, c) <= budget
+        )
+        for exact in (True, False):
+            solution = solve(problem, budget, allow_exact=exact)
+            assert solution.kept_bytes == kept_bytes(problem, solution.choices) <= budget
+            assert solution.recompute_seconds >= best - 1e-12
+            if shared_storages(problem):
+                continue
+            assert solution.recompute_seconds <= best + solution.bound_seconds + 1e-12
+            if solution.method == "exact":
+                assert math.isclose(solution.recompute_seconds, best, abs_tol=1e-12)
