@@ -11,15 +11,18 @@ NOTE [Gradient checkpoint scope]
           arguments, which outputs are new tensors). Tensors created in the scope are the new
           outputs of taped ops; the tape refers to them by slot, never holds them.
   Rule 2. When autograd saves a scope tensor (inside the scope or after it) our pack hook stores a
-          frame ``Holder``; the first unpack in a backward replays the tape and fills every live
-          holder of that tape for that backward (NOTE [Nestable checkpoint], Rule 4: released on
-          unpack, recomputed again by another backward, ``GraphExecGroup`` honoured); shapes,
+          frame ``Holder``; the first unpack of a holder in a backward replays the holder's chain
+          (Rule 7) and fills every live holder of that chain for that backward (NOTE [Nestable
+          checkpoint], Rule 4: released on unpack, recomputed again by another backward,
+          ``GraphExecGroup`` honoured); shapes,
           dtypes and devices are checked as for checkpoint (a factory op recorded without a
           dtype reads ``torch.get_default_dtype()`` again when replayed, so changing the default
           between forward and backward is caught there).
   Rule 3. One registry for all scopes: several scopes alive at once all drop their tensors, and
-          a scope that reads another scope's tensor refers to that scope's tape instead of
-          holding the tensor. A scope opened while one is open in this thread, inside a
+          a scope that reads a closed scope's tensor refers to that scope's tape instead of
+          holding the tensor. The chains so linked replay together: each tape once per backward,
+          planned from the last one back (what it needs of the tapes it reads) and run in the
+          order the tapes closed. A scope opened while one is open in this thread, inside a
           checkpointed region (a checkpoint's hook on top), during recompute or inside a
           backward records nothing.
   Rule 4. At most one hook of ours per thread; we only ever pop our own hook, and only when it is
@@ -33,10 +36,14 @@ NOTE [Gradient checkpoint scope]
           a needed tensor comes from it, and then on a clone: outside tensors never change twice.
   Rule 6. Under ``torch.no_grad()`` or inference mode a scope records nothing and pushes
           nothing. Meta tensors work (they have no generator to restore).
-  Rule 7. Replay runs only the ops needed for the requested tensors, plus every random op in
-          its original order, each generator (CPU, per device, explicit ``generator=``) set to
-          its state before its first draw in the scope. Host syncs (``.item()``) produce no
-          tensor and are never replayed.
+  Rule 7. A tape splits into chains: tensors linked by an op that reads one and makes or
+          writes the other. A backward replays only the chains whose holders it unpacks (with
+          ``torch.autograd.grad(loss_1, p1)``, not the chain only ``loss_2`` needs), and in them
+          only the ops live holders need. Each random op replays from the state its generator
+          (CPU, per device, explicit ``generator=``) had just before it drew, so every draw is
+          bit-identical whichever others are replayed, and each generator is back where the
+          caller had it afterwards. Host syncs (``.item()``) produce no tensor and are never
+          replayed.
   Rule 8. A view of a scope tensor saved after the scope (``nn.Linear`` saves ``weight.t()``)
           is a holder of its base, re-viewed with ``as_strided`` after replay.
   Rule 9. A scope claims our hook until its tensors are dead (lazy lingering) or until
@@ -53,20 +60,25 @@ NOTE [Gradient checkpoint scope]
           an alias of one that autograd does not know as a view (AOTAutograd may save such an
           alias of a graph input) is stored, not replayed: correct, no saving.
 
-Rejected: re-running the scope body (it is arbitrary code that already ran); holding outside
-inputs as autograd ``SavedTensor``s (holding an output that way is a C++ reference cycle); a
-second hook per scope (stacks of ours in arbitrary order could not be unwound safely); restoring
-the default dtype for a replay (it is process-wide, so a backward in one thread would change it
-for every thread: the metadata check reports the divergence instead, as for checkpoint); finding
-scope tensors by storage (an alias that does not share the version counter, like ``.data`` or an
-AOTAutograd output, can be written without a version bump, and the replay would silently differ).
+Rejected: replaying every random op in its original order from each generator's first state (it
+pulled every chain with a random op into every replay); noting chains while recording (a cost per
+op in forward; they are worked out once per tape at its first replay instead); re-running the scope
+body (it is arbitrary code that already ran); holding outside inputs as autograd ``SavedTensor``s
+(holding an output that way is a C++ reference cycle); a second hook per scope (stacks of ours in
+arbitrary order could not be unwound safely); restoring the default dtype for a replay (it is
+process-wide, so a backward in one thread would change it for every thread: the metadata check
+reports the divergence instead, as for checkpoint); finding scope tensors by storage (an alias that
+does not share the version counter, like ``.data`` or an AOTAutograd output, can be written without
+a version bump, and the replay would silently differ).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from typing import Any, Final, Literal, Self
 
 import torch
@@ -277,7 +289,8 @@ def _records_here(hooks: _ThreadHooks) -> bool:
 
 
 class _Slot:
-    """A tape argument that is a tensor created earlier in the same scope."""
+    """A tape argument that is a tensor made earlier in the same scope. It does not refer to
+    the tape (an ``_Entry`` would: a reference cycle); one shared object per slot number."""
 
     __slots__ = ("slot",)
 
@@ -285,8 +298,18 @@ class _Slot:
         self.slot = slot
 
 
+_slots: list[_Slot] = []  # _slots[n] is the marker for slot n, in every tape
+
+
+def _slot_marker(slot: int) -> _Slot:
+    while len(_slots) <= slot:
+        _slots.append(_Slot(len(_slots)))
+    return _slots[slot]
+
+
 class _Outside:
-    """A tape argument from outside any scope: a detached alias and the version it was read at."""
+    """A tape argument from outside any scope: a detached alias and the version it was read at.
+    One per tensor and version in a tape: every op that reads it shares it."""
 
     __slots__ = ("tensor", "version")
 
@@ -294,45 +317,48 @@ class _Outside:
         self.tensor = tensor
         self.version = version
 
+    def value(self, written: bool) -> torch.Tensor:
+        """The replay value (See NOTE [Gradient checkpoint scope], Rule 5)."""
+        if written:
+            return self.tensor.clone()  # written by this op: the real tensor changes only once
+        now = tensor_version(self.tensor)
+        if now != self.version:
+            kind, shape = self.tensor.type(), list(self.tensor.shape)
+            raise RuntimeError(
+                _MSG_INPUT_MODIFIED.format(kind=kind, shape=shape, now=now, then=self.version)
+            )
+        return self.tensor
 
-class _Foreign:
-    """A tape argument that another (closed) scope's tape can replay (Rule 3)."""
 
-    __slots__ = ("slot", "tape")
-
-    def __init__(self, tape: _Tape, slot: int) -> None:
-        self.tape = tape
-        self.slot = slot
+_Draw = tuple[torch.Generator, torch.Tensor]  # a generator and its state just before one draw
+_Flat = list[Any] | tuple[Any, ...]  # an op's arguments, flattened
 
 
 class _Op:
-    """One taped op: its function, flattened arguments (tensors replaced by markers), the slot
-    of each new tensor output, the groups it creates or writes, and the groups it reads."""
+    """One taped op: its function, flattened arguments (tensors replaced by markers: ``_Slot``
+    for this scope's tensors, ``_Entry`` for another scope's, ``_Outside`` otherwise), the slot
+    of each new tensor
+    output, the groups of this tape it reads and those it creates or writes, the argument
+    positions it writes, and for a random op the state it drew from (Rule 7)."""
 
-    __slots__ = (
-        "clones",
-        "func",
-        "is_view",
-        "leaves",
-        "outs",
-        "random",
-        "reads",
-        "spec",
-        "touches",
-    )
+    __slots__ = ("draw", "func", "leaves", "outs", "reads", "spec", "touches", "writes")
 
     def __init__(
-        self, func: OpOverload, leaves: list[Any], spec: Any, random: bool, is_view: bool
+        self,
+        func: OpOverload,
+        leaves: list[Any],
+        spec: _Spec,
+        reads: tuple[int, ...],
+        writes: tuple[int, ...],
     ) -> None:
         self.func = func
         self.leaves = leaves
         self.spec = spec
-        self.random = random
-        self.is_view = is_view
+        self.reads = reads
+        self.writes = writes
         self.outs: tuple[int | None, ...] = ()
-        self.reads: set[int] = set()
-        self.touches: set[int] = set()
-        self.clones: set[int] = set()  # leaf positions of outside tensors the op writes
+        self.touches: tuple[int, ...] = ()
+        self.draw: _Draw | None = None
 
 
 class _ScopeHolder(Holder):
@@ -350,26 +376,35 @@ class _ScopeHolder(Holder):
         self.position = position
         self.meta = meta
 
+    def recompute(self, key: object) -> None:
+        """Fill this holder, and every holder replayed with it, for backward ``key``."""
+        _replay_linked(self.tape, self.slot, key)
+
 
 _View = tuple[torch.Size, tuple[int, ...], int]  # size, stride, storage offset for as_strided
+_closing = itertools.count()  # the order in which tapes close (a tape reads only closed ones)
 
 
 class _Tape:
     """The ops of one scope and how to replay the ones a backward needs."""
 
     __slots__ = (
-        "alive",
+        "__weakref__",
+        "_chains",
         "claim",
         "closed",
         "device_types",
+        "died",
+        "entries",
         "exit_versions",
         "group_of",
         "holders",
         "last_write",
         "ops",
+        "order",
+        "outside",
         "paused",
         "rng",
-        "slot_refs",
     )
 
     def __init__(self, claim: _Claim) -> None:
@@ -377,127 +412,138 @@ class _Tape:
         self.ops: list[_Op] = []
         self.group_of: list[int] = []  # slot -> alias group (the slot that owns the memory)
         self.last_write: dict[int, int] = {}  # group -> index of the last op writing it
-        self.slot_refs: list[weakref.ref[torch.Tensor]] = []
+        self.entries: list[_Entry] = []  # slot -> its registry entry, until the scope closes
+        self.outside: dict[int, tuple[weakref.ref[torch.Tensor], _Outside]] = {}  # until close
         self.exit_versions: dict[int, int] = {}
         self.holders: list[weakref.ref[_ScopeHolder]] = []
         self.rng = GeneratorStates()
-        self.device_types: set[str] = set()
-        self.alive = 0
+        self.device_types = {"cpu"}  # autocast is turned off for these while replaying
+        self.died = 0  # slots whose tensor died; all of them (len(group_of)) ends the claim
+        self.order = math.inf  # when it closed, among all tapes
+        self._chains: _Chains | None = None
         self.closed = False
         self.paused = False
 
     # -- recording (Rule 1) ---------------------------------------------------------------------
 
-    def begin(
-        self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_Op, list[Any]]:
-        """Turn an op's arguments into markers before it runs (versions as read)."""
+    def record(self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one op and append it. Its arguments become markers before it runs, so that an
+        outside input carries the version it was read at."""
         facts = _op_facts.get(func)
         if facts is None:
             facts = _learn_facts(func)
-        written_positions, random, is_view, hidden_writes = facts
-        flat: list[Any]
-        if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args):
-            flat = list(args)  # the common case: flat positional arguments
-            spec: _Spec = _FLAT
-        else:
+        written, random, is_view, hidden_writes = facts
+        flat: _Flat = args
+        spec: _Spec = _FLAT  # the common case: flat positional arguments
+        if kwargs or any(isinstance(a, _CONTAINERS) for a in args):
             flat = []
             spec = _flatten((args, kwargs), flat)
-        written = (
-            _written_ids(written_positions, hidden_writes, args, kwargs)
-            if written_positions or hidden_writes
-            else _NO_IDS
-        )
-        op = _Op(func, [self._marker(leaf) for leaf in flat], spec, random, is_view)
-        for position, leaf in enumerate(op.leaves):
-            if isinstance(leaf, _Slot):
-                group = self.group_of[leaf.slot]
-                op.reads.add(group)
-                if written and id(flat[position]) in written:
-                    op.touches.add(group)
-                    self.last_write[group] = len(self.ops)
-            elif isinstance(leaf, _Outside | _Foreign) and id(flat[position]) in written:
-                op.clones.add(position)
+        leaves, reads = self._markers(flat)
+        writes: tuple[int, ...] = ()
+        if written or hidden_writes:
+            ids = _written_ids(written, hidden_writes, args, kwargs)
+            writes = tuple(i for i, leaf in enumerate(flat) if id(leaf) in ids)
+        op = _Op(func, leaves, spec, reads, writes)
         if random:
-            self._note_generator(flat, kwargs)
-        return op, flat
+            op.draw = self._draw(flat, kwargs)
+        out = func(*args, **kwargs)
+        self._add_outputs(op, flat, out, is_view)
+        return out
 
-    def finish(self, op: _Op, flat_args: list[Any], out: Any) -> None:
-        """Give each new tensor output a slot (views join their base's group) and append."""
-        first = op.leaves[0] if op.leaves else None
-        view_group = self.group_of[first.slot] if isinstance(first, _Slot) else None
-        group = view_group if op.is_view else None
-        if type(out) is torch.Tensor:  # the common case: one plain tensor
-            if any(out is a for a in flat_args):
-                op.outs = (None,)  # an input written in place
-            else:
-                slot = self._new_slot(out, group)
-                op.touches.add(self.group_of[slot])
-                op.outs = (slot,)
-            self.ops.append(op)
-            return
-        outs: list[int | None] = []
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or any(tensor is a for a in flat_args):
-                outs.append(None)  # not a tensor, or an input written in place
+    def _markers(self, flat: _Flat) -> tuple[list[Any], tuple[int, ...]]:
+        """The op's arguments with tensors replaced by markers, and the groups it reads."""
+        leaves: list[Any] = []
+        reads: list[int] = []
+        for leaf in flat:
+            if not isinstance(leaf, torch.Tensor):
+                leaves.append(leaf)
                 continue
-            slot = self._new_slot(tensor, group)
-            op.touches.add(self.group_of[slot])
-            outs.append(slot)
-        op.outs = tuple(outs)
-        self.ops.append(op)
+            entry = _registry.get(id(leaf))
+            if entry is not None and entry() is leaf:
+                if entry.tape is self:
+                    leaves.append(_slot_marker(entry.slot))
+                    reads.append(self.group_of[entry.slot])
+                    continue
+                if entry.tape.closed and entry.tape.reproduces(entry.slot, leaf):  # Rule 3
+                    leaves.append(entry)
+                    continue
+            leaves.append(self._outside_marker(leaf))
+        return leaves, tuple(reads)
 
-    def _marker(self, leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        entry = _registry.get(id(leaf))
-        if entry is not None and entry() is leaf:
-            if entry.tape is self:
-                return _Slot(entry.slot)
-            if entry.tape.reproduces(entry.slot, leaf):
-                return _Foreign(entry.tape, entry.slot)
-        return _Outside(detach_sharing_version(leaf), tensor_version(leaf))
+    def _outside_marker(self, tensor: torch.Tensor) -> _Outside:
+        key, version = id(tensor), tensor_version(tensor)
+        known = self.outside.get(key)
+        if known is not None and known[0]() is tensor and known[1].version == version:
+            return known[1]
+        marker = _Outside(detach_sharing_version(tensor), version)
+        self.outside[key] = (weakref.ref(tensor), marker)
+        return marker
+
+    def _add_outputs(self, op: _Op, flat: _Flat, out: Any, view: bool) -> None:
+        """Give each new tensor output a slot (views of a scope tensor join its group), note
+        what the op writes, and append it."""
+        first = op.leaves[0] if view and op.leaves else None
+        group = self.group_of[first.slot] if type(first) is _Slot else None
+        outs: tuple[int | None, ...]
+        if type(out) is torch.Tensor:  # the common case: one plain tensor
+            outs = (None,) if any(out is a for a in flat) else (self._new_slot(out, group),)
+        else:
+            outs = tuple(
+                None  # not a tensor, or an input written in place
+                if not isinstance(t, torch.Tensor) or any(t is a for a in flat)
+                else self._new_slot(t, group)
+                for t in tree_leaves(out)
+            )
+        touches = [self.group_of[slot] for slot in outs if slot is not None]
+        for position in op.writes:
+            leaf = op.leaves[position]
+            if type(leaf) is _Slot:
+                touches.append(self.group_of[leaf.slot])
+                self.last_write[self.group_of[leaf.slot]] = len(self.ops)
+        op.outs, op.touches = outs, tuple(touches)
+        self.ops.append(op)
 
     def _new_slot(self, tensor: torch.Tensor, group: int | None) -> int:
         slot = len(self.group_of)
         self.group_of.append(slot if group is None else group)
-        self.slot_refs.append(weakref.ref(tensor))
-        self.device_types.add(tensor.device.type)
-        _registry[id(tensor)] = _Entry(tensor, self, slot)
-        with self.claim.hooks.lock:
-            self.alive += 1
+        entry = _Entry(tensor, _entry_died)
+        entry.key, entry.tape, entry.slot = id(tensor), self, slot
+        self.entries.append(entry)
+        _registry[entry.key] = entry
+        if not tensor.is_cpu:
+            self.device_types.add(tensor.device.type)
         return slot
 
-    def _note_generator(self, flat: list[Any], kwargs: dict[str, Any]) -> None:
-        """Remember the state of the generator a random op draws from (Rule 7)."""
+    def _draw(self, flat: _Flat, kwargs: dict[str, Any]) -> _Draw | None:
+        """The generator a random op draws from and its state now (Rule 7)."""
         generator = kwargs.get("generator")
         if generator is None:
             device = kwargs.get("device")
             if device is None:
                 device = next((t.device for t in flat if isinstance(t, torch.Tensor)), "cpu")
             generator = default_generator(torch.device(device))
-        if generator is not None:
-            self.rng.note(generator)
+        return None if generator is None else (generator, self.rng.note(generator))
 
     def close(self) -> None:
         """End recording: note each live tensor's version, so a later in-place change outside
         the tape is seen (such a tensor is then stored, not replayed)."""
-        self.closed = True
-        for slot, ref in enumerate(self.slot_refs):
-            tensor = ref()
+        for slot, entry in enumerate(self.entries):
+            tensor = entry()
             if tensor is not None:
                 self.exit_versions[slot] = tensor_version(tensor)
-        self.slot_refs = []
+        self.entries, self.outside = [], {}
         with self.claim.hooks.lock:
-            dead = self.alive == 0
+            self.closed = True
+            self.order = next(_closing)
+            dead = self.died == len(self.group_of)
         if dead:
             self.claim.release()
 
     def slot_died(self) -> None:
         """A scope tensor died; once all have, after the scope, give up the claim (Rule 9)."""
         with self.claim.hooks.lock:
-            self.alive -= 1
-            dead = self.closed and self.alive == 0
+            self.died += 1
+            dead = self.closed and self.died == len(self.group_of)
         if dead:
             self.claim.release()
 
@@ -505,25 +551,100 @@ class _Tape:
         """Whether replaying gives ``tensor``'s current value (not changed since the scope)."""
         return not self.closed or self.exit_versions.get(slot) == tensor_version(tensor)
 
-    # -- holders (Rules 2 and 8) ----------------------------------------------------------------
-
     def holder_for(self, tensor: torch.Tensor, slot: int, view: _View | None) -> _ScopeHolder:
-        """A holder that autograd stores instead of ``tensor``."""
+        """A holder that autograd stores instead of ``tensor`` (Rules 2 and 8)."""
         holder = _ScopeHolder(self, slot, view, len(self.ops), metadata_of(tensor))
         self.holders.append(weakref.ref(holder))
         announce(tensor, "scope", "recomputed")
         return holder
 
-    def recompute(self, key: object) -> None:
-        """Fill every live holder of this tape that has nothing yet for backward ``key``."""
-        live = [h for ref in self.holders if (h := ref()) is not None and key not in h.values]
-        for holder in live:
-            if self.last_write.get(self.group_of[holder.slot], -1) >= holder.position:
+    # -- replay (Rules 2, 3, 5 and 7) -----------------------------------------------------------
+
+    def chains(self) -> _Chains:
+        """This tape's chains, worked out again only when ops were added since."""
+        chains = self._chains
+        if chains is None or chains.size != len(self.ops):
+            chains = self._chains = _Chains(self)
+        return chains
+
+    def waiting(self, chains: set[int], key: object) -> list[_ScopeHolder]:
+        """The live holders of ``chains`` with nothing yet for backward ``key``; checks that
+        none was changed in place inside the scope after it was saved."""
+        of_group, group_of = self.chains().of_group, self.group_of
+        waiting = []
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or key in holder.values:
+                continue
+            group = group_of[holder.slot]
+            if of_group[group] not in chains:
+                continue
+            if self.last_write.get(group, -1) >= holder.position:
                 kind, shape = holder.meta[1], list(holder.meta[0])
                 raise RuntimeError(_MSG_SCOPE_TENSOR_MODIFIED.format(kind=kind, shape=shape))
-        values = self.compute({holder.slot for holder in live})
+            waiting.append(holder)
+        return waiting
+
+    def needed_ops(self, groups: set[int]) -> list[_Op]:
+        """Walk back from the wanted groups: an op is needed if it creates or writes a needed
+        group; what it reads is then needed too (Rule 7)."""
+        needed: list[_Op] = []
+        for op in reversed(self.ops):
+            if not groups.isdisjoint(op.touches):
+                needed.append(op)
+                groups.update(op.reads)
+        needed.reverse()
+        return needed
+
+    def run(self, ops: list[_Op], foreign: _Values) -> dict[int, torch.Tensor]:
+        """Replay ``ops`` in order; values of other tapes' tensors come from ``foreign``."""
+        values: dict[int, torch.Tensor] = {}
+        with (
+            torch.no_grad(),
+            self.rng.restored(),
+            autocast_disabled(self.device_types),
+            marked_as_recompute(),
+        ):
+            for op in ops:
+                self._replay(op, values, foreign)
+        return values
+
+    def _replay(self, op: _Op, values: dict[int, torch.Tensor], foreign: _Values) -> None:
+        args = []
+        for position, leaf in enumerate(op.leaves):
+            kind = type(leaf)
+            if kind is _Slot:
+                args.append(values[leaf.slot])
+            elif kind is _Entry:
+                args.append(foreign[leaf.tape, leaf.slot])
+            elif kind is _Outside:
+                args.append(leaf.value(position in op.writes))
+            else:
+                args.append(leaf)
+        if op.draw is not None:
+            generator, state = op.draw
+            generator.set_state(state)  # this draw's place in its stream (Rule 7)
+        if op.spec is _FLAT:
+            result = op.func(*args)
+        else:
+            rebuilt, kwargs = _unflatten(op.spec, iter(args))
+            result = op.func(*rebuilt, **kwargs)
+        outs = op.outs
+        if type(result) is torch.Tensor:
+            if outs[0] is not None:
+                values[outs[0]] = result
+        elif any(slot is not None for slot in outs):
+            for slot, tensor in zip(outs, tree_leaves(result), strict=True):
+                if slot is not None:
+                    values[slot] = tensor
+
+    def fill(
+        self, holders: list[_ScopeHolder], values: dict[int, torch.Tensor], key: object
+    ) -> None:
+        """Hand each holder its value for backward ``key``; check shapes, dtypes and devices."""
         pairs = []
-        for index, holder in enumerate(live):
+        for index, holder in enumerate(holders):
+            internal_assert(holder.slot in values, "replay missed a requested slot")
             value = values[holder.slot]
             if holder.view is not None:
                 value = value.as_strided(*holder.view)
@@ -531,53 +652,83 @@ class _Tape:
             pairs.append((index, holder.meta, value))
         check_metadata(pairs)
 
-    # -- replay (Rules 5 and 7) -----------------------------------------------------------------
 
-    def compute(self, slots: Collection[int]) -> dict[int, torch.Tensor]:
-        """Replay what ``slots`` need and return their values (fresh tensors, no history)."""
-        values: dict[int, torch.Tensor] = {}
-        foreign: dict[tuple[int, int], torch.Tensor] = {}
-        with (
-            torch.no_grad(),
-            self.rng.restored(),
-            autocast_disabled(self.device_types),
-            marked_as_recompute(),
-        ):
-            for op in self._needed_ops({self.group_of[slot] for slot in slots}):
-                self._replay(op, values, foreign)
-        internal_assert(all(slot in values for slot in slots), "replay missed a requested slot")
-        return {slot: values[slot] for slot in slots}
+_Values = dict[tuple[_Tape, int], torch.Tensor]  # other tapes' replayed tensors, by slot
 
-    def _needed_ops(self, groups: set[int]) -> list[_Op]:
-        """Walk back from the wanted groups: an op is needed if it creates or writes a needed
-        group, or is random (Rule 7); what it reads is then needed too."""
-        needed: list[_Op] = []
-        for op in reversed(self.ops):
-            if op.random or not groups.isdisjoint(op.touches):
-                needed.append(op)
-                groups |= op.reads
-        needed.reverse()
-        return needed
 
-    def _replay(
-        self,
-        op: _Op,
-        values: dict[int, torch.Tensor],
-        foreign: dict[tuple[int, int], torch.Tensor],
-    ) -> None:
-        leaves = [
-            _materialize(leaf, position in op.clones, values, foreign)
-            for position, leaf in enumerate(op.leaves)
-        ]
-        if op.spec is _FLAT:
-            result = op.func(*leaves)
-        else:
-            args, kwargs = _unflatten(op.spec, iter(leaves))
-            result = op.func(*args, **kwargs)
-        if any(slot is not None for slot in op.outs):
-            for slot, tensor in zip(op.outs, tree_leaves(result), strict=True):
-                if slot is not None:
-                    values[slot] = tensor
+class _Chains:
+    """A tape's groups split into chains: two groups are in one chain when an op links them
+    (reads one and creates or writes the other). Per chain, the other tapes' tensors it reads.
+    Worked out at the first replay, from the tape, not while recording."""
+
+    __slots__ = ("foreign", "group_of", "of_group", "size")
+
+    def __init__(self, tape: _Tape) -> None:
+        parent = list(range(len(tape.group_of)))
+
+        def root(group: int) -> int:
+            while parent[group] != group:
+                parent[group] = group = parent[parent[group]]
+            return group
+
+        for op in tape.ops:
+            linked = op.reads + op.touches
+            for group in linked[1:]:
+                parent[root(group)] = root(linked[0])
+        self.of_group = [root(group) for group in range(len(parent))]
+        self.foreign: dict[int, list[tuple[_Tape, int]]] = {}
+        for op in tape.ops:
+            linked = op.reads + op.touches
+            for leaf in op.leaves:
+                if type(leaf) is _Entry and linked:
+                    chain = self.of_group[linked[0]]
+                    self.foreign.setdefault(chain, []).append((leaf.tape, leaf.slot))
+        self.size = len(tape.ops)
+        self.group_of = tape.group_of
+
+    def chain_of(self, slot: int) -> int:
+        return self.of_group[self.group_of[slot]]
+
+
+def _linked_chains(tape: _Tape, slot: int) -> dict[_Tape, set[int]]:
+    """The chains replayed together with the one of ``tape``'s ``slot``: the chains of other
+    tapes it reads, and those of later tapes that read it, transitively (Rule 3)."""
+    found = {tape: {tape.chains().chain_of(slot)}}
+    todo = [(tape, chain) for chain in found[tape]]
+    while todo:
+        current, chain = todo.pop()
+        chains = current.chains()
+        links = [(t, t.chains().chain_of(s)) for t, s in chains.foreign.get(chain, ())]
+        for other, other_chain in links:
+            known = found.setdefault(other, set())
+            if other_chain not in known:
+                known.add(other_chain)
+                todo.append((other, other_chain))
+    return found
+
+
+def _replay_linked(tape: _Tape, slot: int, key: object) -> None:
+    """Fill, for backward ``key``, every waiting holder of the chains linked to ``slot``,
+    replaying each tape involved once (Rules 2, 3 and 7). Tapes are planned from the last to
+    close back (what each needs of the tapes it reads), then run in the order they closed."""
+    linked = _linked_chains(tape, slot)
+    wanted: dict[_Tape, set[int]] = {}  # slots that later tapes read
+    plans = []
+    for current in sorted(linked, key=lambda t: t.order, reverse=True):
+        holders = current.waiting(linked[current], key)
+        groups = {current.group_of[h.slot] for h in holders}
+        groups.update(current.group_of[s] for s in wanted.get(current, ()))
+        ops = current.needed_ops(groups)
+        for op in ops:
+            for leaf in op.leaves:
+                if type(leaf) is _Entry:
+                    wanted.setdefault(leaf.tape, set()).add(leaf.slot)
+        plans.append((current, holders, ops))
+    foreign: _Values = {}
+    for current, holders, ops in reversed(plans):
+        values = current.run(ops, foreign)
+        foreign.update({(current, s): values[s] for s in wanted.get(current, ())})
+        current.fill(holders, values, key)
 
 
 # Op arguments are flattened by hand: torch's ``tree_flatten``/``tree_unflatten`` leave a few
@@ -608,38 +759,10 @@ def _unflatten(spec: _Spec, leaves: Iterator[Any]) -> Any:
     return kind([_unflatten(child, leaves) for child in children])
 
 
-def _materialize(
-    leaf: Any,
-    clone: bool,
-    values: dict[int, torch.Tensor],
-    foreign: dict[tuple[int, int], torch.Tensor],
-) -> Any:
-    """The replay value of one taped argument (See NOTE [Gradient checkpoint scope], Rule 5)."""
-    if isinstance(leaf, _Slot):
-        return values[leaf.slot]
-    if isinstance(leaf, _Outside):
-        if clone:
-            return leaf.tensor.clone()  # written by this op: the real tensor changes only once
-        now = tensor_version(leaf.tensor)
-        if now != leaf.version:
-            kind, shape = leaf.tensor.type(), list(leaf.tensor.shape)
-            raise RuntimeError(
-                _MSG_INPUT_MODIFIED.format(kind=kind, shape=shape, now=now, then=leaf.version)
-            )
-        return leaf.tensor
-    if isinstance(leaf, _Foreign):
-        key = (id(leaf.tape), leaf.slot)
-        if key not in foreign:
-            foreign[key] = leaf.tape.compute([leaf.slot])[leaf.slot]
-        return foreign[key]
-    return leaf
-
-
 # Per op, worked out once from its schema: the (position, name) of each argument it writes,
 # whether it draws random numbers, whether it returns a view, and whether it has hidden writes.
 _OpFacts = tuple[tuple[tuple[int, str], ...], bool, bool, bool]
 _op_facts: dict[OpOverload, _OpFacts] = {}
-_NO_IDS: Final[frozenset[int]] = frozenset()
 
 
 def _learn_facts(func: OpOverload) -> _OpFacts:
@@ -684,14 +807,10 @@ class _TapeMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
         tape = self.tape
         if tape.paused or is_recomputing():  # our own hook's work, or a replay
-            return func(*args, **kwargs)
-        op, flat = tape.begin(func, args, kwargs)
-        out = func(*args, **kwargs)
-        tape.finish(op, flat, out)
-        return out
+            return func(*args, **(kwargs or {}))
+        return tape.record(func, args, kwargs or {})
 
 
 # -------------------------------------------------------------------------------------------
@@ -700,21 +819,14 @@ class _TapeMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
 
 
 class _Entry(weakref.ref[torch.Tensor]):
-    """A weak reference to a scope tensor that knows its tape and slot; its death is counted."""
+    """A weak reference to a scope tensor that knows its tape and slot: the registry's value,
+    and the tape's marker wherever an op reads that tensor. Its death is counted (Rule 9)."""
 
     __slots__ = ("key", "slot", "tape")
 
     key: int
     tape: _Tape
     slot: int
-
-    def __new__(cls, tensor: torch.Tensor, tape: _Tape, slot: int) -> Self:
-        entry = super().__new__(cls, tensor, _entry_died)
-        entry.key, entry.tape, entry.slot = id(tensor), tape, slot
-        return entry
-
-    def __init__(self, tensor: torch.Tensor, tape: _Tape, slot: int) -> None:
-        super().__init__(tensor, _entry_died)  # type: ignore[call-arg]  # weakref.ref takes these
 
 
 _registry: dict[int, _Entry] = {}
@@ -742,7 +854,6 @@ def _scope_slot(tensor: torch.Tensor) -> tuple[_Tape, int, _View | None] | None:
         return None
     view = (tensor.shape, tensor.stride(), int(tensor.storage_offset()))  # Rule 8
     return entry.tape, entry.slot, view
-
 
 # -------------------------------------------------------------------------------------------
 # The router: one hook of ours per thread, and its lifetime (Rules 2, 4, 5, 9)
@@ -877,7 +988,7 @@ class _ThreadHooks:
     def unpack(packed: Any) -> torch.Tensor:
         """Our unpack hook (any thread): recompute a holder, or hand back what was kept."""
         if isinstance(packed, _ScopeHolder):
-            return unpack_holder(packed, packed.tape.recompute)
+            return unpack_holder(packed, packed.recompute)
         if isinstance(packed, _Passed):
             return packed.unpack()
         result: torch.Tensor = packed.unpack_fn(packed.packed)

@@ -387,7 +387,8 @@ class GeneratorStates:
     """The state of each generator a recorded region drew from, taken just before its first draw.
 
     Used by the scope API, whose tape sees every random op (and its explicit ``generator=``)
-    as it runs; replaying every random op in order from these states reproduces each draw.
+    as it runs and notes, per draw, the state it drew from: replaying a random op from its own
+    state reproduces that draw, whichever other draws are replayed.
     """
 
     __slots__ = ("_states",)
@@ -395,10 +396,12 @@ class GeneratorStates:
     def __init__(self) -> None:
         self._states: list[tuple[torch.Generator, torch.Tensor]] = []
 
-    def note(self, generator: torch.Generator) -> None:
-        """Remember ``generator``'s state unless it was noted before (first draw wins)."""
+    def note(self, generator: torch.Generator) -> torch.Tensor:
+        """Return ``generator``'s state now, and remember it if this is its first draw."""
+        state = generator.get_state()
         if all(known is not generator for known, _ in self._states):
-            self._states.append((generator, generator.get_state()))
+            self._states.append((generator, state))
+        return state
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
