@@ -657,3 +657,95 @@ def test_transformers_mistake_raises_clear_error(name: str) -> None:
     message = str(info.value)
     missing = [p for p in mistake.phrases if p not in message]
     assert not missing, f"{name}: phrases {missing} not in message:\n{message}"
+
+
+def _blocks() -> torch.nn.Sequential:
+    """Four Linear+Tanh blocks: a model the planner can plan."""
+    return torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(4))
+    )
+
+
+def _plan(model: torch.nn.Module, budget: float = 0.8) -> checkpointing.ActivationPlan:
+    x = torch.randn(2, 4, requires_grad=True)
+    return checkpointing.plan_checkpointing(model, x, budget=budget)
+
+
+def _apply_twice(_: object) -> None:
+    model = _blocks()
+    plan = _plan(model)
+    plan.apply(model)
+    try:
+        plan.apply(model)
+    finally:
+        plan.remove(model)
+
+
+PLANNER_MISTAKES: dict[str, Mistake] = {
+    "planner: budget below the floor": Mistake(
+        lambda _: checkpointing.plan_checkpointing(_blocks(), torch.randn(2, 4), budget=1),
+        ValueError,
+        ("plan_checkpointing", "below the smallest reachable", "bytes", "Fix"),
+    ),
+    "planner: budget of the wrong type": Mistake(
+        lambda _: checkpointing.plan_checkpointing(_blocks(), torch.randn(2, 4), budget="half"),
+        TypeError,
+        ("budget must be a float in (0, 1]", "or an int (bytes)", "got 'half'", "Fix"),
+    ),
+    "planner: no regions": Mistake(
+        lambda _: checkpointing.plan_checkpointing(
+            torch.nn.Linear(4, 4), torch.randn(2, 4), budget=0.5
+        ),
+        ValueError,
+        ("found no regions in Linear", "regions=lambda module", "Fix"),
+    ),
+    "planner: nothing requires grad": Mistake(
+        lambda _: checkpointing.plan_checkpointing(
+            _blocks().requires_grad_(False), torch.randn(2, 4), budget=0.5
+        ),
+        ValueError,
+        ("no floating-point tensor that requires grad", "loss_fn", "Fix"),
+    ),
+    "planner: apply twice": Mistake(
+        _apply_twice, ValueError, ("ActivationPlan.apply", "already applied", "plan.remove", "Fix")
+    ),
+    "planner: apply to another model": Mistake(
+        lambda _: _plan(_blocks()).apply(_blocks()),
+        ValueError,
+        ("profiled on another model", "from_json(plan.to_json())", "Fix"),
+    ),
+    "planner: remove what is not applied": Mistake(
+        lambda _: _plan(model := _blocks()).remove(model),
+        ValueError,
+        ("ActivationPlan.remove", "not applied", "Fix"),
+    ),
+    "planner: JSON that is not a plan": Mistake(
+        lambda _: checkpointing.ActivationPlan.from_json("[1, 2]"),
+        ValueError,
+        ("ActivationPlan.from_json", "not a plan", "Fix"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANNER_MISTAKES))
+def test_planner_mistake_raises_clear_error(name: str) -> None:
+    """Each mistake with ``plan_checkpointing`` / ``ActivationPlan`` raises clearly."""
+    mistake = PLANNER_MISTAKES[name]
+    with pytest.raises(mistake.error) as info:
+        mistake.call(None)
+    message = str(info.value)
+    missing = [p for p in mistake.phrases if p not in message]
+    assert not missing, f"{name}: phrases {missing} not in message:\n{message}"
+
+
+def test_planner_reshaped_inputs_warning_says_re_plan() -> None:
+    """Inputs of other shapes than the profiled ones warn, naming both and saying re-plan."""
+    model = _blocks()
+    plan = _plan(model)
+    plan.apply(model)
+    with pytest.warns(UserWarning, match="re-plan") as record:
+        model(torch.randn(3, 4))
+    plan.remove(model)
+    message = str(record[0].message)
+    for phrase in ("ActivationPlan", "[[3, 4]]", "[[2, 4]]", "re-plan", "Fix"):
+        assert phrase in message
