@@ -20,9 +20,10 @@ NOTE [Gradient checkpoint scope]
           between forward and backward is caught there).
   Rule 3. One registry for all scopes: several scopes alive at once all drop their tensors, and
           a scope that reads a closed scope's tensor refers to that scope's tape instead of
-          holding the tensor. The chains so linked replay together: each tape once per backward,
-          planned from the last one back (what it needs of the tapes it reads) and run in the
-          order the tapes closed. A scope opened while one is open in this thread, inside a
+          holding the tensor. The chains so linked, in both directions, replay together: each
+          tape once per backward, whichever holder that backward unpacks first, planned from
+          the last tape back (what it needs of the tapes it reads) and run in the order the
+          tapes closed. A scope opened while one is open in this thread, inside a
           checkpointed region (a checkpoint's hook on top), during recompute or inside a
           backward records nothing.
   Rule 4. At most one hook of ours per thread; we only ever pop our own hook, and only when it is
@@ -404,6 +405,7 @@ class _Tape:
         "order",
         "outside",
         "paused",
+        "readers",
         "rng",
     )
 
@@ -416,6 +418,7 @@ class _Tape:
         self.outside: dict[int, tuple[weakref.ref[torch.Tensor], _Outside]] = {}  # until close
         self.exit_versions: dict[int, int] = {}
         self.holders: list[weakref.ref[_ScopeHolder]] = []
+        self.readers: list[weakref.ref[_Tape]] = []  # later tapes that read this one's tensors
         self.rng = GeneratorStates()
         self.device_types = {"cpu"}  # autocast is turned off for these while replaying
         self.died = 0  # slots whose tensor died; all of them (len(group_of)) ends the claim
@@ -465,6 +468,7 @@ class _Tape:
                     reads.append(self.group_of[entry.slot])
                     continue
                 if entry.tape.closed and entry.tape.reproduces(entry.slot, leaf):  # Rule 3
+                    entry.tape.read_by(self)
                     leaves.append(entry)
                     continue
             leaves.append(self._outside_marker(leaf))
@@ -546,6 +550,11 @@ class _Tape:
             dead = self.closed and self.died == len(self.group_of)
         if dead:
             self.claim.release()
+
+    def read_by(self, reader: _Tape) -> None:
+        """Note that ``reader`` (a later scope) reads tensors of this one (Rule 3)."""
+        if all(ref() is not reader for ref in self.readers):
+            self.readers.append(weakref.ref(reader))
 
     def reproduces(self, slot: int, tensor: torch.Tensor) -> bool:
         """Whether replaying gives ``tensor``'s current value (not changed since the scope)."""
@@ -699,6 +708,15 @@ def _linked_chains(tape: _Tape, slot: int) -> dict[_Tape, set[int]]:
         current, chain = todo.pop()
         chains = current.chains()
         links = [(t, t.chains().chain_of(s)) for t, s in chains.foreign.get(chain, ())]
+        for ref in current.readers:
+            reader = ref()
+            if reader is None:
+                continue
+            links += [
+                (reader, reading)
+                for reading, reads in reader.chains().foreign.items()
+                if any(t is current and chains.chain_of(s) == chain for t, s in reads)
+            ]
         for other, other_chain in links:
             known = found.setdefault(other, set())
             if other_chain not in known:

@@ -292,6 +292,43 @@ def test_rule3_two_scopes_both_save_memory() -> None:
     assert kept_plain - kept_scoped >= 2 * per_tensor  # neither x nor z is kept
 
 
+def _earlier_and_later_scope(
+    a: torch.Tensor, c: torch.Tensor, scope: Callable[[], Any], earlier_saved_last: bool
+) -> torch.Tensor:
+    """The later block reads three tensors of the earlier one (``y`` twice); the earlier one's
+    ``x`` is also saved after both blocks, last (its holder is unpacked first) or first."""
+    with scope():
+        x = a.exp()
+        y = x.cos()
+        v = a.sigmoid()
+    kept = [] if earlier_saved_last else [(x * c).sum()]
+    with scope():
+        z = (x * y).sin() + y.tanh() * v
+    loss = (z * c).sum()
+    return loss + (x * c).sum() if earlier_saved_last else loss + kept[0]
+
+
+@pytest.mark.parametrize("earlier_saved_last", [True, False], ids=["earlier-first", "later-first"])
+def test_rule3_earlier_scope_replays_once_per_backward(earlier_saved_last: bool) -> None:
+    """A later scope that reads an earlier scope's tensors replays the earlier tape once per
+    backward (not once per tensor used), whichever scope's holder is unpacked first; a second
+    backward replays each once again. Gradients equal the run without a scope."""
+    a = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    loss = _earlier_and_later_scope(a, c, gradient_checkpoint_scope, earlier_saved_last)
+    for _ in range(2):
+        with _OpCounter() as counter:
+            loss.backward(retain_graph=True)
+        ops = ["exp", "cos", "sigmoid", "sin", "tanh"]
+        assert {op: counter.counts[f"aten.{op}.default"] for op in ops} == dict.fromkeys(ops, 1)
+    got = _grads(a, c)
+    plain = _earlier_and_later_scope(a, c, _nullcontext, earlier_saved_last)
+    for _ in range(2):
+        plain.backward(retain_graph=True)
+    for g, want in zip(got, _grads(a, c), strict=True):
+        assert torch.equal(g, want)
+
+
 def test_rule3_nested_scopes(leaves: tuple[torch.Tensor, ...]) -> None:
     """A scope inside a scope works (the outer one records everything)."""
     a, b, c = leaves
