@@ -9,6 +9,7 @@ one of these, this file is the one place to fix.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -165,12 +166,17 @@ def argument_index(op: OpOverload, name: str) -> int | None:
 _get_dispatch_mode = torch._C._get_dispatch_mode
 _PROXY_MODE_KEY = torch._C._TorchDispatchModeKey.PROXY
 
+proxy_mode: Callable[[], object | None] = functools.partial(_get_dispatch_mode, _PROXY_MODE_KEY)
+"""The active proxy mode (tracing) or None, as a C-level call without a Python frame: the cheap
+first test before ``proxy_tracing_active``, per op of selective checkpointing (2.13:
+``torch._C._get_dispatch_mode``)."""
+
 
 def proxy_tracing_active() -> bool:
     """True while AOTAutograd or export traces through a dispatch mode (a proxy mode is
     active), false in eager and in non-strict make_fx tracing (2.13). Runs per op of selective
     checkpointing, hence the names bound once above."""
-    if _get_dispatch_mode(_PROXY_MODE_KEY) is None:
+    if proxy_mode() is None:
         return False
     return not torch.compiler._is_non_strict_tracing()
 
@@ -219,6 +225,13 @@ def inductor_region_key(op: object, args: tuple[Any, ...]) -> object:
 def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's version counter, bumped by every in-place write (2.13: ``Tensor._version``)."""
     return int(tensor._version)
+
+
+def op_runner(op: OpOverload) -> Callable[..., Any]:
+    """What ``op(...)`` calls: same arguments and result, one Python frame fewer per call, for
+    the scope's tape, which runs every op of a scope and replays it (2.13: ``OpOverload._op``)."""
+    runner: Callable[..., Any] = op._op
+    return runner
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:

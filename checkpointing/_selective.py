@@ -11,7 +11,14 @@ in ``policies``.
 NOTE [Selective checkpoint cache]
   Rule 1. The policy is asked once per op of the original forward, after the op ran, with
           ``SelectiveCheckpointContext(is_recompute=False, op_output=out)``; recompute never
-          asks (it replays what the forward decided).
+          asks (it replays what the forward decided). A policy whose answer depends on the op
+          alone and says so (``OpPolicy``: it also has ``answer_for_op(op)``) is asked through
+          ``answer_for_op`` once per op overload instead, at that op's first call (and about
+          the tag op, once, to know whether recomputed outputs may take a tag's decision), and
+          what its answer means for the op (Rules 8 and 10 included) is worked out then and
+          remembered: per region, and for good when the policy is ours (``OpPolicyBase``). No
+          context built, no call per op. ``tests/test_selective.py`` checks that this decides
+          exactly as asking per call does.
   Rule 2. An answer is a ``CheckpointPolicy`` (ours, or torch's member of the same name) or a
           ``bool`` (True is MUST_SAVE, False is PREFER_RECOMPUTE). Anything else is a
           ``CheckpointError`` naming the policy, the op and the value (torch silently
@@ -20,7 +27,10 @@ NOTE [Selective checkpoint cache]
           "unsupported operand type(s) for @" instead of our message.
   Rule 3. Entries are keyed by op (an inductor-compiled region by its callable) and by that
           key's call index within the region. Recompute walks the same (key, index) sequence;
-          a step it cannot find is an error naming the op and the index.
+          a step it cannot find is an error naming the op and the index. Only kept calls have
+          an entry: a key's forward call count marks every other index below it "recompute",
+          so an op that is recomputed costs one counter, not an entry per call, and the check
+          is torch's (a key the forward never called, or called fewer times, is an error).
   Rule 4. ``SAC_IGNORED_OPS`` are neither counted nor cached: they run as they are, both times.
   Rule 5. A saved entry is a detached alias sharing the output's version counter, plus the
           version seen when it was cached; handing it out after an in-place change raises
@@ -71,13 +81,13 @@ device tensor next to its host copy to version-check it (it would keep the memor
 
 from __future__ import annotations
 
+import abc
 import enum
 import threading
 import weakref
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias, TypeGuard
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
@@ -99,10 +109,14 @@ __all__ = [
     "CheckpointPolicy",
     "OffloadStats",
     "Op",
+    "OpPolicy",
+    "OpPolicyBase",
     "Policy",
     "SelectiveCheckpointContext",
+    "answers_by_op",
     "as_checkpoint_policy",
     "create_selective_checkpoint_contexts",
+    "policy_from",
     "tag",
 ]
 
@@ -158,11 +172,48 @@ class SelectiveCheckpointContext:
 
 class Policy(Protocol):
     """A selective-checkpoint policy: called once per op of the forward, after the op, with the
-    op's arguments; returns what to do with its output (a ``CheckpointPolicy`` or a bool)."""
+    op's arguments; returns what to do with its output (a ``CheckpointPolicy`` or a bool).
+
+    A policy whose answer depends on the op alone (not on the context, the arguments or its
+    earlier calls) can say so by also defining ``answer_for_op(op)`` with that same answer
+    (``OpPolicy``); it is then asked once per op overload instead of once per op call.
+    """
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
     ) -> CheckpointPolicy | bool: ...
+
+
+class OpPolicy(Policy, Protocol):
+    """A ``Policy`` whose answer depends on the op alone: ``answer_for_op(op)`` gives, without
+    arguments, what calling the policy for any call of ``op`` returns (NOTE [Selective
+    checkpoint cache], Rule 1). Every policy of ``checkpointing.policies`` is one, except the
+    name-based ones and combinations including them."""
+
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy | bool: ...
+
+
+class OpPolicyBase(abc.ABC):
+    """Base of our op-only policies: calling one asks ``answer_for_op``; each instance holds
+    what the forward mode worked out per op from its answers, for every region using it."""
+
+    __slots__ = ("_op_plans",)
+
+    def __init__(self) -> None:
+        self._op_plans: dict[object, _OpPlan] = {}
+
+    @abc.abstractmethod
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy: ...
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        return self.answer_for_op(op)
+
+
+def answers_by_op(policy: object) -> TypeGuard[OpPolicy]:
+    """Whether ``policy`` says its answer depends on the op alone (has ``answer_for_op``)."""
+    return callable(getattr(policy, "answer_for_op", None))
 
 
 _aten = torch.ops.aten
@@ -429,23 +480,75 @@ _LEAVES: Final = (_Saved, _HostAlias, _HostCopy)
 _Entry: TypeAlias = _Leaf | _Tree
 
 
-class _Marker:
-    """A slot that holds no output: recompute runs the op, or the output was handed out."""
+class _Consumed:
+    """The slot of an entry already handed out to a recompute (Rule 6)."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+    __slots__ = ()
 
     def __repr__(self) -> str:
-        return f"<{self.name}>"
+        return "<consumed>"
 
 
-_RECOMPUTE: Final = _Marker("recompute")
-_CONSUMED: Final = _Marker("consumed")
+_CONSUMED: Final = _Consumed()
 
-_Slot: TypeAlias = _Entry | _Marker
-_Storage: TypeAlias = defaultdict[object, dict[int, _Slot]]
+_Slot: TypeAlias = _Entry | _Consumed
+
+
+class _Plan(enum.Enum):
+    """What the forward mode does with each call of an op (Rule 1: fixed per op for an
+    op-only policy; ASK for any other policy)."""
+
+    COUNT = enum.auto()  # keep nothing and note nothing: the call count is all (Rule 3)
+    NOTE = enum.auto()  # keep nothing, note the output for a later tag (Rule 8)
+    KEEP = enum.auto()  # keep every output as the op-only answer says (save or offload)
+    CHECK = enum.auto()  # the op-only answer keeps, but the call decides: a tag hands its
+    # decision over (Rule 8), an op with ``dropout_p`` may draw (Rule 10)
+    ASK = enum.auto()  # ask the policy, then decide (Rules 2, 8, 10)
+
+
+# An op-only policy's plan for one op, and the action of its answer.
+_OpPlan: TypeAlias = tuple[_Plan, _Action]
+
+
+class _OpRecord:
+    """One cache key of a region (Rule 3): how often the forward called it and the entries
+    kept, by call index (kept calls only); with the op's plan and facts, so that later calls
+    in the region look nothing else up. Keys of the COUNT plan have a bare count instead."""
+
+    __slots__ = ("action", "calls", "draw_rule", "kept", "plan", "pure")
+
+    def __init__(self, op_plan: _OpPlan, facts: _OpFacts) -> None:
+        self.calls = 0
+        self.kept: dict[int, _Slot] | None = None
+        self.plan, self.action = op_plan  # the action of an op-only answer (unused by ASK)
+        _, self.draw_rule, self.pure = facts
+
+    def keep(self, index: int, entry: _Entry) -> None:
+        kept = self.kept
+        if kept is None:
+            kept = self.kept = {}
+        kept[index] = entry
+
+
+class _Cache:
+    """A region's cache, shared by its two modes (Rule 3): by key, a record, or for keys of
+    the COUNT plan only the forward's call count; and the pair's ``OffloadStats``."""
+
+    __slots__ = ("_stats", "counts", "records")
+
+    def __init__(self, stats: OffloadStats | None) -> None:
+        self.records: dict[object, _OpRecord] = {}
+        self.counts: dict[object, int] = {}
+        self._stats = stats
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The stats given to the pair, or its own, made on first need (most pairs never
+        offload, and a pair is built for every checkpoint call)."""
+        stats = self._stats
+        if stats is None:
+            stats = self._stats = OffloadStats()
+        return stats
 
 
 def _keep_tensor(tensor: torch.Tensor, action: _Action, stats: OffloadStats) -> _Leaf:
@@ -532,18 +635,17 @@ def _as_torch_policy(answer: object) -> _TorchCheckpointPolicy:
     return _TorchCheckpointPolicy[answer.name]
 
 
-class _SaveListed:
+class _SaveListed(OpPolicyBase):
     """The list form of ``create_selective_checkpoint_contexts``: MUST_SAVE for the listed
     ops, PREFER_RECOMPUTE for every other op (parity with torch)."""
 
     __slots__ = ("ops",)
 
     def __init__(self, ops: frozenset[Op]) -> None:
+        super().__init__()
         self.ops = ops
 
-    def __call__(
-        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy:
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         if op in self.ops:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -573,7 +675,7 @@ _MSG_NOT_STATS = (
 )
 
 
-def _policy_from(policy_fn_or_list: object) -> Policy:
+def policy_from(policy_fn_or_list: object) -> Policy:
     """Validate the first argument of ``create_selective_checkpoint_contexts`` (torch's rules:
     a list of ops, or any callable)."""
     if isinstance(policy_fn_or_list, list):
@@ -594,19 +696,25 @@ def _policy_from(policy_fn_or_list: object) -> Policy:
 # --- The two modes ----------------------------------------------------------------------------
 
 _INDUCTOR_CODE: Final = _compat.inductor_compiled_code
+_proxy_mode: Final = _compat.proxy_mode
 
 # Per op kind, worked out once. Rule 10: how to tell whether a call draws random numbers
 # (_NEVER, _ALWAYS, or the position of its ``dropout_p`` argument). Rule 8: whether it leaves
-# its inputs alone.
+# its inputs alone. Keyed by ``id(op)`` (an int hashes in C; an ``OpOverload`` in Python), the
+# op itself held in the value, so that the id stays its own; the plans of op-only policies and
+# the region caches use the same ids (their ops are all held here).
 _NEVER: Final = -1
 _ALWAYS: Final = -2
-_op_facts: dict[object, tuple[int, bool]] = {}
+_OpFacts: TypeAlias = tuple[object, int, bool]
+_op_facts: dict[int, _OpFacts] = {}
+
+_ASK: Final[_OpPlan] = (_Plan.ASK, _Action.RECOMPUTE)
 
 
 # Where the output of a recompute-marked op sits in the cache, for a later tag (Rule 8): a weak
-# reference to the output, its cache key and index, and its version then. A tuple, not a class:
-# one is made per recomputed op of every forward.
-_Producer: TypeAlias = tuple[weakref.ref[torch.Tensor], object, int, int]
+# reference to the output, its record and call index, and its version then. A tuple, not a
+# class: one is made per recomputed op of every forward that may keep a tag.
+_Producer: TypeAlias = tuple[weakref.ref[torch.Tensor], _OpRecord, int, int]
 
 
 class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -622,19 +730,25 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
     def _should_skip_dynamo(cls) -> bool:
         return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
 
-    def __init__(self, policy: Policy, storage: _Storage, stats: OffloadStats) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+    def __init__(self, policy: Policy, cache: _Cache) -> None:
+        # No super().__init__(), like torch's own SAC modes: the base's __enter__ creates what
+        # it needs, and a pair of modes is built for every checkpoint call.
         self.policy = policy
-        self.storage = storage
-        self.offload_stats = stats
+        self.cache = cache
         # Set by torch.compile's activation-checkpoint lowering (Rule 9).
         self.ac_graph_id: int | None = None
-        self.func_counter: dict[object, int] = {}
         self._producers: dict[int, _Producer] = {}
+        # Rule 1: an op-only policy's plans by op id (kept on the policy when it is ours).
+        self._plans: dict[int, _OpPlan] | None = None
+        self._by_op: OpPolicy | None = None
+        if answers_by_op(policy):
+            self._by_op = policy
+            plans: dict[int, _OpPlan] | None = getattr(policy, "_op_plans", None)
+            self._plans = {} if plans is None else plans
 
-    def __exit__(self, *exc: object) -> None:
-        self._producers.clear()
-        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
+    @property
+    def offload_stats(self) -> OffloadStats:
+        return self.cache.stats
 
     @_compat.skip_dynamo_in_code  # Rule 11
     def __torch_dispatch__(
@@ -647,46 +761,83 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         # The hot path: one call per op of every selectively checkpointed forward.
         if kwargs is None:
             kwargs = {}
-        if _compat.proxy_tracing_active():
+        if _proxy_mode() is not None and _compat.proxy_tracing_active():
             return self._dispatch_traced(func, args, kwargs)
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        key = func if func is not _INDUCTOR_CODE else _region_key(func, args)
-        counter = self.func_counter
-        index = counter.get(key, 0)
-        counter[key] = index + 1
-        ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-        answer = self.policy(ctx, func, *args, **kwargs)
-        # Rule 2, inline: answers are singletons (enum members, bools), so identity finds them.
-        action = _ACTION_OF_ID.get(id(answer)) if type(answer) in _ANSWER_TYPES else None
-        if action is None:
-            raise _bad_answer(answer, self.policy, func)
-        facts = _op_facts.get(func)
-        if facts is None:
-            facts = _learn_facts(func)
-        draw_rule, pure = facts
+        op_id = id(func)
+        key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
+        plans = self._plans
+        if plans is not None:
+            op_plan = plans.get(op_id)
+            if op_plan is None:
+                op_plan = self._learn_plan(func, plans)
+            if op_plan[0] is _Plan.COUNT:  # Rule 3: a count is all that recompute needs
+                counts = self.cache.counts
+                counts[key] = counts.get(key, 0) + 1
+                return out
+        else:
+            op_plan = _ASK
+        records = self.cache.records
+        record = records.get(key)
+        if record is None:
+            record = records[key] = _OpRecord(op_plan, _facts(func))
+        index = record.calls
+        record.calls = index + 1
+        if op_plan[0] is _Plan.KEEP:
+            record.keep(index, _keep(out, op_plan[1], self.offload_stats))
+            return out
+        return self._decide(func, args, kwargs, out, record, index)
+
+    def _decide(
+        self,
+        func: Op,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        record: _OpRecord,
+        index: int,
+    ) -> Any:
+        """Rules 1, 2, 8 and 10 for one call: ask the policy (unless its answer for the op is
+        known), keep or hand over what it says, note producers for later tags."""
+        action = record.action
+        if record.plan is _Plan.ASK:
+            ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+            answer = self.policy(ctx, func, *args, **kwargs)
+            # Rule 2, inline: answers are singletons (enum members, bools): identity finds them.
+            asked = _ACTION_OF_ID.get(id(answer)) if type(answer) in _ANSWER_TYPES else None
+            if asked is None:
+                raise _bad_answer(answer, self.policy, func)
+            action = asked
+        draw_rule = record.draw_rule
         random = draw_rule == _ALWAYS or (draw_rule >= 0 and _draws_at(draw_rule, args, kwargs))
         if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
-            self.storage[key][index] = _keep(out, action, self.offload_stats)
-            return out
-        self.storage[key][index] = _RECOMPUTE
-        if func is TAG_OP:
+            record.keep(index, _keep(out, action, self.offload_stats))
+        elif func is TAG_OP:
             if action is not _Action.RECOMPUTE:
                 self._hand_over(args[0] if args else kwargs["x"], action)
-        elif pure and not random and type(out) is torch.Tensor:
-            self._producers[id(out)] = (weakref.ref(out), key, index, out._version)
+        elif record.pure and not random and type(out) is torch.Tensor:
+            self._producers[id(out)] = (weakref.ref(out), record, index, out._version)
         return out
+
+    def _learn_plan(self, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
+        """Rule 1: ask the op-only policy about ``func`` once, and remember its plan."""
+        policy = self._by_op
+        if policy is None:
+            internal_error("an op plan was asked for a policy that answers per call")
+        op_plan = plans[id(func)] = _plan_for(policy, func, plans)
+        return op_plan
 
     def _hand_over(self, tensor: torch.Tensor, action: _Action) -> None:
         """Rule 8: give a kept tag's decision to the op that produced ``tensor``, if allowed."""
         producer = self._producers.pop(id(tensor), None)
         if producer is None:
             return
-        ref, key, index, version = producer
+        ref, record, index, version = producer
         if ref() is not tensor or tensor._version != version:
             return
-        self.storage[key][index] = _keep(tensor, action, self.offload_stats)
+        record.keep(index, _keep(tensor, action, self.offload_stats))
 
     def _dispatch_traced(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Rule 9: what torch does under AOTAutograd tracing, so the partitioner decides."""
@@ -697,14 +848,44 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         count_before = _compat.traced_node_count()
         out = func(*args, **kwargs)
         key = _region_key(func, args)
-        index = self.func_counter.get(key, 0)
-        self.func_counter[key] = index + 1
+        record = self.cache.records.get(key)
+        if record is None:
+            record = self.cache.records[key] = _OpRecord(_ASK, _facts(func))
+        index = record.calls
+        record.calls = index + 1
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         answer = self.policy(ctx, func, *args, **kwargs)
         _action_of(answer, self.policy, func)
         _compat.tag_traced_nodes(count_before, "recompute", _as_torch_policy(answer))
-        self.storage[key][index] = _save_traced(out)
+        record.keep(index, _save_traced(out))
         return out
+
+
+def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
+    """Rule 1: what an op-only policy's answer for ``func`` means for every call of it."""
+    action = _action_of(policy.answer_for_op(func), policy, func)
+    _, draw_rule, pure = _facts(func)
+    if draw_rule == _ALWAYS:
+        return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
+    if func is TAG_OP or draw_rule >= 0:
+        return _Plan.CHECK, action  # Rules 8 and 10: the call decides
+    if action is not _Action.RECOMPUTE:
+        return _Plan.KEEP, action
+    if pure and _tags_may_keep(policy, plans):
+        return _Plan.NOTE, action  # Rule 8: its output may take a later tag's decision
+    return _Plan.COUNT, action
+
+
+def _tags_may_keep(policy: OpPolicy, plans: dict[int, _OpPlan]) -> bool:
+    """Whether an op-only policy keeps tags (else no output needs a producer note, Rule 8).
+    An invalid answer for the tag op is left for a tag's first call to report (Rule 2)."""
+    op_plan = plans.get(id(TAG_OP))
+    if op_plan is None:
+        try:
+            op_plan = plans[id(TAG_OP)] = _plan_for(policy, TAG_OP, plans)
+        except CheckpointError:
+            return True
+    return op_plan[1] is not _Action.RECOMPUTE
 
 
 _MSG_NOT_CACHED = (
@@ -742,15 +923,18 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
     def _should_skip_dynamo(cls) -> bool:
         return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
 
-    def __init__(self, storage: _Storage, allow_cache_entry_mutation: bool, stats: OffloadStats):
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
-        self.storage = storage
+    def __init__(self, cache: _Cache, allow_cache_entry_mutation: bool) -> None:
+        # No super().__init__(), as in _CachingMode.
+        self.cache = cache
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
-        self.offload_stats = stats
-        self.func_counter: dict[object, int] = {}
+        self.replays: dict[object, int] = {}  # per key, the calls replayed so far
+
+    @property
+    def offload_stats(self) -> OffloadStats:
+        return self.cache.stats
 
     def __enter__(self) -> _CachedMode:
-        self.func_counter.clear()  # Rule 6: every recompute starts from index 0.
+        self.replays.clear()  # Rule 6: every recompute starts from index 0.
         super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         return self
 
@@ -766,38 +950,41 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
             kwargs = {}
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
-        key = func if func is not _INDUCTOR_CODE else _region_key(func, args)
-        counter = self.func_counter
-        index = counter.get(key, 0)
-        counter[key] = index + 1
-        slots = self.storage.get(key)
-        slot = None if slots is None else slots.get(index)
-        if slot is _RECOMPUTE:  # the common case first
-            return func(*args, **kwargs)
-        if slot is None or slots is None:
-            raise RuntimeError(_MSG_NOT_CACHED.format(op=func, index=index))
-        if isinstance(slot, _Marker):  # the only other marker: _CONSUMED
-            raise RuntimeError(_MSG_EXTRA_BACKWARD)
-        slots[index] = _CONSUMED
-        try:
-            return slot.take(self.allow_cache_entry_mutation, self.offload_stats)
-        except _CacheEntryMutated:
-            raise RuntimeError(_MSG_MUTATED.format(op=func, index=index)) from None
-        except _StaleHostAlias:
-            return func(*args, **kwargs)
+        key = id(func) if func is not _INDUCTOR_CODE else _region_key(func, args)
+        replays = self.replays
+        index = replays.get(key, 0)
+        replays[key] = index + 1
+        record = self.cache.records.get(key)
+        if record is None:  # a COUNT key: recompute, if the forward got this far (Rule 3)
+            if index < self.cache.counts.get(key, 0):
+                return func(*args, **kwargs)
+        elif index < record.calls:
+            kept = record.kept
+            if kept is None or (slot := kept.get(index)) is None:
+                return func(*args, **kwargs)  # Rule 3: not kept, so recomputed
+            if isinstance(slot, _Consumed):
+                raise RuntimeError(_MSG_EXTRA_BACKWARD)
+            kept[index] = _CONSUMED
+            try:
+                return slot.take(self.allow_cache_entry_mutation, self.offload_stats)
+            except _CacheEntryMutated:
+                raise RuntimeError(_MSG_MUTATED.format(op=func, index=index)) from None
+            except _StaleHostAlias:
+                return func(*args, **kwargs)
+        raise RuntimeError(_MSG_NOT_CACHED.format(op=func, index=index))
 
 
 def _region_key(func: object, args: tuple[Any, ...]) -> object:
-    """Rule 3: the cache key of an op (an inductor-compiled region is keyed by its callable)."""
+    """Rule 3: the cache key of an op: its id (see ``_op_facts``), or for an inductor-compiled
+    region the op and the region's callable."""
     if func is _INDUCTOR_CODE:
         return _compat.inductor_region_key(func, args)
-    return func
+    return id(func)
 
 
 def _draws_random(func: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Rule 10: whether this call of ``func`` drew random numbers."""
-    facts = _op_facts.get(func)
-    rule = (facts if facts is not None else _learn_facts(func))[0]
+    rule = _facts(func)[1]
     if rule < 0:
         return rule == _ALWAYS
     return _draws_at(rule, args, kwargs)
@@ -809,9 +996,12 @@ def _draws_at(rule: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return bool(dropout_p != 0)
 
 
-def _learn_facts(func: object) -> tuple[int, bool]:
-    """Work out and remember ``func``'s draw rule (Rule 10) and whether it is pure (Rule 8)."""
-    facts = _op_facts[func] = (_draw_rule(func), _is_pure(func))
+def _facts(func: object) -> _OpFacts:
+    """``func`` (held), its draw rule (Rule 10) and whether it is pure (Rule 8), worked out on
+    its first call and remembered."""
+    facts = _op_facts.get(id(func))
+    if facts is None:
+        facts = _op_facts[id(func)] = (func, _draw_rule(func), _is_pure(func))
     return facts
 
 
@@ -862,13 +1052,8 @@ def create_selective_checkpoint_contexts(
         ...                              context_fn=ctx)
         >>> y.sum().backward()
     """
-    policy = _policy_from(policy_fn_or_list)
-    if offload_stats is None:
-        offload_stats = OffloadStats()
-    elif not isinstance(offload_stats, OffloadStats):
+    policy = policy_from(policy_fn_or_list)
+    if offload_stats is not None and not isinstance(offload_stats, OffloadStats):
         raise TypeError(_MSG_NOT_STATS.format(got=offload_stats, type=type(offload_stats).__name__))
-    storage: _Storage = defaultdict(dict)
-    return (
-        _CachingMode(policy, storage, offload_stats),
-        _CachedMode(storage, bool(allow_cache_entry_mutation), offload_stats),
-    )
+    cache = _Cache(offload_stats)
+    return _CachingMode(policy, cache), _CachedMode(cache, bool(allow_cache_entry_mutation))

@@ -4,7 +4,10 @@ A policy is any callable ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy 
 ``Policy`` protocol); ``as_context_fn(policy)`` turns one into the ``context_fn`` of
 ``checkpointing.checkpoint`` (or of ``torch.utils.checkpoint.checkpoint``, which accepts our
 contexts too). The policies here are plain callables, so they also work with
-``create_selective_checkpoint_contexts`` directly, ours or torch's.
+``create_selective_checkpoint_contexts`` directly, ours or torch's. All but the name-based ones
+answer by op alone and say so with ``answer_for_op(op)``; our selective checkpointing then asks
+them once per op overload instead of once per op call (so does ``either``/``both`` of such
+policies; a combination with a name-based policy or a plain function is asked per call).
 
 Conventions, so that combinations are predictable:
 
@@ -50,10 +53,14 @@ from ._selective import (
     CheckpointPolicy,
     OffloadStats,
     Op,
+    OpPolicy,
+    OpPolicyBase,
     Policy,
     SelectiveCheckpointContext,
+    answers_by_op,
     as_checkpoint_policy,
     create_selective_checkpoint_contexts,
+    policy_from,
     tag,
 )
 
@@ -105,28 +112,28 @@ def _matmul_ops() -> frozenset[OpOverload]:
 MATMUL_OPS: Final[frozenset[OpOverload]] = _matmul_ops()
 
 
-# --- The policy objects (small classes: a readable repr, one call per op) ---------------------
+# --- The policy objects (small classes: a readable repr; those whose answer depends on the op
+# alone say so with ``answer_for_op``, and are asked once per op overload) ---------------------
 
 
-class _Constant:
+class _Constant(OpPolicyBase):
     """The same answer for every op."""
 
     __slots__ = ("_answer", "_name")
 
     def __init__(self, answer: CheckpointPolicy, name: str) -> None:
+        super().__init__()
         self._answer = answer
         self._name = name
 
-    def __call__(
-        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy:
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         return self._answer
 
     def __repr__(self) -> str:
         return f"{self._name}()"
 
 
-class _ByOp:
+class _ByOp(OpPolicyBase):
     """``hit`` for the ops in a set, ``miss`` for every other op."""
 
     __slots__ = ("_hit", "_miss", "_ops", "_repr")
@@ -134,14 +141,13 @@ class _ByOp:
     def __init__(
         self, ops: frozenset[Op], hit: CheckpointPolicy, miss: CheckpointPolicy, description: str
     ) -> None:
+        super().__init__()
         self._ops = ops
         self._hit = hit
         self._miss = miss
         self._repr = description
 
-    def __call__(
-        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy:
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         return self._hit if op in self._ops else self._miss
 
     def __repr__(self) -> str:
@@ -149,7 +155,8 @@ class _ByOp:
 
 
 class _ByName:
-    """``hit`` for ``tag`` ops whose name is in a set, PREFER_RECOMPUTE for every other op."""
+    """``hit`` for ``tag`` ops whose name is in a set, PREFER_RECOMPUTE for every other op
+    (the answer depends on the tag's name argument: asked for every op)."""
 
     __slots__ = ("_hit", "_names", "_repr")
 
@@ -187,6 +194,29 @@ class _Combined:
         answers = [
             as_checkpoint_policy(policy(ctx, op, *args, **kwargs), policy, op)
             for policy in self._policies
+        ]
+        return self._pick(answers, key=_RANK.__getitem__)
+
+    def __repr__(self) -> str:
+        return self._repr
+
+
+class _CombinedByOp(OpPolicyBase):
+    """``_Combined`` of policies that all answer by op alone: itself answers by op alone."""
+
+    __slots__ = ("_pick", "_policies", "_repr")
+
+    def __init__(
+        self, policies: tuple[OpPolicy, ...], pick: Callable[..., CheckpointPolicy], name: str
+    ) -> None:
+        super().__init__()
+        self._policies = policies
+        self._pick = pick
+        self._repr = f"{name}({', '.join(map(repr, policies))})"
+
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
+        answers = [
+            as_checkpoint_policy(policy.answer_for_op(op), policy, op) for policy in self._policies
         ]
         return self._pick(answers, key=_RANK.__getitem__)
 
@@ -334,9 +364,7 @@ def save_only_these_names(*names: str) -> Policy:
         >>> loss.backward()
     """
     found = _names_of("save_only_these_names", names)
-    return _ByName(
-        found, CheckpointPolicy.MUST_SAVE, f"save_only_these_names({_describe(names)})"
-    )
+    return _ByName(found, CheckpointPolicy.MUST_SAVE, f"save_only_these_names({_describe(names)})")
 
 
 def offload_these_names(*names: str) -> Policy:
@@ -374,7 +402,7 @@ def either(*policies: Policy) -> Policy:
         >>> policy(None, torch.ops.aten.gelu.default), policy(None, torch.ops.aten.mm.default)
         (<CheckpointPolicy.MUST_CPU_OFFLOAD: 4>, <CheckpointPolicy.MUST_SAVE: 0>)
     """
-    return _Combined(_policies_of("either", policies), max, "either")
+    return _combined(_policies_of("either", policies), max, "either")
 
 
 def both(*policies: Policy) -> Policy:
@@ -390,7 +418,17 @@ def both(*policies: Policy) -> Policy:
         >>> policy(None, torch.ops.aten.mm.default), policy(None, torch.ops.aten.bmm.default)
         (<CheckpointPolicy.MUST_SAVE: 0>, <CheckpointPolicy.PREFER_RECOMPUTE: 3>)
     """
-    return _Combined(_policies_of("both", policies), min, "both")
+    return _combined(_policies_of("both", policies), min, "both")
+
+
+def _combined(
+    policies: tuple[Policy, ...], pick: Callable[..., CheckpointPolicy], name: str
+) -> Policy:
+    """``either``/``both`` of ``policies``: op-only when every one of them is."""
+    by_op = tuple(policy for policy in policies if answers_by_op(policy))
+    if len(by_op) == len(policies):
+        return _CombinedByOp(by_op, pick, name)
+    return _Combined(policies, pick, name)
 
 
 def as_context_fn(
@@ -414,13 +452,14 @@ def as_context_fn(
         ...                              context_fn=as_context_fn(save_matmuls()))
         >>> y.sum().backward()
     """
-    # Build one pair now, so that a bad argument fails here and not at the first forward.
+    # Build one pair now, so that a bad argument fails here and not at the first forward; a
+    # list becomes its policy once, so every region shares that policy's per-op plans.
     create_selective_checkpoint_contexts(
         policy, allow_cache_entry_mutation, offload_stats=offload_stats
     )
     return functools.partial(
         create_selective_checkpoint_contexts,
-        policy,
+        policy_from(policy),
         allow_cache_entry_mutation,
         offload_stats=offload_stats,
     )

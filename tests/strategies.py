@@ -631,3 +631,47 @@ def planner_problems(draw: st.DrawFn, *, max_regions: int = 3, max_units: int = 
         previous = outputs[-1] if outputs else None
     outside = frozenset(s for s in storage_bytes if draw(st.integers(0, 9)) == 0)
     return Problem(tuple(regions), storage_bytes, outside)
+
+
+# --- Selective checkpointing: op-only policies (the fast path of test_selective.py) -----------
+
+# The ops a ``SacChain`` runs (forward and backward of every step kind), plus the tag op.
+SAC_CHAIN_OPS: tuple[torch._ops.OpOverload, ...] = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.relu.default,
+    torch.ops.aten.sin.default,
+    torch.ops.aten.sigmoid.default,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.add.Tensor,
+    torch.ops.aten.t.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.cat.default,
+    torch.ops.aten.max.dim,
+    torch.ops.aten._softmax.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.rand_like.default,
+    torch.ops.checkpointing.tag.default,
+)
+
+
+@st.composite
+def op_only_policies(draw: st.DrawFn, *, depth: int = 2) -> policies.Policy:
+    """A policy built from ``checkpointing.policies``' op-only factories (each on a random
+    subset of ``SAC_CHAIN_OPS``) and, up to ``depth`` levels, ``either``/``both`` of them."""
+    ops = draw(st.lists(st.sampled_from(SAC_CHAIN_OPS), max_size=5, unique=True))
+    leaves: list[Callable[[], policies.Policy]] = [
+        policies.save_nothing,
+        policies.save_everything,
+        policies.save_matmuls,
+        lambda: policies.save_ops(*ops),
+        lambda: policies.recompute_ops(*ops),
+        lambda: policies.offload_ops(*ops),
+    ]
+    if depth > 0 and draw(st.booleans()):
+        combine = draw(st.sampled_from([policies.either, policies.both]))
+        parts = draw(st.lists(op_only_policies(depth=depth - 1), min_size=1, max_size=3))
+        return combine(*parts)
+    return draw(st.sampled_from(leaves))()

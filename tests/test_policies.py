@@ -15,11 +15,18 @@ import torch.utils.checkpoint as torch_checkpoint
 from frame_support import assert_tensors_equal, counting_ops, leaf, raised
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import SAC_CHAIN_OPS, op_only_policies
 
 import checkpointing
 from checkpointing import policies
 from checkpointing._compat import TorchDispatchMode
-from checkpointing._selective import TAG_OP, CheckpointPolicy, OffloadStats
+from checkpointing._selective import (
+    TAG_OP,
+    CheckpointPolicy,
+    OffloadStats,
+    SelectiveCheckpointContext,
+    answers_by_op,
+)
 from checkpointing.policies import (
     MATMUL_OPS,
     as_context_fn,
@@ -107,6 +114,30 @@ def _same(p: Any, q: Any) -> bool:
 def test_factory_answers(policy: Any, call: tuple[Any, ...], expected: CheckpointPolicy) -> None:
     """Each factory answers MUST_* for what it names and its stated default for the rest."""
     assert _ask(policy, *call) is expected
+
+
+@given(policy=op_only_policies(), op=st.sampled_from(SAC_CHAIN_OPS))
+def test_op_only_policies_answer_by_op_as_when_called(policy: Any, op: Any) -> None:
+    """Every op-only factory, and ``either``/``both`` of them, say so, and ``answer_for_op``
+    gives what calling the policy gives, with any context and arguments (the fast path of
+    selective checkpointing relies on it)."""
+    assert answers_by_op(policy)
+    expected = policy.answer_for_op(op)
+    assert _ask(policy, op) is expected
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    assert policy(ctx, op, torch.ones(1), "a") is expected
+
+
+def test_name_based_policies_and_their_combinations_are_asked_per_call() -> None:
+    """A name-based policy reads the tag's name, so it and any combination with it (or with a
+    plain function) has no ``answer_for_op``; combinations of op-only policies have one."""
+    names = save_only_these_names("a")
+    assert not answers_by_op(names)
+    assert not answers_by_op(offload_these_names("a"))
+    assert not answers_by_op(either(save_matmuls(), names))
+    assert not answers_by_op(both(save_everything(), lambda ctx, op, *a, **k: True))
+    assert answers_by_op(both(save_matmuls(), either(save_nothing(), offload_ops(aten.mm))))
+    assert _ask(either(save_matmuls(), names), TAG_OP, torch.ones(1), "a") is P.MUST_SAVE
 
 
 def test_matmul_ops_are_the_matrix_products_and_fused_attention() -> None:

@@ -23,25 +23,30 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from frame_support import assert_tensors_equal, counting_ops, leaf, raised
 from hypothesis import given
-from strategies import SAC_STEPS, SacChain, sac_answers, sac_chains
+from strategies import SAC_STEPS, SacChain, op_only_policies, sac_answers, sac_chains
 
 import checkpointing
 from checkpointing import _compat, _events
 from checkpointing._selective import (
     _CONSUMED,
-    _RECOMPUTE,
     SAC_IGNORED_OPS,
     TAG_OP,
     CheckpointPolicy,
     OffloadStats,
+    OpPolicyBase,
     SelectiveCheckpointContext,
     _draws_random,
+    answers_by_op,
     create_selective_checkpoint_contexts,
 )
 from checkpointing.policies import (
     as_context_fn,
+    both,
+    either,
     offload_ops,
     offload_these_names,
+    recompute_ops,
+    save_everything,
     save_only_these_names,
     save_ops,
     tag,
@@ -474,18 +479,20 @@ def test_rule6_recompute_slots_are_never_consumed() -> None:
 
 
 def test_rule6_cache_holds_nothing_after_recompute() -> None:
-    """After backward every slot is "consumed" or "recompute": no tensor is left cached."""
+    """After backward every kept slot is "consumed": no tensor is left cached."""
     forward, recompute = create_selective_checkpoint_contexts([aten.mm.default, aten.max.dim])
     x, w = _inputs()
     out = checkpointing.checkpoint(
         _block, x, w, use_reentrant=False, context_fn=lambda: (forward, recompute)
     )
-    storage = forward.storage  # type: ignore[attr-defined]
-    assert any(
-        s not in (_RECOMPUTE, _CONSUMED) for slots in storage.values() for s in slots.values()
-    )
+    records = forward.cache.records  # type: ignore[attr-defined]
+    slots = [s for record in records.values() for s in (record.kept or {}).values()]
+    assert len(slots) == 2  # the mm and the max (a tuple); nothing for recomputed ops
+    assert all(s is not _CONSUMED for s in slots)
     out.sum().backward()
-    assert all(s in (_RECOMPUTE, _CONSUMED) for slots in storage.values() for s in slots.values())
+    slots = [s for record in records.values() for s in (record.kept or {}).values()]
+    assert slots
+    assert all(s is _CONSUMED for s in slots)
 
 
 def test_rule6_recompute_mode_restarts_its_counters_on_enter() -> None:
@@ -842,3 +849,168 @@ def test_random_policies_recompute_what_torch_recomputes(
     our_grads, our_counts = _step_ours(chain, ScriptedPolicy(answers), *chain.inputs())
     assert our_counts == torch_counts
     assert_tensors_equal(our_grads, torch_grads)
+
+
+# --- Rule 1: op-only policies, asked once per op overload ----------------------------------------
+
+
+class _HiddenByOp:
+    """The same policy with its ``answer_for_op`` hidden: asked per call (the slow path)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kw: Any) -> Any:
+        return self.policy(ctx, op, *args, **kw)
+
+
+def _run_recording(chain: SacChain, policy: Policy) -> tuple[Grads, Counter[str], Any, Any]:
+    """Our SAC step on ``chain``: gradients, backward op counts, announced decisions and the
+    offloaded/restored byte counts."""
+    stats = OffloadStats()
+    torch.manual_seed(chain.seed)
+    with listening() as decisions:
+        grads, counts = _step_ours(chain, policy, *chain.inputs(), offload_stats=stats)
+    return grads, counts, decisions.seen, (stats.offloaded_bytes, stats.restored_bytes)
+
+
+@given(chain=sac_chains(), policy=op_only_policies())
+def test_rule1_op_only_fast_path_decides_as_asking_per_call(
+    chain: SacChain, policy: Policy
+) -> None:
+    """An op-only policy (ours, combined or not) keeps, offloads, hands over and recomputes
+    exactly what the same policy asked per call does, on random chains with tags and random
+    ops: same gradients bit for bit, same backward ops, same announced decisions and bytes."""
+    assert answers_by_op(policy)
+    fast = _run_recording(chain, policy)
+    slow = _run_recording(chain, _HiddenByOp(policy))
+    assert_tensors_equal(fast[0], slow[0])
+    assert fast[1:] == slow[1:]
+    torch.manual_seed(chain.seed)
+    assert_tensors_equal(fast[0], _plain_grads(chain, *chain.inputs()))
+
+
+class CountingOpPolicy:
+    """A user's op-only policy (no base class): saves matmuls, counts how it is asked."""
+
+    def __init__(self) -> None:
+        self.by_op: Counter[str] = Counter()
+        self.calls = 0
+
+    def answer_for_op(self, op: Any) -> CheckpointPolicy:
+        self.by_op[str(op)] += 1
+        return CheckpointPolicy.MUST_SAVE if op is aten.mm.default else False  # type: ignore[return-value]
+
+    def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        return self.answer_for_op(op)
+
+
+def _mm_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Three matmuls and three sines: ops repeat within the region."""
+    for _ in range(3):
+        x = (x @ w).sin()
+    return x
+
+
+def test_rule1_op_only_policy_is_asked_once_per_op_overload_and_never_called() -> None:
+    """A policy with ``answer_for_op`` is asked once per op kind of a region (ours once for
+    good; the tag op too, whether its producers need a note), never called per op, and gives
+    torch's recompute counts and plain gradients."""
+    policy = CountingOpPolicy()
+    grads, counts = _step_ours(_mm_chain, policy, *_inputs())
+    assert policy.calls == 0
+    assert policy.by_op == Counter(map(str, [aten.mm.default, aten.sin.default, TAG_OP]))
+    _, torch_counts = _step_torch(_mm_chain, [aten.mm.default], *_inputs())
+    assert counts == torch_counts
+    assert_tensors_equal(grads, _plain_grads(_mm_chain, *_inputs()))
+
+
+class CountingSaveMatmuls(OpPolicyBase):
+    """Our base class for op-only policies, counting how often it is asked."""
+
+    __slots__ = ("asked",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: Counter[str] = Counter()
+
+    def answer_for_op(self, op: Any, /) -> CheckpointPolicy:
+        self.asked[str(op)] += 1
+        if op is aten.mm.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_rule1_an_op_policy_base_is_asked_once_for_good() -> None:
+    """A policy built on ``OpPolicyBase`` (all of ours) keeps its plans across regions: over
+    three checkpoint calls it is asked once per op kind in all."""
+    policy = CountingSaveMatmuls()
+    for _ in range(3):
+        grads, _ = _step_ours(_mm_chain, policy, *_inputs())
+        assert_tensors_equal(grads, _plain_grads(_mm_chain, *_inputs()))
+    assert policy.asked == Counter(map(str, [aten.mm.default, aten.sin.default, TAG_OP]))
+
+
+def test_rule1_op_only_bad_answer_is_the_rule2_error() -> None:
+    """A bad ``answer_for_op`` answer is the same ``CheckpointError`` as a bad call answer."""
+
+    class Bad(CountingOpPolicy):
+        def answer_for_op(self, op: Any) -> Any:
+            return None if op is aten.sin.default else False
+
+    exc = raised(lambda: _step_ours(_mm_chain, Bad(), *_inputs()))
+    assert type(exc) is checkpointing.CheckpointError
+    assert "returned None" in str(exc)
+    assert "aten.sin.default" in str(exc)
+
+
+def test_rule1_name_based_and_stateful_policies_are_asked_per_call() -> None:
+    """Name-based policies and combinations with them or with plain functions are not
+    op-only; a stateful function sees every forward op with its own output, as in torch."""
+    assert answers_by_op(either(save_ops(aten.mm.default), recompute_ops(aten.sin.default)))
+    assert not answers_by_op(save_only_these_names("a"))
+    assert not answers_by_op(offload_these_names("a"))
+    assert not answers_by_op(either(save_ops(aten.mm.default), save_only_these_names("a")))
+    seen: list[tuple[str, bool, Any]] = []
+
+    def every_second_mm(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kw: Any) -> Any:
+        seen.append((str(op), ctx.is_recompute, ctx.op_output))
+        mms = sum(1 for name, _, _ in seen if name == str(aten.mm.default))
+        return op is aten.mm.default and mms % 2 == 0
+
+    combined = both(every_second_mm, save_everything())
+    assert not answers_by_op(combined)
+    x, w = _inputs()
+    out = checkpointing.checkpoint(
+        _mm_chain, x, w, use_reentrant=False, context_fn=_our_context(combined)
+    )
+    assert [name for name, _, _ in seen] == [str(aten.mm.default), str(aten.sin.default)] * 3
+    assert all(not recompute for _, recompute, _ in seen)
+    outputs = [output for _, _, output in seen]
+    assert out is outputs[-1] or torch.equal(out, outputs[-1])
+    with counting_ops() as counts:
+        out.sum().backward()
+    seen.clear()
+    _, torch_counts = _step_torch(_mm_chain, every_second_mm, *_inputs())
+    assert counts == torch_counts
+    assert counts[str(aten.mm.default)] == 2 * 3 + 2  # two per mm's backward, two recomputed
+
+
+def test_rule3_recompute_running_an_op_more_often_than_the_forward_raises_like_torch() -> None:
+    """A recomputed-only op that runs once more in recompute is "not found", at its index."""
+    for step in (_step_torch, _step_ours):
+        flag = {"again": False}
+
+        def region(x: torch.Tensor, w: torch.Tensor, flag: dict[str, bool] = flag) -> torch.Tensor:
+            h = x.sin()
+            if flag["again"]:  # early in the region, so that early stop does not end it first
+                h = h.sin()
+            flag["again"] = True
+            return (h * w).exp()
+
+        exc = raised(lambda region=region, step=step: step(region, [], *_inputs()))
+        assert type(exc) is RuntimeError, step
+        assert "encountered during backward but not found in storage" in str(exc)
+        if step is _step_ours:
+            assert "aten.sin.default invocation index 1" in str(exc)
