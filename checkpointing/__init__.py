@@ -17,6 +17,7 @@ from ._module import checkpoint_module, remove_checkpoint_module
 from ._planning import ActivationPlan, plan_checkpointing
 from ._reentrant import CheckpointFunction
 from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
+from ._schedule import LayerCost, SequentialSchedule
 from ._scope import gradient_checkpoint_scope, gradient_checkpoint_session
 from ._selective import (
     SAC_IGNORED_OPS,
@@ -25,7 +26,7 @@ from ._selective import (
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
-from ._sequential import checkpoint_sequential
+from ._sequential import checkpoint_sequential, sequential_schedule
 from ._state import (
     DefaultDeviceType,
     check_backward_validity,
@@ -49,10 +50,12 @@ __all__ = [
     "CheckpointPolicy",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "LayerCost",
     "OffloadStats",
     "SavedTensorRecord",
     "SavedTensorsReport",
     "SelectiveCheckpointContext",
+    "SequentialSchedule",
     "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
@@ -69,6 +72,7 @@ __all__ = [
     "plan_checkpointing",
     "remove_checkpoint_module",
     "saved_tensors_report",
+    "sequential_schedule",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",

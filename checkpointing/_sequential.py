@@ -1,22 +1,43 @@
-"""``checkpoint_sequential``: checkpoint a chain of modules or functions in segments.
+"""``checkpoint_sequential``: checkpoint a chain of modules or functions by a schedule.
 
-Owns how a chain is cut into segments (``segment_bounds``, a pure function) and the loop that
-checkpoints each segment. By default it cuts exactly as torch 2.13 does: ``segments - 1``
-checkpointed segments of ``len // segments`` functions each, then the rest runs un-checkpointed.
-Checkpointing itself belongs to ``_checkpoint``.
+Owns the public front door (``checkpoint_sequential``, ``sequential_schedule``), the argument
+checks and their messages, the profiling pass that measures each function's costs for
+``strategy="optimal"``, and the loop that runs a schedule through nested ``checkpoint`` calls.
+What a schedule is, and how each strategy builds one, belongs to ``_schedule``; checkpointing
+itself to ``_checkpoint``.
+
+By default (``strategy="torch"``) it cuts exactly as torch 2.13 does: ``segments - 1``
+checkpointed segments of ``len // segments`` functions, then the rest runs un-checkpointed, and
+the input is handed to the first function as one argument. Every other strategy hands a tuple
+input over as ``*input`` (and each function's tuple result to the next).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 
+from . import _compat
 from ._checkpoint import checkpoint
+from ._schedule import (
+    STRATEGIES,
+    LayerCost,
+    Segment,
+    SequentialSchedule,
+    StrategyName,
+    build_schedule,
+    memory_floor,
+    segment_bounds,
+)
+from ._state import ContextFn, is_noop_context_fn, noop_context_fn
 
-__all__ = ["checkpoint_sequential", "segment_bounds"]
+__all__ = ["checkpoint_sequential", "measure_costs", "segment_bounds", "sequential_schedule"]
 
 _MSG_USE_REENTRANT_OMITTED = (
     "torch.utils.checkpoint.checkpoint_sequential: the use_reentrant parameter should be "
@@ -26,57 +47,121 @@ _MSG_USE_REENTRANT_OMITTED = (
     "differences between the two variants."
 )
 _MSG_UNEXPECTED_KWARGS = (
-    "Unexpected keyword arguments: {names}. (checkpointing.checkpoint_sequential accepts only "
-    "preserve_rng_state as an extra keyword. Fix: remove the others.)"
+    "Unexpected keyword arguments: {names}. (checkpointing.checkpoint_sequential accepts "
+    "preserve_rng_state and its own keywords strategy, budget, costs, context_fn, "
+    "determinism_check, debug and early_stop. Fix: remove the others.)"
 )
 _MSG_BAD_SEGMENTS = (
-    "checkpointing.checkpoint_sequential: segments must be an integer between 1 and the number "
+    "checkpointing.{api}: segments must be an integer between 1 and the number "
     "of functions ({n}), got {segments!r}. Fix: pass segments=min(segments, {n}) (e.g. "
     "round(sqrt({n})) for the usual memory/compute balance)."
 )
-
-
-def segment_bounds(n_functions: int, segments: int) -> list[tuple[int, int]]:
-    """Half-open ``[start, end)`` ranges of the chain, torch's way: every range but the last is
-    checkpointed and has ``n_functions // segments`` functions; the last gets the remainder.
-
-    >>> segment_bounds(10, 3)
-    [(0, 3), (3, 6), (6, 10)]
-    """
-    size = n_functions // segments
-    bounds = [(start, start + size) for start in range(0, size * (segments - 1), size)]
-    last_start = bounds[-1][1] if bounds else 0
-    bounds.append((last_start, n_functions))
-    return bounds
-
-
-def _run_range(functions: Sequence[Callable[..., Any]], start: int, end: int) -> Any:
-    def forward(value: Any) -> Any:
-        for j in range(start, end):
-            value = functions[j](value)
-        return value
-
-    return forward
+_MSG_EMPTY = (
+    "checkpointing.{api}: functions is empty; expected at least one module or function to run. "
+    "Fix: pass a non-empty nn.Sequential or list."
+)
+_MSG_UNKNOWN_STRATEGY = (
+    "checkpointing.{api}: unknown strategy {strategy!r}; expected one of {allowed} or a "
+    "SequentialSchedule from checkpointing.sequential_schedule(). Fix: check the spelling."
+)
+_MSG_SEGMENTS_CHOSEN = (
+    "checkpointing.{api}: strategy={strategy!r} chooses its own segments, got segments="
+    "{segments!r}. Fix: pass segments=None, or strategy='balanced' for a fixed number of "
+    "segments."
+)
+_MSG_BUDGET_WITHOUT_OPTIMAL = (
+    "checkpointing.{api}: budget= is only used by strategy='optimal', got strategy="
+    "{strategy!r} with budget={budget!r}. Fix: pass strategy='optimal', or drop budget."
+)
+_MSG_COSTS_WITHOUT_OPTIMAL = (
+    "checkpointing.checkpoint_sequential: costs= is only used by strategy='optimal', got "
+    "strategy={strategy!r}. Fix: pass strategy='optimal' with a budget, or drop costs "
+    "(sequential_schedule() takes costs= with any strategy, for its predictions)."
+)
+_MSG_OPTIMAL_NEEDS_BUDGET = (
+    "checkpointing.{api}: strategy='optimal' needs budget= (the activation bytes allowed), "
+    "got none. Fix: pass budget=<bytes>; sequential_schedule(..., strategy='sqrt') prints "
+    "the bytes other strategies need, for a starting point."
+)
+_MSG_BUDGET_TYPE = (
+    "checkpointing.{api}: budget must be an int (bytes), got {budget!r} of type "
+    "{type_name}. Fix: pass int(budget)."
+)
+_MSG_BUDGET_BELOW_FLOOR = (
+    "checkpointing.{api}: budget={budget} bytes is below the floor of this chain, {floor} "
+    "bytes (the least any nested schedule needs: the input, the output's gradient and the "
+    "largest layer with its neighbours, by the measured costs). Fix: pass budget >= {floor}."
+)
+_MSG_BAD_COSTS = (
+    "checkpointing.{api}: costs must hold one LayerCost per function ({n}), got {observed}. "
+    "Fix: pass sequential_schedule(functions, None, input).costs, or build LayerCost(...) "
+    "for each function."
+)
+_MSG_OPTIMAL_NEEDS_INPUT = (
+    "checkpointing.sequential_schedule: strategy='optimal' needs the layers' costs: pass "
+    "input (one profiling pass measures them) or costs=. Got neither."
+)
+_MSG_SCHEDULE_MISMATCH = (
+    "checkpointing.checkpoint_sequential: the schedule is for {expected} functions, got "
+    "{n}; and with a SequentialSchedule as strategy, segments, budget and costs must be "
+    "None (got segments={segments!r}). Fix: build the schedule for these functions with "
+    "sequential_schedule() and pass it alone."
+)
+_MSG_REENTRANT_OPTIONS = (
+    "checkpointing.checkpoint_sequential: {what} is only supported with use_reentrant=False "
+    "(it is handed to each segment's checkpoint), got use_reentrant=True. Fix: pass "
+    "use_reentrant=False."
+)
 
 
 def checkpoint_sequential(
     functions: torch.nn.Sequential | Sequence[Callable[..., Any]],
-    segments: int,
+    segments: int | None,
     input: Any,
     use_reentrant: bool | None = None,
+    *,
+    strategy: StrategyName | SequentialSchedule = "torch",
+    budget: int | None = None,
+    costs: Sequence[LayerCost] | None = None,
+    context_fn: ContextFn = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """Run ``functions`` in order on ``input``, checkpointing all segments but the last.
+    """Run ``functions`` in order on ``input``, checkpointing segments chosen by ``strategy``.
 
-    Drop-in for ``torch.utils.checkpoint.checkpoint_sequential``: the same segmenting, the same
-    warning when ``use_reentrant`` is omitted; only ``preserve_rng_state`` is accepted in
-    ``kwargs``. Beyond torch, a bad ``segments`` is a clear ``ValueError``.
+    Drop-in for ``torch.utils.checkpoint.checkpoint_sequential``: with the default
+    ``strategy="torch"`` the same segmenting, warnings and errors (only ``preserve_rng_state``
+    and the keywords below are accepted in ``kwargs``; a bad ``segments`` is a clear
+    ``ValueError``).
+
+    Args:
+        functions: an ``nn.Sequential`` or a sequence of modules or functions.
+        segments: the number of segments for ``"torch"`` and ``"balanced"``; ``None`` for the
+            strategies that choose their own.
+        input: the first function's input. With a strategy other than ``"torch"``, a tuple is
+            passed as ``*input`` and each function's tuple result to the next as ``*result``.
+        use_reentrant: as for ``checkpoint``; omitted warns and uses ``True``, as torch.
+        strategy: ``"torch"`` (torch's cut: the remainder runs un-checkpointed at the end),
+            ``"balanced"`` (sizes differ by at most one), ``"sqrt"`` (round(sqrt(n)) balanced
+            segments), ``"log"`` (recursive bisection: O(log n) activations kept, each layer
+            re-run O(log n) times), ``"optimal"`` (least recompute time whose predicted peak fits
+            ``budget``), or a ``SequentialSchedule`` from ``sequential_schedule()``.
+        budget: for ``"optimal"``: the activation bytes allowed, kept and at the peak.
+        costs: for ``"optimal"``: one ``LayerCost`` per function; omitted, one profiling pass
+            on ``input`` measures them (on every call: reuse ``sequential_schedule(...)``).
+        context_fn, determinism_check, debug, early_stop: handed to each segment's
+            ``checkpoint`` (``context_fn`` and ``debug`` need ``use_reentrant=False``).
+        **kwargs: ``preserve_rng_state=True``, handed to each segment.
 
     Example:
         >>> import torch, checkpointing
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
         >>> x = torch.randn(2, 8, requires_grad=True)
         >>> out = checkpointing.checkpoint_sequential(model, 2, x, use_reentrant=False)
+        >>> out = checkpointing.checkpoint_sequential(
+        ...     model, None, x, use_reentrant=False, strategy="log")
     """
     if use_reentrant is None:
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
@@ -84,17 +169,293 @@ def checkpoint_sequential(
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs:
         raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
-    if isinstance(functions, torch.nn.Sequential):
-        functions = list(functions.children())
-    n = len(functions)
-    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= n:
-        raise ValueError(_MSG_BAD_SEGMENTS.format(n=n, segments=segments))
-    *checkpointed, (last_start, last_end) = segment_bounds(n, segments)
-    for start, end in checkpointed:
-        input = checkpoint(
-            _run_range(functions, start, end),
-            input,
-            use_reentrant=use_reentrant,
-            preserve_rng_state=preserve,
+    if use_reentrant and (not is_noop_context_fn(context_fn) or debug is not False):
+        what = "context_fn" if not is_noop_context_fn(context_fn) else "debug=True"
+        raise ValueError(_MSG_REENTRANT_OPTIONS.format(what=what))
+    chain = _as_list(functions)
+    if isinstance(strategy, SequentialSchedule):
+        if strategy.n_layers != len(chain) or (segments, budget, costs) != (None, None, None):
+            raise ValueError(
+                _MSG_SCHEDULE_MISMATCH.format(
+                    expected=strategy.n_layers, n=len(chain), segments=segments
+                )
+            )
+        schedule = strategy
+    else:
+        if costs is not None and strategy != "optimal":
+            raise ValueError(_MSG_COSTS_WITHOUT_OPTIMAL.format(strategy=strategy))
+        # Profile only where the schedule depends on the costs: the others run as they are.
+        planning_input = input if strategy == "optimal" else None
+        schedule = _schedule_for(
+            "checkpoint_sequential", chain, segments, planning_input, strategy, budget, costs
         )
-    return _run_range(functions, last_start, last_end)(input)
+    runner = _Runner(
+        chain,
+        unpack=schedule.strategy != "torch",
+        options={
+            "use_reentrant": use_reentrant,
+            "preserve_rng_state": preserve,
+            "context_fn": context_fn,
+            "determinism_check": determinism_check,
+            "debug": debug,
+            "early_stop": early_stop,
+        },
+    )
+    return runner.run(schedule.segments, runner.first_args(input), nested=False)
+
+
+def sequential_schedule(
+    functions: torch.nn.Sequential | Sequence[Callable[..., Any]],
+    segments: int | None = None,
+    input: Any = None,
+    *,
+    strategy: StrategyName = "torch",
+    budget: int | None = None,
+    costs: Sequence[LayerCost] | None = None,
+) -> SequentialSchedule:
+    """The schedule ``checkpoint_sequential`` would run, with its predicted costs.
+
+    With ``input`` (and no ``costs``), one profiling pass measures each function's time, output
+    bytes and what it keeps for backward, so the schedule predicts its kept bytes, activation
+    peak and recompute time; ``print(schedule)`` draws it as a tree. Pass the schedule back as
+    ``checkpoint_sequential(functions, None, input, strategy=schedule, ...)`` to run it without
+    planning again.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(16)])
+        >>> x = torch.randn(2, 8, requires_grad=True)
+        >>> schedule = checkpointing.sequential_schedule(model, None, x, strategy="log")
+        >>> print(schedule)  # doctest: +SKIP
+    """
+    return _schedule_for(
+        "sequential_schedule", _as_list(functions), segments, input, strategy, budget, costs
+    )
+
+
+# --- checks and planning ------------------------------------------------------------------------
+
+
+def _as_list(functions: torch.nn.Sequential | Sequence[Callable[..., Any]]) -> list[Any]:
+    if isinstance(functions, torch.nn.Sequential):
+        return list(functions.children())
+    return list(functions)
+
+
+def _schedule_for(
+    api: str,
+    chain: list[Any],
+    segments: int | None,
+    input: Any,
+    strategy: StrategyName,
+    budget: int | None,
+    costs: Sequence[LayerCost] | None,
+) -> SequentialSchedule:
+    """Check the arguments in the order a user reads them, then build the schedule."""
+    n = len(chain)
+    if n == 0:
+        raise ValueError(_MSG_EMPTY.format(api=api))
+    if strategy not in STRATEGIES:
+        allowed = ", ".join(map(repr, STRATEGIES))
+        raise ValueError(_MSG_UNKNOWN_STRATEGY.format(api=api, strategy=strategy, allowed=allowed))
+    _check_segments(api, strategy, segments, n)
+    _check_budget(api, strategy, budget)
+    measured = _costs_for(api, chain, input, strategy, costs)
+    layer_costs, input_bytes = measured if measured is not None else (None, 0)
+    if strategy == "optimal" and budget is not None and layer_costs is not None:
+        floor = memory_floor(layer_costs, input_bytes)
+        if budget < floor:
+            raise ValueError(_MSG_BUDGET_BELOW_FLOOR.format(api=api, budget=budget, floor=floor))
+    return build_schedule(strategy, n, segments, layer_costs, input_bytes, budget)
+
+
+def _check_segments(api: str, strategy: StrategyName, segments: object, n: int) -> None:
+    if strategy in ("torch", "balanced"):
+        if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= n:
+            raise ValueError(_MSG_BAD_SEGMENTS.format(api=api, n=n, segments=segments))
+    elif segments is not None:
+        raise ValueError(_MSG_SEGMENTS_CHOSEN.format(api=api, strategy=strategy, segments=segments))
+
+
+def _check_budget(api: str, strategy: StrategyName, budget: object) -> None:
+    if strategy != "optimal":
+        if budget is not None:
+            raise ValueError(
+                _MSG_BUDGET_WITHOUT_OPTIMAL.format(api=api, strategy=strategy, budget=budget)
+            )
+        return
+    if budget is None:
+        raise ValueError(_MSG_OPTIMAL_NEEDS_BUDGET.format(api=api))
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise TypeError(
+            _MSG_BUDGET_TYPE.format(api=api, budget=budget, type_name=type(budget).__name__)
+        )
+
+
+def _costs_for(
+    api: str,
+    chain: list[Any],
+    input: Any,
+    strategy: StrategyName,
+    costs: Sequence[LayerCost] | None,
+) -> tuple[tuple[LayerCost, ...], int] | None:
+    """The given or measured costs and the input's bytes; ``None`` where neither is possible."""
+    unpack = strategy != "torch"
+    if costs is not None:
+        given = tuple(costs)
+        if len(given) != len(chain) or not all(isinstance(c, LayerCost) for c in given):
+            observed = f"{len(given)} items of types {sorted({type(c).__name__ for c in given})}"
+            raise ValueError(_MSG_BAD_COSTS.format(api=api, n=len(chain), observed=observed))
+        return given, _bytes_of(_tensors(_Runner.args_of(input, unpack)), set())
+    if input is None:
+        if strategy == "optimal":
+            raise ValueError(_MSG_OPTIMAL_NEEDS_INPUT)
+        return None
+    return measure_costs(chain, input, unpack)
+
+
+# --- the profiling pass -------------------------------------------------------------------------
+
+_StorageKey = tuple[int, int]
+
+
+def _key(tensor: torch.Tensor) -> _StorageKey:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    items = value if isinstance(value, tuple) else (value,)
+    return (item for item in items if isinstance(item, torch.Tensor))
+
+
+def _bytes_of(tensors: Iterator[torch.Tensor], leave_out: set[_StorageKey]) -> int:
+    storages = {_key(t) for t in tensors} - leave_out
+    return sum(size for _, size in storages)
+
+
+def measure_costs(chain: list[Any], input: Any, unpack: bool) -> tuple[tuple[LayerCost, ...], int]:
+    """Each function's ``LayerCost`` from one forward pass, and the input's bytes.
+
+    Each function runs on a detached copy of its input (floating tensors requiring grad), so
+    only one function's saved tensors are alive at a time; what it saves is seen by a
+    saved-tensors hook, by storage (parameters and buffers left out). The RNG is forked, so the caller's
+    stream is untouched; other side effects (BatchNorm statistics) happen once more.
+    """
+    modules = [f for f in chain if isinstance(f, torch.nn.Module)]
+    params = {_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    args = _Runner.args_of(input, unpack)
+    input_bytes = _bytes_of(_tensors(args), params)
+    devices = sorted({t.device.index or 0 for t in _tensors(args) if t.device.type == "cuda"})
+    costs = []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        for function in chain:
+            args = tuple(_detached(item) for item in args)
+            saved: set[_StorageKey] = set()
+
+            def pack(tensor: torch.Tensor, saved: set[_StorageKey] = saved) -> torch.Tensor:
+                saved.add(_key(tensor))
+                return tensor.detach()  # kept alive by the graph until the next function
+
+            allocations = _Allocations()
+            with saved_tensors_hooks(pack, _unpack), allocations:
+                started = time.perf_counter()
+                result = function(*args)
+                seconds = time.perf_counter() - started
+            inputs = {_key(t) for t in _tensors(args)}
+            outputs = {_key(t) for t in _tensors(result)}
+            temporary = allocations.storages - inputs - outputs - saved - params
+            costs.append(
+                LayerCost(
+                    time=seconds,
+                    output_bytes=_bytes_of(_tensors(result), params),
+                    saved_bytes=sum(size for _, size in saved - inputs - outputs - params),
+                    keeps_input=bool(saved & inputs),
+                    keeps_output=bool(saved & outputs),
+                    temporary_bytes=sum(size for _, size in temporary),
+                )
+            )
+            args = _Runner.args_of(result, unpack)
+    return tuple(costs), input_bytes
+
+
+class _Allocations(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Collects the storages of every op's tensor outputs (what a function allocates)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.storages: set[_StorageKey] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for item in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(item, torch.Tensor):
+                self.storages.add(_key(item))
+        return out
+
+
+def _detached(item: Any) -> Any:
+    if not isinstance(item, torch.Tensor):
+        return item
+    return item.detach().requires_grad_(item.is_floating_point() or item.is_complex())
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+# --- running a schedule -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """Runs segments of ``chain``: plainly, or in (nested) ``checkpoint`` calls."""
+
+    chain: list[Any]
+    unpack: bool
+    options: dict[str, Any]
+
+    @staticmethod
+    def args_of(value: Any, unpack: bool) -> tuple[Any, ...]:
+        """The positional arguments the next function gets from ``value``."""
+        return value if unpack and isinstance(value, tuple) else (value,)
+
+    def first_args(self, input: Any) -> tuple[Any, ...]:
+        """The first function's arguments."""
+        return self.args_of(input, self.unpack)
+
+    def run(self, segments: tuple[Segment, ...], args: tuple[Any, ...], nested: bool) -> Any:
+        """Run ``segments`` in order on ``args``; the last function's result."""
+        result: Any = None
+        for segment in segments:
+            function = self._segment_function(segment)
+            if segment.checkpointed and self._checkpoints(nested):
+                result = checkpoint(function, *args, **self.options)
+            else:
+                result = function(*args)
+            args = self.args_of(result, self.unpack)
+        return result
+
+    def _checkpoints(self, nested: bool) -> bool:
+        # A reentrant checkpoint's forward runs under no_grad, where a nested one has nothing
+        # to save (and would warn that no input requires grad): run it plainly there.
+        return not nested or not self.options["use_reentrant"] or torch.is_grad_enabled()
+
+    def _segment_function(self, segment: Segment) -> Callable[..., Any]:
+        if segment.children:
+
+            def nested(*args: Any) -> Any:
+                return self.run(segment.children, args, nested=True)
+
+            return nested
+
+        def forward(*args: Any) -> Any:
+            result: Any = None
+            for j in segment.layers():
+                result = self.chain[j](*args)
+                args = self.args_of(result, self.unpack)
+            return result
+
+        return forward

@@ -675,3 +675,40 @@ def op_only_policies(draw: st.DrawFn, *, depth: int = 2) -> policies.Policy:
         parts = draw(st.lists(op_only_policies(depth=depth - 1), min_size=1, max_size=3))
         return combine(*parts)
     return draw(st.sampled_from(leaves))()
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint_sequential strategies (tests/test_sequential_strategies.py)
+# ---------------------------------------------------------------------------------------------
+
+SequentialStrategy = Literal["torch", "balanced", "sqrt", "log", "optimal"]
+SEQUENTIAL_STRATEGIES: tuple[SequentialStrategy, ...] = (
+    "torch",
+    "balanced",
+    "sqrt",
+    "log",
+    "optimal",
+)
+
+
+@st.composite
+def stacks_and_strategies(
+    draw: st.DrawFn, stacks: st.SearchStrategy[StackSpec] | None = None
+) -> tuple[StackSpec, SequentialStrategy, int | None, float]:
+    """A stack, a ``checkpoint_sequential`` strategy, its segments (``None`` where the strategy
+    chooses) and, for ``"optimal"``, where the budget sits between the floor (0) and twice it."""
+    spec = draw(stacks if stacks is not None else layer_stacks())
+    strategy = draw(st.sampled_from(SEQUENTIAL_STRATEGIES))
+    segments = draw(st.integers(1, spec.depth)) if strategy in ("torch", "balanced") else None
+    return spec, strategy, segments, draw(st.floats(0.0, 1.0))
+
+
+@st.composite
+def unequal_chains(
+    draw: st.DrawFn, *, min_depth: int = 2, max_depth: int = 12
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A chain of unequal layers: per layer, an output width (4..64) and a cost weight (1..20)."""
+    depth = draw(st.integers(min_depth, max_depth))
+    widths = draw(st.lists(st.integers(4, 64), min_size=depth, max_size=depth))
+    weights = draw(st.lists(st.integers(1, 20), min_size=depth, max_size=depth))
+    return tuple(widths), tuple(weights)

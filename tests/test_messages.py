@@ -265,6 +265,47 @@ MISTAKES: dict[str, Mistake] = {
         ValueError,
         ("checkpoint_sequential", "must be an integer", "got 1.5"),
     ),
+    "checkpoint_sequential: unknown strategy": Mistake(
+        lambda m: m.checkpoint_sequential(_seq(), 2, _x(), use_reentrant=False, strategy="fast"),
+        ValueError,
+        ("checkpoint_sequential", "unknown strategy 'fast'", "'balanced'", "Fix"),
+    ),
+    "checkpoint_sequential: segments with a strategy that chooses them": Mistake(
+        lambda m: m.checkpoint_sequential(_seq(), 2, _x(), use_reentrant=False, strategy="log"),
+        ValueError,
+        ("checkpoint_sequential", "chooses its own segments", "segments=None", "Fix"),
+    ),
+    "checkpoint_sequential: optimal without budget": Mistake(
+        lambda m: m.checkpoint_sequential(
+            _seq(), None, _x(), use_reentrant=False, strategy="optimal"
+        ),
+        ValueError,
+        ("checkpoint_sequential", "needs budget=", "Fix: pass budget=<bytes>"),
+    ),
+    "checkpoint_sequential: budget below the floor": Mistake(
+        lambda m: m.checkpoint_sequential(
+            _seq(), None, _x(), use_reentrant=False, strategy="optimal", budget=8
+        ),
+        ValueError,
+        ("checkpoint_sequential", "budget=8 bytes is below the floor", "Fix: pass budget >="),
+    ),
+    "checkpoint_sequential: budget without optimal": Mistake(
+        lambda m: m.checkpoint_sequential(
+            _seq(), None, _x(), use_reentrant=False, strategy="sqrt", budget=10**6
+        ),
+        ValueError,
+        ("checkpoint_sequential", "only used by strategy='optimal'", "Fix"),
+    ),
+    "checkpoint_sequential: empty functions": Mistake(
+        lambda m: m.checkpoint_sequential([], 1, _x(), use_reentrant=False),
+        ValueError,
+        ("checkpoint_sequential", "functions is empty", "Fix"),
+    ),
+    "checkpoint_sequential: debug with reentrant": Mistake(
+        lambda m: m.checkpoint_sequential(_seq(), 2, _x(), use_reentrant=True, debug=True),
+        ValueError,
+        ("checkpoint_sequential", "debug=True", "use_reentrant=False"),
+    ),
     "unknown kwargs, reentrant": Mistake(
         lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=True, scale=2),
         ValueError,
@@ -278,9 +319,9 @@ MISTAKES: dict[str, Mistake] = {
         torch_too=True,
     ),
     "unknown kwargs, checkpoint_sequential": Mistake(
-        lambda m: m.checkpoint_sequential(_seq(), 2, _x(), use_reentrant=False, debug=True),
+        lambda m: m.checkpoint_sequential(_seq(), 2, _x(), use_reentrant=False, debugs=True),
         ValueError,
-        ("Unexpected keyword arguments: debug", "checkpoint_sequential", "Fix"),
+        ("Unexpected keyword arguments: debugs", "checkpoint_sequential", "Fix"),
         torch_too=True,
     ),
     "unknown determinism_check": Mistake(

@@ -24,9 +24,11 @@ PARITY_CLASSES = [n for n in PARITY_NAMES if inspect.isclass(getattr(torch_check
 # adding it here too, so that every change of the public surface is a deliberate one.
 OWN_NAMES = {
     "ActivationPlan",
+    "LayerCost",
     "OffloadStats",
     "SavedTensorRecord",
     "SavedTensorsReport",
+    "SequentialSchedule",
     "apply_activation_checkpointing",
     "checkpoint_module",
     "checkpoint_wrapper",
@@ -36,6 +38,7 @@ OWN_NAMES = {
     "plan_checkpointing",
     "remove_checkpoint_module",
     "saved_tensors_report",
+    "sequential_schedule",
 }
 # Public attributes that are deliberately not in __all__: the public submodules (``integrations``
 # is a package of one module per outside library, each imported only on demand).

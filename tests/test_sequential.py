@@ -69,12 +69,24 @@ def _reference_bounds(n: int, segments: int) -> list[tuple[int, int]]:
 
 
 def test_signature_matches_torch() -> None:
-    """Parameter names, kinds and defaults are torch's."""
+    """torch's parameters (names, kinds, defaults); ours are keyword-only with defaults."""
     ours = inspect.signature(checkpointing.checkpoint_sequential).parameters
     theirs = inspect.signature(tc.checkpoint_sequential).parameters
-    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
+    assert [(p.name, p.kind, p.default) for p in ours.values() if p.kind != keyword_only] == [
         (p.name, p.kind, p.default) for p in theirs.values()
     ]
+    extra = [p for p in ours.values() if p.kind == keyword_only]
+    assert [p.name for p in extra] == [
+        "strategy",
+        "budget",
+        "costs",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+    ]
+    assert all(p.default is not inspect.Parameter.empty for p in extra)
 
 
 @pytest.mark.parametrize(
@@ -248,24 +260,24 @@ def test_omitted_use_reentrant_warns_once_like_torch() -> None:
     "use_reentrant", [True, False, None], ids=["reentrant", "frame", "omitted"]
 )
 def test_unexpected_kwargs_raise_like_torch(use_reentrant: bool | None) -> None:
-    """Extra keyword arguments: torch's ValueError (its message first) and the same warnings."""
+    """Unknown keyword arguments: torch's ValueError (its message first) and the same warnings."""
     layers = [nn.Linear(3, 3) for _ in range(3)]
     x = torch.randn(2, 3, requires_grad=True)
     mine = outcome(
         lambda: checkpointing.checkpoint_sequential(
-            layers, 2, x, use_reentrant=use_reentrant, foo=1, context_fn=None
+            layers, 2, x, use_reentrant=use_reentrant, foo=1, context_fns=None
         )
     )
     theirs = outcome(
         lambda: tc.checkpoint_sequential(
-            layers, 2, x, use_reentrant=use_reentrant, foo=1, context_fn=None
+            layers, 2, x, use_reentrant=use_reentrant, foo=1, context_fns=None
         )
     )
     assert mine[1] == theirs[1]
     my_type, my_message = error_of(mine)
     their_type, their_message = error_of(theirs)
     assert my_type is their_type is ValueError
-    assert their_message == "Unexpected keyword arguments: foo,context_fn"
+    assert their_message == "Unexpected keyword arguments: foo,context_fns"
     assert my_message.startswith(their_message)
 
 
