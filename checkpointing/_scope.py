@@ -31,10 +31,11 @@ NOTE [Gradient checkpoint scope]
           non-scope tensor to it, and leaves at scope exit (never lingers above a foreign hook,
           whose exit would pop ours). A foreign hook pushed above ours shadows it: tensors are
           then stored by that hook (correct, no saving).
-  Rule 5. Tensors that are not a scope's are passed through detached (never the input object:
-          a reference cycle), with autograd's version check. Outside inputs are held detached
-          and version-checked at replay. An op that writes an outside tensor is replayed only if
-          a needed tensor comes from it, and then on a clone: outside tensors never change twice.
+  Rule 5. Tensors that are not a scope's are passed through detached (never the input object: a
+          reference cycle; a leaf, which has no ``grad_fn`` to close one, is kept as it is), with
+          autograd's version check. Outside inputs are held detached and version-checked at replay.
+          An op that writes an outside tensor is replayed only if a needed tensor comes from it,
+          and then on a clone: outside tensors never change twice.
   Rule 6. Under ``torch.no_grad()`` or inference mode a scope records nothing and pushes
           nothing. Meta tensors work (they have no generator to restore).
   Rule 7. A tape splits into chains: tensors linked by an op that reads one and makes or
@@ -47,19 +48,24 @@ NOTE [Gradient checkpoint scope]
           replayed.
   Rule 8. A view of a scope tensor saved after the scope (``nn.Linear`` saves ``weight.t()``)
           is a holder of its base, re-viewed with ``as_strided`` after replay.
-  Rule 9. A scope claims our hook until its tensors are dead (lazy lingering) or until
-          ``exit_saved_tensors_hooks_scope()``; a ``gradient_checkpoint_session()`` claims it
-          for its block. With no claim left the hook is popped at once if on top, else at the
-          next safe point in its thread (scope or session entry/exit, or our next pack). Never
-          from another thread or inside a backward (which runs on a copy of the stack).
-  Rule 10. Dynamo never traces our machinery: scope and session entry and exit, our pack and
-          unpack hooks and the registry's death callback are ``disable_dynamo``'d, so under
-          ``torch.compile`` they break the graph (a frame that opens a scope runs eagerly: dynamo
-          cannot resume inside that ``with`` block). While a scope is open dynamo compiles
-          nothing (it skips frames while a dispatch mode is active), so the block is recorded
-          from eager ops. A graph compiled after the block saves scope tensors through our hook;
-          an alias of one that autograd does not know as a view (AOTAutograd may save such an
-          alias of a graph input) is stored, not replayed: correct, no saving.
+  Rule 9. A scope claims our hook until its tensors are dead (lazy lingering: at its exit it
+          watches the deaths of the tensors still alive; those that died inside it cost no
+          callback) or until ``exit_saved_tensors_hooks_scope()``; a
+          ``gradient_checkpoint_session()`` claims it for its block. With no claim left the hook is
+          popped at once if on top, else at the next safe point in its thread (scope or session
+          entry/exit, or our next pack). Never from another thread or inside a backward (which runs
+          on a copy of the stack).
+  Rule 10. Dynamo never traces our machinery. Scope and session entry and exit, called from user
+          code, are ``disable_dynamo``'d, so under ``torch.compile`` they break the graph (a frame
+          that opens a scope runs eagerly: dynamo cannot resume inside that ``with`` block). What
+          torch itself calls (our pack and unpack hooks, the registry's death callback, the tape
+          mode's ``__torch_dispatch__``) has its code objects marked once
+          (``skip_dynamo_in_code``): the same protection with no wrapper call per op or per saved
+          tensor (these wrappers were a sixth of the scope's forward cost on W3). While a scope is
+          open dynamo compiles nothing (it skips frames while a dispatch mode is active), so the
+          block is recorded from eager ops. A graph compiled after the block saves scope tensors
+          through our hook; an alias of one that autograd does not know as a view (AOTAutograd may
+          save such an alias of a graph input) is stored, not replayed: correct, no saving.
 
 Rejected: replaying every random op in its original order from each generator's first state (it
 pulled every chain with a random op into every replay); noting chains while recording (a cost per
@@ -79,7 +85,7 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal, Self
 
 import torch
@@ -90,8 +96,10 @@ from ._compat import (
     current_graph_task_id,
     detach_sharing_version,
     disable_dynamo,
+    op_runner,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
+    skip_dynamo_in_code,
     tensor_version,
     top_saved_tensors_hooks,
     tree_leaves,
@@ -99,7 +107,7 @@ from ._compat import (
     written_arguments,
 )
 from ._determinism import Metadata, check_metadata, metadata_of
-from ._errors import CheckpointError, internal_assert
+from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce
 from ._frame import Frame, Holder, unpack_holder
 from ._state import (
@@ -302,12 +310,6 @@ class _Slot:
 _slots: list[_Slot] = []  # _slots[n] is the marker for slot n, in every tape
 
 
-def _slot_marker(slot: int) -> _Slot:
-    while len(_slots) <= slot:
-        _slots.append(_Slot(len(_slots)))
-    return _slots[slot]
-
-
 class _Outside:
     """A tape argument from outside any scope: a detached alias and the version it was read at.
     One per tensor and version in a tape: every op that reads it shares it."""
@@ -336,30 +338,33 @@ _Flat = list[Any] | tuple[Any, ...]  # an op's arguments, flattened
 
 
 class _Op:
-    """One taped op: its function, flattened arguments (tensors replaced by markers: ``_Slot``
-    for this scope's tensors, ``_Entry`` for another scope's, ``_Outside`` otherwise), the slot
-    of each new tensor
-    output, the groups of this tape it reads and those it creates or writes, the argument
-    positions it writes, and for a random op the state it drew from (Rule 7)."""
+    """One taped op: what runs it (``_compat.op_runner``), its flattened arguments (tensors
+    replaced by markers: ``_Slot`` for this scope's tensors, ``_Entry`` for another scope's,
+    ``_Outside`` otherwise), the argument positions it writes, the slot of each new tensor
+    output, the groups of this tape it reads and those it creates or writes, and for a random
+    op the state it drew from (Rule 7). Built in one call, after the op ran."""
 
-    __slots__ = ("draw", "func", "leaves", "outs", "reads", "spec", "touches", "writes")
+    __slots__ = ("draw", "leaves", "outs", "reads", "run", "spec", "touches", "writes")
 
     def __init__(
         self,
-        func: OpOverload,
+        run: Callable[..., Any],
         leaves: list[Any],
         spec: _Spec,
-        reads: tuple[int, ...],
         writes: tuple[int, ...],
+        outs: tuple[int | None, ...],
+        reads: tuple[int, ...],
+        touches: tuple[int, ...],
+        draw: _Draw | None,
     ) -> None:
-        self.func = func
+        self.run = run
         self.leaves = leaves
         self.spec = spec
-        self.reads = reads
         self.writes = writes
-        self.outs: tuple[int | None, ...] = ()
-        self.touches: tuple[int, ...] = ()
-        self.draw: _Draw | None = None
+        self.outs = outs
+        self.reads = reads
+        self.touches = touches
+        self.draw = draw
 
 
 class _ScopeHolder(Holder):
@@ -406,7 +411,9 @@ class _Tape:
         "outside",
         "paused",
         "readers",
+        "reads_others",
         "rng",
+        "watched",
     )
 
     def __init__(self, claim: _Claim) -> None:
@@ -421,9 +428,11 @@ class _Tape:
         self.readers: list[weakref.ref[_Tape]] = []  # later tapes that read this one's tensors
         self.rng = GeneratorStates()
         self.device_types = {"cpu"}  # autocast is turned off for these while replaying
-        self.died = 0  # slots whose tensor died; all of them (len(group_of)) ends the claim
+        self.watched = 0  # tensors alive at close, whose deaths end the claim (Rule 9)
+        self.died = 0  # how many of them died
         self.order = math.inf  # when it closed, among all tapes
         self._chains: _Chains | None = None
+        self.reads_others = False  # whether an op reads another tape's tensor (Rule 3)
         self.closed = False
         self.paused = False
 
@@ -431,14 +440,20 @@ class _Tape:
 
     def record(self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one op and append it. Its arguments become markers before it runs, so that an
-        outside input carries the version it was read at."""
+        outside input carries the version it was read at. Runs for every op of a scope: the
+        common case (flat positional arguments, one new plain tensor) takes the short path."""
         facts = _op_facts.get(func)
         if facts is None:
             facts = _learn_facts(func)
-        written, random, is_view, hidden_writes = facts
+        run, written, random, is_view, hidden_writes = facts
         flat: _Flat = args
-        spec: _Spec = _FLAT  # the common case: flat positional arguments
-        if kwargs or any(isinstance(a, _CONTAINERS) for a in args):
+        spec: _Spec = _FLAT
+        nested = bool(kwargs)
+        for arg in args:  # loops, not any(): a generator costs more than two arguments do
+            if isinstance(arg, _CONTAINERS):
+                nested = True
+                break
+        if nested:
             flat = []
             spec = _flatten((args, kwargs), flat)
         leaves, reads = self._markers(flat)
@@ -446,29 +461,42 @@ class _Tape:
         if written or hidden_writes:
             ids = _written_ids(written, hidden_writes, args, kwargs)
             writes = tuple(i for i, leaf in enumerate(flat) if id(leaf) in ids)
-        op = _Op(func, leaves, spec, reads, writes)
-        if random:
-            op.draw = self._draw(flat, kwargs)
-        out = func(*args, **kwargs)
-        self._add_outputs(op, flat, out, is_view)
+        draw = self._draw(flat, kwargs) if random else None
+        out = run(*args, **kwargs)
+        fresh = type(out) is torch.Tensor and not writes
+        for arg in flat if fresh else ():
+            if arg is out:  # an op that hands back its input (``lift_fresh``)
+                fresh = False
+                break
+        if fresh:
+            first = leaves[0] if is_view and leaves else None  # views join their base's group
+            slot = self._new_slot(out, first.slot if type(first) is _Slot else None)
+            touches = (self.group_of[slot],)
+            self.ops.append(_Op(run, leaves, spec, writes, (slot,), reads, touches, draw))
+        else:
+            op = _Op(run, leaves, spec, writes, (), reads, (), draw)
+            self._add_outputs(op, flat, out, is_view)
         return out
 
     def _markers(self, flat: _Flat) -> tuple[list[Any], tuple[int, ...]]:
         """The op's arguments with tensors replaced by markers, and the groups it reads."""
         leaves: list[Any] = []
         reads: list[int] = []
+        registry, group_of = _registry, self.group_of
         for leaf in flat:
             if not isinstance(leaf, torch.Tensor):
                 leaves.append(leaf)
                 continue
-            entry = _registry.get(id(leaf))
+            entry = registry.get(id(leaf))
             if entry is not None and entry() is leaf:
                 if entry.tape is self:
-                    leaves.append(_slot_marker(entry.slot))
-                    reads.append(self.group_of[entry.slot])
+                    slot = entry.slot
+                    leaves.append(_slots[slot])  # made with the slot
+                    reads.append(group_of[slot])
                     continue
                 if entry.tape.closed and entry.tape.reproduces(entry.slot, leaf):  # Rule 3
                     entry.tape.read_by(self)
+                    self.reads_others = True
                     leaves.append(entry)
                     continue
             leaves.append(self._outside_marker(leaf))
@@ -484,10 +512,10 @@ class _Tape:
         return marker
 
     def _add_outputs(self, op: _Op, flat: _Flat, out: Any, view: bool) -> None:
-        """Give each new tensor output a slot (views of a scope tensor join its group), note
-        what the op writes, and append it."""
+        """The long path of ``record``: give each new tensor output a slot (views of a scope
+        tensor join its group), note what the op writes, and append it."""
         first = op.leaves[0] if view and op.leaves else None
-        group = self.group_of[first.slot] if type(first) is _Slot else None
+        group = first.slot if type(first) is _Slot else None
         outs: tuple[int | None, ...]
         if type(out) is torch.Tensor:  # the common case: one plain tensor
             outs = (None,) if any(out is a for a in flat) else (self._new_slot(out, group),)
@@ -507,13 +535,19 @@ class _Tape:
         op.outs, op.touches = outs, tuple(touches)
         self.ops.append(op)
 
-    def _new_slot(self, tensor: torch.Tensor, group: int | None) -> int:
-        slot = len(self.group_of)
-        self.group_of.append(slot if group is None else group)
-        entry = _Entry(tensor, _entry_died)
+    def _new_slot(self, tensor: torch.Tensor, base: int | None) -> int:
+        """A slot for a new tensor, in its own group or (a view) in the group of slot ``base``.
+        Its registry entry watches no death yet: most tensors of a scope die inside it, and
+        ``close`` watches the survivors (Rule 9)."""
+        group_of = self.group_of
+        slot = len(group_of)
+        group_of.append(slot if base is None else group_of[base])
+        entry = _Entry(tensor)
         entry.key, entry.tape, entry.slot = id(tensor), self, slot
         self.entries.append(entry)
         _registry[entry.key] = entry
+        if slot == len(_slots):
+            _slots.append(_Slot(slot))
         if not tensor.is_cpu:
             self.device_types.add(tensor.device.type)
         return slot
@@ -529,25 +563,36 @@ class _Tape:
         return None if generator is None else (generator, self.rng.note(generator))
 
     def close(self) -> None:
-        """End recording: note each live tensor's version, so a later in-place change outside
-        the tape is seen (such a tensor is then stored, not replayed)."""
+        """End recording: drop the entries of tensors that died in the scope; for each live one
+        note its version (a later in-place change outside the tape is then seen, and such a
+        tensor stored, not replayed) and watch its death (Rule 9)."""
+        watched = 0
         for slot, entry in enumerate(self.entries):
             tensor = entry()
-            if tensor is not None:
-                self.exit_versions[slot] = tensor_version(tensor)
+            if _registry.get(entry.key) is not entry:
+                continue
+            if tensor is None:
+                del _registry[entry.key]
+                continue
+            self.exit_versions[slot] = tensor_version(tensor)
+            watcher = _Entry(tensor, _entry_died)
+            watcher.key, watcher.tape, watcher.slot = entry.key, self, slot
+            _registry[entry.key] = watcher
+            watched += 1
         self.entries, self.outside = [], {}
         with self.claim.hooks.lock:
             self.closed = True
             self.order = next(_closing)
-            dead = self.died == len(self.group_of)
+            self.watched = watched
+            dead = self.died == watched
         if dead:
             self.claim.release()
 
     def slot_died(self) -> None:
-        """A scope tensor died; once all have, after the scope, give up the claim (Rule 9)."""
+        """A watched scope tensor died; once all have, give up the claim (Rule 9)."""
         with self.claim.hooks.lock:
             self.died += 1
-            dead = self.closed and self.died == len(self.group_of)
+            dead = self.closed and self.died == self.watched
         if dead:
             self.claim.release()
 
@@ -579,16 +624,18 @@ class _Tape:
     def waiting(self, chains: set[int], key: object) -> list[_ScopeHolder]:
         """The live holders of ``chains`` with nothing yet for backward ``key``; checks that
         none was changed in place inside the scope after it was saved."""
-        of_group, group_of = self.chains().of_group, self.group_of
+        known = self.chains()
+        of_group, group_of, last_write = known.of_group, self.group_of, self.last_write
+        every_chain = len(chains) == known.count
         waiting = []
         for ref in self.holders:
             holder = ref()
             if holder is None or key in holder.values:
                 continue
             group = group_of[holder.slot]
-            if of_group[group] not in chains:
+            if not every_chain and of_group[group] not in chains:
                 continue
-            if self.last_write.get(group, -1) >= holder.position:
+            if last_write and last_write.get(group, -1) >= holder.position:
                 kind, shape = holder.meta[1], list(holder.meta[0])
                 raise RuntimeError(_MSG_SCOPE_TENSOR_MODIFIED.format(kind=kind, shape=shape))
             waiting.append(holder)
@@ -606,7 +653,8 @@ class _Tape:
         return needed
 
     def run(self, ops: list[_Op], foreign: _Values) -> dict[int, torch.Tensor]:
-        """Replay ``ops`` in order; values of other tapes' tensors come from ``foreign``."""
+        """Replay ``ops`` in order; values of other tapes' tensors come from ``foreign``. One
+        loop, no call per op: it runs for every replayed op."""
         values: dict[int, torch.Tensor] = {}
         with (
             torch.no_grad(),
@@ -615,51 +663,52 @@ class _Tape:
             marked_as_recompute(),
         ):
             for op in ops:
-                self._replay(op, values, foreign)
+                args = []
+                for leaf in op.leaves:
+                    kind = type(leaf)
+                    if kind is _Slot:
+                        args.append(values[leaf.slot])
+                    elif kind is _Outside:
+                        written = bool(op.writes) and any(op.leaves[p] is leaf for p in op.writes)
+                        args.append(leaf.value(written))
+                    elif kind is _Entry:
+                        args.append(foreign[leaf.tape, leaf.slot])
+                    else:
+                        args.append(leaf)
+                if op.draw is not None:
+                    generator, state = op.draw
+                    generator.set_state(state)  # this draw's place in its stream (Rule 7)
+                if op.spec is _FLAT:
+                    result = op.run(*args)
+                else:
+                    rebuilt, kwargs = _unflatten(op.spec, iter(args))
+                    result = op.run(*rebuilt, **kwargs)
+                if type(result) is torch.Tensor:
+                    if op.outs[0] is not None:
+                        values[op.outs[0]] = result
+                else:
+                    for slot, tensor in zip(op.outs, tree_leaves(result), strict=True):
+                        if slot is not None:
+                            values[slot] = tensor
         return values
-
-    def _replay(self, op: _Op, values: dict[int, torch.Tensor], foreign: _Values) -> None:
-        args = []
-        for position, leaf in enumerate(op.leaves):
-            kind = type(leaf)
-            if kind is _Slot:
-                args.append(values[leaf.slot])
-            elif kind is _Entry:
-                args.append(foreign[leaf.tape, leaf.slot])
-            elif kind is _Outside:
-                args.append(leaf.value(position in op.writes))
-            else:
-                args.append(leaf)
-        if op.draw is not None:
-            generator, state = op.draw
-            generator.set_state(state)  # this draw's place in its stream (Rule 7)
-        if op.spec is _FLAT:
-            result = op.func(*args)
-        else:
-            rebuilt, kwargs = _unflatten(op.spec, iter(args))
-            result = op.func(*rebuilt, **kwargs)
-        outs = op.outs
-        if type(result) is torch.Tensor:
-            if outs[0] is not None:
-                values[outs[0]] = result
-        elif any(slot is not None for slot in outs):
-            for slot, tensor in zip(outs, tree_leaves(result), strict=True):
-                if slot is not None:
-                    values[slot] = tensor
 
     def fill(
         self, holders: list[_ScopeHolder], values: dict[int, torch.Tensor], key: object
     ) -> None:
-        """Hand each holder its value for backward ``key``; check shapes, dtypes and devices."""
-        pairs = []
+        """Hand each holder its value for backward ``key``; check shapes, dtypes and devices
+        (``check_metadata`` reports the ones that differ)."""
+        differing = []
         for index, holder in enumerate(holders):
-            internal_assert(holder.slot in values, "replay missed a requested slot")
-            value = values[holder.slot]
+            value = values.get(holder.slot)
+            if value is None:
+                internal_error("replay missed a requested slot")
             if holder.view is not None:
                 value = value.as_strided(*holder.view)
             holder.values[key] = value
-            pairs.append((index, holder.meta, value))
-        check_metadata(pairs)
+            shape, dtype, device = holder.meta
+            if value.dtype is not dtype or value.shape != shape or value.device != device:
+                differing.append((index, holder.meta, value))
+        check_metadata(differing)
 
 
 _Values = dict[tuple[_Tape, int], torch.Tensor]  # other tapes' replayed tensors, by slot
@@ -670,7 +719,7 @@ class _Chains:
     (reads one and creates or writes the other). Per chain, the other tapes' tensors it reads.
     Worked out at the first replay, from the tape, not while recording."""
 
-    __slots__ = ("foreign", "group_of", "of_group", "size")
+    __slots__ = ("count", "foreign", "group_of", "of_group", "size")
 
     def __init__(self, tape: _Tape) -> None:
         parent = list(range(len(tape.group_of)))
@@ -682,11 +731,17 @@ class _Chains:
 
         for op in tape.ops:
             linked = op.reads + op.touches
-            for group in linked[1:]:
-                parent[root(group)] = root(linked[0])
+            if len(linked) > 1:
+                first = root(linked[0])
+                for group in linked[1:]:
+                    if parent[group] == group:  # a group this op made: no walk needed
+                        parent[group] = first
+                    else:
+                        parent[root(group)] = first
         self.of_group = [root(group) for group in range(len(parent))]
+        self.count = len(set(self.of_group))
         self.foreign: dict[int, list[tuple[_Tape, int]]] = {}
-        for op in tape.ops:
+        for op in tape.ops if tape.reads_others else ():
             linked = op.reads + op.touches
             for leaf in op.leaves:
                 if type(leaf) is _Entry and linked:
@@ -777,14 +832,16 @@ def _unflatten(spec: _Spec, leaves: Iterator[Any]) -> Any:
     return kind([_unflatten(child, leaves) for child in children])
 
 
-# Per op, worked out once from its schema: the (position, name) of each argument it writes,
-# whether it draws random numbers, whether it returns a view, and whether it has hidden writes.
-_OpFacts = tuple[tuple[tuple[int, str], ...], bool, bool, bool]
+# Per op, worked out once from its schema: what runs it, the (position, name) of each argument it
+# writes, whether it draws random numbers, whether it returns a view, and whether it has hidden
+# writes.
+_OpFacts = tuple[Callable[..., Any], tuple[tuple[int, str], ...], bool, bool, bool]
 _op_facts: dict[OpOverload, _OpFacts] = {}
 
 
 def _learn_facts(func: OpOverload) -> _OpFacts:
     facts = _op_facts[func] = (
+        op_runner(func),
         written_arguments(func),
         torch.Tag.nondeterministic_seeded in func.tags,
         bool(func.is_view),
@@ -814,10 +871,15 @@ def _written_ids(
 class _TapeMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
     """Records each op run while its scope is open (Rule 1)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no wrapper per op: Rule 10 marks __torch_dispatch__ once instead
+
     def __init__(self, tape: _Tape) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         self.tape = tape
 
+    @skip_dynamo_in_code  # Rule 10
     def __torch_dispatch__(
         self,
         func: OpOverload,
@@ -850,7 +912,7 @@ class _Entry(weakref.ref[torch.Tensor]):
 _registry: dict[int, _Entry] = {}
 
 
-@disable_dynamo  # Rule 10: a tensor may die inside compiled code
+@skip_dynamo_in_code  # Rule 10: a tensor may die inside compiled code
 def _entry_died(entry: weakref.ref[torch.Tensor]) -> None:
     internal_assert(isinstance(entry, _Entry), "registry callback got a foreign reference")
     assert isinstance(entry, _Entry)  # for mypy; checked just above
@@ -879,12 +941,14 @@ def _scope_slot(tensor: torch.Tensor) -> tuple[_Tape, int, _View | None] | None:
 
 
 class _Passed:
-    """A non-scope tensor passed through detached, with the version autograd would check."""
+    """A non-scope tensor passed through detached, with the version autograd would check. A
+    leaf is held as it is: it has no ``grad_fn``, so it cannot close a reference cycle, and
+    detaching it would cost an op through the tape's dispatch mode while a scope is open."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.detach()
+        self.tensor = tensor if tensor.is_leaf else tensor.detach()
         self.version = tensor_version(tensor)
 
     def unpack(self) -> torch.Tensor:
@@ -979,17 +1043,23 @@ class _ThreadHooks:
         hook stack, which is put back when it ends."""
         return threading.get_ident() == self.thread and current_graph_task_id() == -1
 
-    @disable_dynamo  # Rule 10: runs wherever autograd saves, compiled code included
+    @skip_dynamo_in_code  # Rule 10: runs wherever autograd saves, compiled code included
     def pack(self, tensor: torch.Tensor) -> Any:
         """Our pack hook: a holder for a scope tensor, else a detached pass-through."""
         tape = self.open_tape
         if tape is not None:
             tape.paused = True  # our own ops here are not the user's
         try:
-            found = _scope_slot(tensor)
-            if found is not None:
+            entry = _registry.get(id(tensor))  # the common case first: a scope tensor itself
+            if (
+                entry is not None
+                and entry() is tensor
+                and entry.tape.reproduces(entry.slot, tensor)
+            ):
+                packed: Any = entry.tape.holder_for(tensor, entry.slot, None)
+            elif (found := _scope_slot(tensor)) is not None:
                 owner, slot, view = found
-                packed: Any = owner.holder_for(tensor, slot, view)
+                packed = owner.holder_for(tensor, slot, view)
             elif self.below is not None:
                 packed = _Delegated(self.below[0](tensor), self.below[1])
             else:
@@ -1002,7 +1072,7 @@ class _ThreadHooks:
         return packed
 
     @staticmethod
-    @disable_dynamo
+    @skip_dynamo_in_code
     def unpack(packed: Any) -> torch.Tensor:
         """Our unpack hook (any thread): recompute a holder, or hand back what was kept."""
         if isinstance(packed, _ScopeHolder):

@@ -516,6 +516,22 @@ def test_rule5_passed_through_tensor_keeps_version_check() -> None:
     del x
 
 
+def test_rule5_leaf_saved_in_the_scope_keeps_version_check_and_no_cycle() -> None:
+    """A leaf saved inside the scope (kept as it is) still gets the in-place error, and the
+    graph that saved it holds no reference cycle: the leaf dies with its last user reference."""
+    w = torch.randn(3, requires_grad=True)
+    a = torch.randn(3, requires_grad=True)
+    with gradient_checkpoint_scope():
+        y = (a.exp() * w).sum()
+    w_ref = weakref.ref(w)
+    with torch.no_grad():
+        w.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    del w, y
+    assert w_ref() is None
+
+
 def test_rule5_outside_input_modified_raises() -> None:
     """An input of the scope changed in place before backward raises the in-place error."""
     a = torch.randn(3, requires_grad=True)
@@ -724,6 +740,21 @@ def test_rule9_hook_leaves_when_tensors_die(leaves: tuple[torch.Tensor, ...]) ->
     del x
     assert _compat.top_saved_tensors_hooks() is None
     y.backward()
+
+
+def test_rule9_tensors_that_die_inside_the_scope_release_it_at_exit() -> None:
+    """Tensors that die inside the block (their deaths are not watched) leave no claim: with
+    none alive at exit our hook leaves then; gradients are still those of the plain run."""
+    a = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with gradient_checkpoint_scope():
+        loss = a.exp().sin().tanh().sum()  # every scope tensor but the loss is dead here
+    assert _ours_on_top()
+    loss.backward()
+    got = _grads(a)[0]
+    del loss
+    assert _compat.top_saved_tensors_hooks() is None
+    a.exp().sin().tanh().sum().backward()
+    assert torch.equal(got, _grads(a)[0])
 
 
 def test_rule9_pop_waits_for_a_safe_point_under_a_foreign_hook(
