@@ -339,8 +339,9 @@ def measure_costs(chain: list[Any], input: Any, unpack: bool) -> tuple[tuple[Lay
 
     Each function runs on a detached copy of its input (floating tensors requiring grad), so
     only one function's saved tensors are alive at a time; what it saves is seen by a
-    saved-tensors hook, by storage (parameters and buffers left out). The RNG is forked, so the caller's
-    stream is untouched; other side effects (BatchNorm statistics) happen once more.
+    saved-tensors hook, by storage (parameters and buffers left out); what its ops allocate is
+    seen by a dispatch mode. The RNG is forked, so the caller's stream is untouched; other side
+    effects (BatchNorm statistics) happen once more.
     """
     modules = [f for f in chain if isinstance(f, torch.nn.Module)]
     params = {_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}

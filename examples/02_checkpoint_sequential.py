@@ -39,3 +39,20 @@ print(f"activations kept with {segments} segments:     {ckpt_kept / 1024:8.1f} K
 assert all(map(torch.equal, plain_grads, ckpt_grads)), "gradients differ"
 assert ckpt_kept * 2 < plain_kept, "checkpoint_sequential should keep far fewer activations"
 print("gradients identical")
+
+# Beyond torch: strategies. "log" nests checkpoints (about log2(n) activations kept); "optimal"
+# fits a byte budget with the least recompute time. sequential_schedule() shows the plan.
+schedule = checkpointing.sequential_schedule(model, None, x, strategy="log")
+print(schedule)
+budget = (schedule.peak_bytes or 0) * 2
+optimal = checkpointing.sequential_schedule(model, None, x, strategy="optimal", budget=budget)
+print(optimal)
+for strategy in (schedule, optimal):
+    model.zero_grad()
+    out = checkpointing.checkpoint_sequential(
+        model, None, x, use_reentrant=False, strategy=strategy
+    )
+    out.square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(map(torch.equal, plain_grads, grads)), f"{strategy.strategy}: gradients differ"
+print("log and optimal schedules: gradients identical")
