@@ -11,8 +11,15 @@ How it watches (no mechanism knows about the report; they only announce through 
      region drops never reach it.
   2. The mechanisms announce the tensors they take charge of: the frame and the scope those they
      will recompute, the selective modes those they save or offload.
-  3. A dispatch mode maps each tensor to the op that produced it, and counts the ops (and, where
-     ``torch.utils.flop_counter`` knows the op, the FLOPs) run while ``is_recomputing()``.
+  3. A dispatch mode maps each tensor to the op that produced it, notes the storages ops make
+     inside the block, and counts the ops (and, where ``torch.utils.flop_counter`` knows the
+     op, the FLOPs) run while ``is_recomputing()``.
+
+Activations are the kept storages that ops made inside the block, except those of leaf tensors
+that require grad (inputs and parameters created there). Whether a tensor requires grad does not
+matter otherwise: a dropout mask or an attention mask made in forward and saved for backward is
+memory the step keeps (the planner counts the same way: NOTE [Planner model], Rule 2), while
+inputs and parameters made before the block, grad or not (token ids), are not activations.
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ class SavedTensorsReport:
     kept_bytes: int = 0
     """Bytes of the distinct storages kept between forward and backward (device memory)."""
     activation_bytes: int = 0
-    """The part of ``kept_bytes`` that is activations: storages not owned by a leaf tensor (an
-    input or a parameter, which stay in memory whether or not anything is checkpointed)."""
+    """The part of ``kept_bytes`` that is activations: storages that ops made inside the block
+    (saved masks included, though they do not require grad), not those of inputs and
+    parameters, which stay in memory whether or not anything is checkpointed."""
 
     def bytes_by_decision(self) -> dict[Decision, int]:
         """Total tensor bytes per decision (a tensor saved twice counts twice here)."""
@@ -101,6 +109,7 @@ class _Watcher:
     def __init__(self, report: SavedTensorsReport) -> None:
         self.report = report
         self.producers: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.made: set[tuple[int, torch.device]] = set()  # storages ops made inside the block
         self.kept_storages: dict[tuple[int, torch.device], int] = {}
         self.activation_storages: dict[tuple[int, torch.device], int] = {}
 
@@ -123,15 +132,27 @@ class _Watcher:
         itself (that would be a reference cycle through its ``grad_fn``)."""
         self.record(tensor, current_region.get() or _OUTSIDE, "saved")
         base = _compat.view_base(tensor)
-        self.keep(tensor, activation=not (tensor if base is None else base).is_leaf)
+        owner = tensor if base is None else base
+        made = _storage_key(tensor) in self.made
+        self.keep(tensor, activation=made and not (owner.is_leaf and owner.requires_grad))
         return tensor.detach()
+
+    def note_made(self, inputs: Any, outputs: Any) -> None:
+        """Note the storages of ``outputs`` that are new: not shared with an input (a view or
+        an in-place write makes nothing)."""
+        read = {_storage_key(t) for t in _compat.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        for tensor in _compat.tree_leaves(outputs):
+            if isinstance(tensor, torch.Tensor):
+                key = _storage_key(tensor)
+                if key is not None and key not in read:
+                    self.made.add(key)
 
     def keep(self, tensor: torch.Tensor, activation: bool) -> None:
         """Count ``tensor``'s storage once in ``kept_bytes`` (and ``activation_bytes``)."""
-        if tensor.device.type == "meta":
+        key = _storage_key(tensor)
+        if key is None:
             return
         storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), tensor.device)
         self.kept_storages[key] = storage.nbytes()
         self.report.kept_bytes = sum(self.kept_storages.values())
         if activation:
@@ -141,6 +162,13 @@ class _Watcher:
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, torch.device] | None:
+    """Where ``tensor``'s memory lives; None for tensors without memory (meta, sparse)."""
+    if tensor.device.type == "meta" or tensor.is_sparse:
+        return None
+    return (tensor.untyped_storage().data_ptr(), tensor.device)
 
 
 class _ProducerMode(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
@@ -157,6 +185,7 @@ class _ProducerMode(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.watcher.note_made((args, kwargs), out)
         name = str(func.overloadpacket.__name__)
         for tensor in _compat.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):

@@ -105,3 +105,18 @@ def test_selective_cache_counts_towards_kept_bytes() -> None:
     saved = [r for r in report.records if r.decision == "saved" and r.op == "mm"]
     assert len(saved) == 1
     assert kept_after_forward == x.nbytes + 4 * 8 * 4  # the region's input and the mm output
+
+
+def test_saved_masks_made_in_the_step_are_activations_but_no_grad_inputs_are_not() -> None:
+    """Saved tensors that do not require grad are activations when ops made them in the step
+    (a bool mask, dropout's noise), not when they were made before it (token ids)."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 8)
+    ids = torch.randint(0, 10, (4,))
+    with saved_tensors_report() as report:
+        h = embedding(ids)  # saves the ids: an input, not an activation
+        mask = h > 0  # bool, made in the step, saved by masked_fill
+        y = torch.nn.functional.dropout(h.masked_fill(mask, 0.0), 0.5, training=True)
+        y.sum().backward()
+    assert report.activation_bytes == 4 * 8 * 1 + 4 * 8 * 4  # the mask and dropout's noise
+    assert report.kept_bytes == report.activation_bytes + ids.nbytes
