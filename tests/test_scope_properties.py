@@ -78,6 +78,33 @@ def test_gradients_bit_identical_to_no_scope(graph: ScopedGraph) -> None:
     assert torch.equal(got.rng_after, want.rng_after)
 
 
+def _partial_gradients(graph: ScopedGraph, scope: Scope) -> tuple[Grads, Grads, torch.Tensor]:
+    """Two losses over alternate tensors of the graph; ``torch.autograd.grad`` of each in turn
+    (each backward replays only the chains its loss needs), and the RNG state after."""
+    x, w = graph.inputs()
+    torch.manual_seed(graph.seed)
+    pool = graph.run(x, w, scope)
+    losses = [graph.loss([x, w, *pool[2::2]]), graph.loss([x, w, *pool[3::2]])]
+    del pool  # scope tensors die here: each backward must recompute what it needs
+    grads = [
+        torch.autograd.grad(loss, (x, w), retain_graph=True, allow_unused=True)
+        if loss.requires_grad
+        else (None, None)
+        for loss in losses
+    ]
+    return grads[0], grads[1], torch.get_rng_state()
+
+
+@given(scoped_graphs())
+def test_gradients_of_partial_losses_bit_identical_to_no_scope(graph: ScopedGraph) -> None:
+    """Rule 7: gradients of one loss, then of another over other tensors of the same graph,
+    equal the plain run's bit for bit (draws included), and so does the RNG after."""
+    got, want = _partial_gradients(graph, SCOPE), _partial_gradients(graph, NO_SCOPE)
+    _assert_same(got[0], want[0])
+    _assert_same(got[1], want[1])
+    assert torch.equal(got[2], want[2])
+
+
 def _second_order(graph: ScopedGraph, scope: Scope) -> Grads:
     """Gradients of ``sum(g * g)`` over the first-order gradients ``g`` (create_graph=True)."""
     loss, x, w = _forward(graph, scope)
