@@ -632,6 +632,36 @@ class _OtherCheckpointing(transformers.LlamaForCausalLM):
         self.other_checkpointing = enable
 
 
+class _NoLayers(transformers.PreTrainedModel):
+    config_class = transformers.PretrainedConfig
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config: transformers.PretrainedConfig) -> None:
+        super().__init__(config)
+        self.linear = torch.nn.Linear(2, 2)
+        self.post_init()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _hf_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(16, (1, 8))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _hf_own_checkpointing() -> Any:
+    model = _tiny_llama()
+    model.activation_checkpointing_enable()
+    return model
+
+
+def _enable_on_a_plan(hf: Any) -> None:
+    model = _tiny_llama()
+    hf.enable(model, budget=0.5, example_kwargs=_hf_batch())
+    hf.enable(model)
+
+
 def _hook_ignored(hf: Any) -> None:
     model = _tiny_llama(_OtherCheckpointing)
     try:
@@ -685,6 +715,54 @@ HF_MISTAKES: dict[str, Mistake] = {
         lambda hf: hf.enable(_tiny_llama(), every_n_layers=0),
         ValueError,
         ("every_n_layers must be a positive int", "got 0", "Fix"),
+    ),
+    "transformers: budget with a policy": Mistake(
+        lambda hf: hf.enable(
+            _tiny_llama(), budget=0.5, example_kwargs=_hf_batch(), policy=save_matmuls()
+        ),
+        ValueError,
+        ("budget= cannot be combined with policy=", "the plan chooses per layer", "Fix"),
+    ),
+    "transformers: budget with every_n_layers": Mistake(
+        lambda hf: hf.enable(
+            _tiny_llama(), budget=0.5, example_kwargs=_hf_batch(), every_n_layers=2
+        ),
+        ValueError,
+        ("budget= cannot be combined with every_n_layers=2", "Fix"),
+    ),
+    "transformers: budget with use_reentrant=True": Mistake(
+        lambda hf: hf.enable(
+            _tiny_llama(), budget=0.5, example_kwargs=_hf_batch(), use_reentrant=True
+        ),
+        ValueError,
+        ("budget= cannot be combined with use_reentrant=True", "non-reentrant", "Fix"),
+    ),
+    "transformers: budget without example inputs": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), budget=0.5),
+        ValueError,
+        ("budget= needs example_inputs= or example_kwargs=", "got neither", "Fix"),
+    ),
+    "transformers: example inputs without budget": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), example_kwargs=_hf_batch()),
+        ValueError,
+        ("example_kwargs= only describe the step that budget= plans for", "ignored", "Fix"),
+    ),
+    "transformers: budget on a model that checkpoints": Mistake(
+        lambda hf: hf.enable(_hf_own_checkpointing(), budget=0.5, example_kwargs=_hf_batch()),
+        ValueError,
+        ("LlamaForCausalLM is already checkpointed", "gradient_checkpointing flags", "disable"),
+    ),
+    "transformers: enable on a budget plan": Mistake(
+        _enable_on_a_plan,
+        ValueError,
+        ("already checkpointed (by enable(model, budget=...)", "twice", "disable(model) first"),
+    ),
+    "transformers: budget without layers": Mistake(
+        lambda hf: hf.enable(
+            _NoLayers(transformers.PretrainedConfig()), budget=0.5, example_inputs=torch.randn(2, 2)
+        ),
+        ValueError,
+        ("_NoLayers has no GradientCheckpointingLayer blocks", "plan_checkpointing", "Fix"),
     ),
 }
 

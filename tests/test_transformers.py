@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import doctest
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ import transformers
 
 import checkpointing
 from checkpointing import _compat
+from checkpointing._module import is_module_checkpointed
 from checkpointing.integrations import transformers as hf_checkpointing
 from checkpointing.policies import MATMUL_OPS, offload_ops, save_matmuls
 
@@ -33,7 +35,7 @@ VOCAB, BATCH, SEQ = 64, 2, 16
 Setup = Callable[[transformers.PreTrainedModel], None] | None
 
 
-def _llama(layers: int = 3) -> transformers.PreTrainedModel:
+def _llama(layers: int = 3, *, use_cache: bool = False) -> transformers.PreTrainedModel:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -42,7 +44,7 @@ def _llama(layers: int = 3) -> transformers.PreTrainedModel:
         num_attention_heads=4,
         num_key_value_heads=2,
         attention_dropout=0.1,
-        use_cache=False,
+        use_cache=use_cache,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -366,6 +368,169 @@ def test_enable_twice_replaces_the_policy(llama: transformers.PreTrainedModel) -
         hf_checkpointing.enable(model)
 
     assert _step(llama, twice).report.kept_bytes == _step(llama, _ours).report.kept_bytes
+
+
+# --- budget= (NOTE [transformers integration], Rules 6-8) ----------------------------------------
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    """The step ``_step`` and ``_train`` run, as the example ``enable(budget=...)`` profiles."""
+    ids = _ids()
+    return {"input_ids": ids, "labels": ids}
+
+
+def _layers_checkpointed(model: transformers.PreTrainedModel) -> list[bool]:
+    return [is_module_checkpointed(layer) for layer in model.model.layers]
+
+
+def _budget(fraction: float, plans: list[checkpointing.ActivationPlan]) -> Setup:
+    """Enable a plan for ``fraction`` of the plain run's activation bytes; keep it in ``plans``.
+    The plan's layers, and only they, checkpoint through its hooks; transformers' own flags
+    stay off."""
+
+    def setup(model: transformers.PreTrainedModel) -> None:
+        plan = hf_checkpointing.enable(model, budget=fraction, example_kwargs=_batch())
+        assert _layers_checkpointed(model) == [region.checkpoint for region in plan.regions]
+        assert not model.is_activation_checkpointing
+        plans.append(plan)
+
+    return setup
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.9])
+def test_rule6_budget_fits_measured_bytes_with_plain_gradients(
+    llama: transformers.PreTrainedModel, fraction: float
+) -> None:
+    """``budget=``: the activation bytes the step keeps (``saved_tensors_report``) fit the budget
+    (+2 %), a fraction of the plain run's; loss and gradients equal the plain run's bit for bit
+    (dropout on)."""
+    plans: list[checkpointing.ActivationPlan] = []
+    step = _step(llama, _budget(fraction, plans))
+    plain = _step(llama, None)
+    (plan,) = plans
+    assert plan.baseline_bytes == plain.report.activation_bytes
+    assert plan.budget_bytes == int(fraction * plain.report.activation_bytes)
+    assert step.report.activation_bytes <= plan.budget_bytes * 1.02, str(plan)
+    assert step.report.recompute_ops > 0
+    _assert_same_step(step, plain)
+    assert "LlamaDecoderLayer" in str(plan)
+
+
+def test_rule6_budget_is_planned_in_training_mode(llama: transformers.PreTrainedModel) -> None:
+    """A model in eval mode is planned as it trains (dropout drawn) and left in eval mode: the
+    plan's baseline is the training step's bytes, and the training step fits the budget."""
+    plans: list[checkpointing.ActivationPlan] = []
+
+    def from_eval(model: transformers.PreTrainedModel) -> None:
+        model.eval()
+        _budget(0.5, plans)(model)
+        assert not any(module.training for module in model.modules())
+        model.train()
+
+    step = _step(llama, from_eval)
+    plain = _step(llama, None)
+    assert plans[0].baseline_bytes == plain.report.activation_bytes
+    assert step.report.activation_bytes <= plans[0].budget_bytes * 1.02
+    _assert_same_step(step, plain)
+
+
+def test_rule7_budget_drops_the_cache_while_recording() -> None:
+    """With ``use_cache=True`` (Llama's default) the planned layers train without their cache,
+    as under transformers' own checkpointing (a recompute would write it twice); under
+    ``no_grad`` the cache still fills."""
+    torch.manual_seed(0)
+    model = _llama(use_cache=True)
+    plans: list[checkpointing.ActivationPlan] = []
+    step = _step(model, _budget(0.5, plans))
+    assert step.report.recompute_ops > 0
+    _assert_same_step(step, _step(model, None))
+    planned = copy.deepcopy(model).eval()
+    hf_checkpointing.enable(planned, budget=0.5, example_kwargs=_batch())
+    with torch.no_grad():
+        cache = planned(**_batch()).past_key_values
+    assert cache is not None
+    assert cache.get_seq_length() == SEQ
+
+
+def test_budget_adamw_steps_identical_to_plain(llama: transformers.PreTrainedModel) -> None:
+    """Three AdamW steps with a budget plan and dropout: losses and parameters bit-identical to
+    the plain run."""
+    planned = _train(llama, _budget(0.5, []), steps=3)
+    plain = _train(llama, None, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(planned, plain, strict=True))
+
+
+def test_budget_disable_restores_plain_forward(llama: transformers.PreTrainedModel) -> None:
+    """``disable`` removes a budget plan: no hooks left (plan, cache, input embeddings), and the
+    step keeps and computes what the plain run does; a new plan can be enabled after."""
+
+    def enable_then_disable(model: transformers.PreTrainedModel) -> None:
+        hooks = [len(m._forward_pre_hooks) for m in model.modules()]
+        _budget(0.25, [])(model)
+        assert any(_layers_checkpointed(model))
+        hf_checkpointing.disable(model)
+        assert [len(m._forward_pre_hooks) for m in model.modules()] == hooks
+        assert not any(_layers_checkpointed(model))
+        assert not getattr(model, "_require_grads_hooks", None)
+
+    restored = _step(llama, enable_then_disable)
+    plain = _step(llama, None)
+    _assert_same_step(restored, plain)
+    assert restored.report.recompute_ops == 0
+    assert restored.report.kept_bytes == plain.report.kept_bytes
+    model = copy.deepcopy(llama)
+    enable_then_disable(model)
+    _budget(0.5, [])(model)
+    assert any(_layers_checkpointed(model))
+
+
+def test_rule8_one_checkpointing_at_a_time(llama: transformers.PreTrainedModel) -> None:
+    """A budget plan is refused on a model whose layers already checkpoint (ours or
+    transformers' own), any ``enable`` on a model with a plan is refused, and the model is left
+    as it was each time."""
+    model = copy.deepcopy(llama).train()
+    batch = _batch()
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match="already checkpointed"):
+        hf_checkpointing.enable(model, budget=0.5, example_kwargs=batch)
+    assert model.is_activation_checkpointing
+    assert not any(_layers_checkpointed(model))
+    hf_checkpointing.disable(model)
+    plan = hf_checkpointing.enable(model, budget=0.5, example_kwargs=batch)
+    checkpointed = _layers_checkpointed(model)
+    for retry in (
+        lambda: hf_checkpointing.enable(model),
+        lambda: hf_checkpointing.enable(model, budget=0.9, example_kwargs=batch),
+    ):
+        with pytest.raises(ValueError, match=re.escape("enable(model, budget=...)")):
+            retry()
+        assert _layers_checkpointed(model) == checkpointed
+        assert not model.is_activation_checkpointing
+    assert checkpointed == [region.checkpoint for region in plan.regions]
+
+
+def test_budget_error_leaves_model_as_it_was(llama: transformers.PreTrainedModel) -> None:
+    """A budget below the smallest reachable bytes raises the planner's error, and the model is
+    left with no hooks (cache, input embeddings) and can be planned again."""
+    model = copy.deepcopy(llama).train()
+    hooks = [len(m._forward_pre_hooks) for m in model.modules()]
+    with pytest.raises(ValueError, match="smallest reachable"):
+        hf_checkpointing.enable(model, budget=1, example_kwargs=_batch())
+    assert [len(m._forward_pre_hooks) for m in model.modules()] == hooks
+    assert not getattr(model, "_require_grads_hooks", None)
+    hf_checkpointing.enable(model, budget=0.5, example_kwargs=_batch())
+
+
+def test_budget_default_loss_without_labels(llama: transformers.PreTrainedModel) -> None:
+    """Without ``labels`` (no ``output.loss``) the profiled step's loss is the sum of the
+    floating-point outputs, the logits; the plan fits a step that backwards from them."""
+    model = copy.deepcopy(llama).train()
+    plan = hf_checkpointing.enable(model, budget=0.5, example_kwargs={"input_ids": _ids()})
+    torch.manual_seed(1)
+    with checkpointing.saved_tensors_report() as report:
+        model(input_ids=_ids()).logits.sum().backward()
+    assert report.recompute_ops > 0
+    assert report.activation_bytes <= plan.budget_bytes * 1.02
 
 
 def test_module_docstring_examples() -> None:
