@@ -9,6 +9,7 @@ and against ``saved_tensors_report`` (activation bytes within the budget).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -18,11 +19,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import checkpointing
 from checkpointing import ActivationPlan, plan_checkpointing
-from checkpointing._planning.solver import Choice, Problem, kept_bytes, recompute_seconds, solve
+from checkpointing._planning import plan as plan_module
+from checkpointing._planning.solver import (
+    Choice,
+    Problem,
+    RegionChoices,
+    Unit,
+    kept_bytes,
+    recompute_seconds,
+    solve,
+)
 from tests.strategies import planner_problems
 
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -141,10 +152,19 @@ def measured(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None):
     return report, grads
 
 
+@pytest.fixture
+def free_policies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan with selective policies charged nothing (NOTE [Planner model], Rule 13): the ops of
+    these tiny models are so fast that the policy's real cost has every region checkpointed
+    whole, and the tests that use this need regions that keep some outputs."""
+    monkeypatch.setattr(plan_module, "policy_seconds_per_op", lambda: 0.0)
+
+
 # --- end to end ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.usefixtures("free_policies")
 def test_budget_sweep_fits_measured_bytes_and_keeps_gradients(case: str) -> None:
     """For budgets 0.1..0.9: the measured activation bytes fit the budget (+2 %) and gradients
     equal the plain run bit for bit; a budget below the floor raises naming the floor."""
@@ -173,6 +193,7 @@ def test_budget_sweep_fits_measured_bytes_and_keeps_gradients(case: str) -> None
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.usefixtures("free_policies")
 def test_prediction_equals_report(case: str) -> None:
     """The predicted bytes are the measured ones, for the plain run and for a plan: the planner
     and ``saved_tensors_report`` count the same storages (W2's dropout masks, which do not
@@ -189,6 +210,7 @@ def test_prediction_equals_report(case: str) -> None:
     assert report.activation_bytes == plan.kept_bytes
 
 
+@pytest.mark.usefixtures("free_policies")
 def test_saved_ops_are_the_plan_s_keys() -> None:
     """What selective checkpointing keeps in forward is what the plan lists (NOTE [Planner
     model], Rule 3): the same ops, and one kept tensor at least per listed (op, index)."""
@@ -202,6 +224,15 @@ def test_saved_ops_are_the_plan_s_keys() -> None:
     kept = sorted(r.op for r in report.records if r.region == "sac" and r.decision == "saved")
     assert sorted(set(kept)) == sorted(set(expected))
     assert len(kept) >= len(expected)
+
+
+def test_policy_cost_checkpoints_tiny_regions_whole() -> None:
+    """With the measured policy cost, the tiny transformer (ops far cheaper than a policy's
+    per-op cost) is checkpointed in whole regions, no policy installed."""
+    model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
+    assert plan_module.policy_seconds_per_op() > 0
+    plan = plan_checkpointing(model, x, budget=0.3)
+    assert all(r.checkpoint and not r.save for r in plan.regions), str(plan)
 
 
 def test_profile_leaves_model_untouched() -> None:
@@ -267,6 +298,7 @@ def test_apply_twice_and_to_another_model_raise() -> None:
         plan.apply(mlp())
 
 
+@pytest.mark.usefixtures("free_policies")
 def test_json_round_trip_with_readable_op_names() -> None:
     """``to_json``/``from_json`` round-trip; ops read as ``aten.<op>.<overload>``; the loaded
     plan applies to a copy of the model with the same bytes and gradients."""
@@ -288,6 +320,7 @@ def test_json_round_trip_with_readable_op_names() -> None:
     loaded.remove(twin)
 
 
+@pytest.mark.usefixtures("free_policies")
 def test_from_json_rejects_bad_text() -> None:
     """Text that is not a plan, or names an op torch does not know, is a ``ValueError``."""
     plan = plan_checkpointing(transformer(), torch.randn(2, 16, 32), budget=0.3, loss_fn=None)
@@ -340,6 +373,7 @@ def test_frontier_runs_from_keep_everything_to_checkpoint_all() -> None:
         assert t2 >= t1
 
 
+@pytest.mark.usefixtures("free_policies")
 def test_table_shows_regions_decisions_and_budget() -> None:
     """``print(plan)`` lists every region with its decision, then the totals against the budget."""
     model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
@@ -402,3 +436,43 @@ def test_solver_fits_and_is_near_brute_force(problem: Problem) -> None:
             assert solution.recompute_seconds <= best + solution.bound_seconds + 1e-12
             if solution.method == "exact":
                 assert math.isclose(solution.recompute_seconds, best, abs_tol=1e-12)
+
+
+def test_policy_cost_makes_whole_regions_win() -> None:
+    """A region whose saved outputs would save less recompute than its selective policy costs
+    (NOTE [Planner model], Rule 13) is checkpointed whole, and the prediction counts the cost."""
+    units = (Unit(("aten.mm.default", 0), 0.004, (1,)), Unit(("aten.mm.default", 1), 0.004, (2,)))
+    region = RegionChoices(frozenset({0, 1, 2}), frozenset({0}), 0.001, units)
+    problem = Problem((region,), {0: 1, 1: 1, 2: 1}, frozenset())
+    cheap = solve(problem, 2)
+    assert cheap.choices[0].saved
+    assert math.isclose(cheap.recompute_seconds, 0.005)
+    costly = Problem(
+        (dataclasses.replace(region, policy_seconds=0.005),), problem.storage_bytes, problem.outside
+    )
+    whole = solve(costly, 2)
+    assert whole.choices == (Choice(True),)
+    assert math.isclose(whole.recompute_seconds, 0.009)
+    assert math.isclose(recompute_seconds(costly, [Choice(True, frozenset({0}))]), 0.010)
+
+
+@given(planner_problems(), st.sampled_from([0.0, 0.001, 0.004]))
+def test_solver_with_policy_cost_is_near_brute_force(problem: Problem, policy: float) -> None:
+    """With a policy cost per region, the exact answer is still the brute-force optimum (where no
+    storage is shared) and every answer fits."""
+    problem = dataclasses.replace(
+        problem,
+        regions=tuple(dataclasses.replace(r, policy_seconds=policy) for r in problem.regions),
+    )
+    choices = list(all_choices(problem))
+    plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
+    floor = solve(problem, plain).floor_bytes
+    for budget in range(floor, plain + 1):
+        best = min(
+            recompute_seconds(problem, c) for c in choices if kept_bytes(problem, c) <= budget
+        )
+        solution = solve(problem, budget)
+        assert solution.kept_bytes == kept_bytes(problem, solution.choices) <= budget
+        assert solution.recompute_seconds >= best - 1e-12
+        if solution.method == "exact" and not shared_storages(problem):
+            assert math.isclose(solution.recompute_seconds, best, abs_tol=1e-12)

@@ -44,6 +44,17 @@ NOTE [Planner model]
           keeps or offloads something: a region that keeps nothing runs as plain checkpoint.
   Rule 12. Inputs whose shapes differ from the profiled ones warn once per ``apply`` ("re-plan"):
           the bytes and times describe the profiled shapes only.
+  Rule 13. A selective policy is not free: in a region that keeps some outputs, every op of
+          the forward goes through its dispatch mode (asked per call: the decision depends on
+          the occurrence, Rule 3) and every recomputed op through its replay mode. The solver
+          charges that per op of the region (``policy_seconds_per_op``, measured once per
+          process on a chain of tiny ops, plain checkpoint against the installed policy), so a
+          region whose kept outputs save less than it costs is checkpointed whole (Rule 11),
+          and a few whole blocks can beat many partly saved ones. It is measured on the CPU
+          side; on an accelerator it may partly overlap device work, so it errs towards whole
+          regions; in a large model it is a lower bound (the modes' Python runs with colder
+          caches there). Recompute's other per-op costs (autograd nodes, Python) are not
+          charged: they differ little between a whole region and a partly saved one.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders), and torch's ``SACEstimator`` (private, CUDA-oriented, and it

@@ -31,7 +31,7 @@ __all__ = ["OpCall", "RegionProfile", "StepProfile", "default_loss", "profile_st
 # time is estimated from them at the rate the trusted ops of the same step achieved (Rule 9).
 _TRUSTED_SECONDS: Final = 20e-6
 _DEFAULT_FLOP_RATE: Final = 1e10  # FLOP/s when no op of the step was slow enough to measure it
-_PROFILE_STEPS: Final = 2  # measured steps, after one warm-up step
+_PROFILE_STEPS: Final = 3  # measured steps, after one warm-up step
 
 StorageKey = tuple[torch.device, int]
 
@@ -72,8 +72,9 @@ class StepProfile:
     device: str
     step_seconds: float
 
-    def problem(self) -> Problem:
-        """The solver's view of this step (Rules 4-6 decide which ops are units)."""
+    def problem(self, policy_seconds_per_op: float) -> Problem:
+        """The solver's view of this step (Rules 4-6 decide which ops are units); a selective
+        policy costs ``policy_seconds_per_op`` per op of a region call (Rule 13)."""
         regions = []
         for region in self.regions:
             written = {s for c in region.ops if c.kind in ("inplace", "random") for s in c.storages}
@@ -86,7 +87,11 @@ class StepProfile:
                     forced += call.seconds
             regions.append(
                 RegionChoices(
-                    frozenset(region.saved), frozenset(region.inputs), forced, tuple(units)
+                    frozenset(region.saved),
+                    frozenset(region.inputs),
+                    forced,
+                    tuple(units),
+                    policy_seconds_per_op * len(region.ops) * region.calls,
                 )
             )
         return Problem(tuple(regions), dict(self.storage_bytes), frozenset(self.outside))

@@ -7,7 +7,8 @@ printing to ``plan``. See NOTE [Planner model] in ``checkpointing._planning``, R
 
 Method. Each region offers a few options: run plainly (keeps what autograd saves in it, costs no
 recompute) or checkpoint it keeping some of its ops' outputs (keeps its inputs and those outputs,
-recomputes the other ops). A region's options are the Pareto set of a 0/1 knapsack over its ops,
+recomputes the other ops, and pays the selective policy's per-op cost, Rule 13, unless it keeps
+none). A region's options are the Pareto set of a 0/1 knapsack over its ops,
 computed exactly while it stays small (``_REGION_POINTS``), else from the ops in order of time
 saved per byte. Across regions it is a multiple-choice knapsack on an additive upper bound of the
 bytes (Rule 7): solved exactly by merging Pareto sets while they stay small (``_FRONT_POINTS``),
@@ -46,12 +47,14 @@ class Unit:
 @dataclass(frozen=True, slots=True)
 class RegionChoices:
     """What one region keeps plainly (``saved``) and checkpointed (``inputs`` plus the saved
-    units' storages), and what recompute costs beyond the units (``forced_seconds``)."""
+    units' storages), what recompute costs beyond the units (``forced_seconds``), and what a
+    selective policy adds to a step of the region when it keeps a unit (``policy_seconds``)."""
 
     saved: frozenset[int]
     inputs: frozenset[int]
     forced_seconds: float
     units: tuple[Unit, ...]
+    policy_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +118,16 @@ def kept_bytes(problem: Problem, choices: Sequence[Choice]) -> int:
 
 
 def recompute_seconds(problem: Problem, choices: Sequence[Choice]) -> float:
-    """Predicted recompute time: every op of a checkpointed region that is not saved."""
+    """Predicted recompute time: every op of a checkpointed region that is not saved, plus the
+    selective policy's cost in the regions that save some (Rule 13)."""
     total = 0.0
     for region, choice in zip(problem.regions, choices, strict=True):
         if choice.checkpoint:
             total += region.forced_seconds + sum(
                 u.seconds for i, u in enumerate(region.units) if i not in choice.saved
             )
+            if choice.saved:
+                total += region.policy_seconds
     return total
 
 
@@ -136,7 +142,8 @@ def region_options(problem: Problem, index: int) -> list[_Option]:
     everything = region.forced_seconds + sum(u.seconds for u in region.units)
     options = [_Option(_bytes(problem, region.saved), 0.0, Choice(False))]
     for nbytes, gain, saved in _unit_front(problem, region):
-        options.append(_Option(inputs + nbytes, everything - gain, Choice(True, saved)))
+        policy = region.policy_seconds if saved else 0.0
+        options.append(_Option(inputs + nbytes, everything - gain + policy, Choice(True, saved)))
     return _pareto(options)
 
 
