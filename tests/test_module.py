@@ -140,7 +140,7 @@ def _nested(variant: str) -> nn.Sequential:
     return model
 
 
-def test_parent_and_children_both_checkpointed() -> None:
+def test_rule3_parent_and_children_both_checkpointed() -> None:
     """Nesting: the stack and its blocks checkpointed at once gives plain's gradients."""
     _all_three(lambda model: _step(model, _input()), prepare=_nested)
 
@@ -247,7 +247,7 @@ def test_saved_bytes_at_most_torchs() -> None:
 # -- hooks of the user ------------------------------------------------------------------------
 
 
-def test_user_hooks_called_as_often_as_with_torch() -> None:
+def test_rule1_user_hooks_called_as_often_as_with_torch() -> None:
     """User pre-hooks and forward hooks, on the module and its children: torch's call counts."""
     counts: dict[str, Counter[str]] = {}
     for variant in ("torch", "ours"):
@@ -338,7 +338,7 @@ def test_option_errors_as_torch(
             apply(Block(), **kwargs)
 
 
-def test_misuse_errors_name_the_fix() -> None:
+def test_rule5_misuse_errors_name_the_fix() -> None:
     """Twice, removing what is not there, a bad check or a non-module: clear errors at once."""
     block = checkpointing.checkpoint_module(Block())
     with pytest.raises(ValueError, match="remove_checkpoint_module"):
@@ -367,7 +367,7 @@ class _Failing(nn.Module):
 
 
 @pytest.mark.parametrize("variant", ["torch", "ours"])
-def test_exception_in_forward_then_a_normal_step(variant: str) -> None:
+def test_rule4_exception_in_forward_then_a_normal_step(variant: str) -> None:
     """An exception inside the module's forward leaves the hook stack as found; the next step
     gives plain's gradients."""
     module = _Failing()
@@ -453,7 +453,7 @@ def test_checkpoint_pops_the_hook_before_the_exception_leaves() -> None:
 # -- reliability -------------------------------------------------------------------------------
 
 
-def test_soak_1000_steps_no_garbage_no_growth() -> None:
+def test_rule2_soak_1000_steps_no_garbage_no_growth() -> None:
     """1,000 steps of one hooked module with gc disabled: no cyclic garbage of ours, no growth of
     objects or tensors, and no frame, holder or generator left on the module."""
     model, x = _prepared("ours", depth=2), _input()
@@ -502,7 +502,7 @@ def test_frame_module_and_input_die_with_the_graph() -> None:
     assert [r() for r in refs if r() is not None] == []
 
 
-def test_threads_share_one_hooked_module() -> None:
+def test_rule2_threads_share_one_hooked_module() -> None:
     """Four threads run one checkpointed module at once: each gets plain's gradients."""
     model = _prepared("ours")
     for p in model.parameters():
