@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -39,6 +39,12 @@ from ._state import ContextFn, is_noop_context_fn, noop_context_fn
 
 __all__ = ["checkpoint_sequential", "measure_costs", "segment_bounds", "sequential_schedule"]
 
+_NO_INPUT: Final = object()
+_MSG_NO_INPUT = (
+    "checkpointing.checkpoint_sequential() missing required argument: 'input'. Fix: "
+    "checkpoint_sequential(functions, segments, input) or, for a strategy that chooses its own "
+    "segments, checkpoint_sequential(functions, input=x, strategy='sqrt')."
+)
 _MSG_USE_REENTRANT_OMITTED = (
     "torch.utils.checkpoint.checkpoint_sequential: the use_reentrant parameter should be "
     "passed explicitly. In version 2.9 we will raise an exception if use_reentrant is not "
@@ -116,8 +122,8 @@ _MSG_REENTRANT_OPTIONS = (
 
 def checkpoint_sequential(
     functions: torch.nn.Sequential | Sequence[Callable[..., Any]],
-    segments: int | None,
-    input: Any,
+    segments: int | None = None,
+    input: Any = _NO_INPUT,
     use_reentrant: bool | None = None,
     *,
     strategy: StrategyName | SequentialSchedule = "torch",
@@ -138,8 +144,8 @@ def checkpoint_sequential(
 
     Args:
         functions: an ``nn.Sequential`` or a sequence of modules or functions.
-        segments: the number of segments for ``"torch"`` and ``"balanced"``; ``None`` for the
-            strategies that choose their own.
+        segments: the number of segments for ``"torch"`` and ``"balanced"``; omitted (or
+            ``None``) for the strategies that choose their own.
         input: the first function's input. With a strategy other than ``"torch"``, a tuple is
             passed as ``*input`` and each function's tuple result to the next as ``*result``.
         use_reentrant: as for ``checkpoint``; omitted warns and uses ``True``, as torch.
@@ -161,8 +167,10 @@ def checkpoint_sequential(
         >>> x = torch.randn(2, 8, requires_grad=True)
         >>> out = checkpointing.checkpoint_sequential(model, 2, x, use_reentrant=False)
         >>> out = checkpointing.checkpoint_sequential(
-        ...     model, None, x, use_reentrant=False, strategy="log")
+        ...     model, input=x, use_reentrant=False, strategy="log")
     """
+    if input is _NO_INPUT:
+        raise TypeError(_MSG_NO_INPUT)
     if use_reentrant is None:
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True

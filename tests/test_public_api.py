@@ -67,15 +67,22 @@ def _parameters(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
 def _assert_compatible(ours: Callable[..., Any], theirs: Callable[..., Any], what: str) -> None:
     """Every call valid for torch's ``theirs`` is valid for ``ours`` and means the same.
 
-    Positional parameters, ``*args`` and ``**kwargs`` match exactly; torch's keyword-only
+    Positional parameters, ``*args`` and ``**kwargs`` match in name, kind and order, with torch's
+    defaults (ours may give a default where torch has none); torch's keyword-only
     parameters exist in ours with the same defaults; ours may add keyword-only parameters that
     have defaults (e.g. ``preserve_rng_state``, which torch reads from ``**kwargs``).
     """
     our_params, their_params = _parameters(ours), _parameters(theirs)
     keyword_only = inspect.Parameter.KEYWORD_ONLY
-    assert [p for p in our_params if p[1] != keyword_only] == [
-        p for p in their_params if p[1] != keyword_only
-    ], f"{what}: positional parameters differ from torch's"
+    our_positional = [p for p in our_params if p[1] != keyword_only]
+    their_positional = [p for p in their_params if p[1] != keyword_only]
+    assert [p[:2] for p in our_positional] == [p[:2] for p in their_positional], (
+        f"{what}: positional parameters differ from torch's"
+    )
+    for mine, theirs_p in zip(our_positional, their_positional, strict=True):
+        # A default where torch has none accepts every call torch accepts (and more).
+        if theirs_p[2] != _comparable_default(inspect.Parameter.empty):
+            assert mine[2] == theirs_p[2], f"{what}: default of {mine[0]} differs from torch's"
     ours_kw = {p[0]: p for p in our_params if p[1] == keyword_only}
     theirs_kw = {p[0]: p for p in their_params if p[1] == keyword_only}
     missing = {name: p for name, p in theirs_kw.items() if ours_kw.get(name) != p}

@@ -69,13 +69,19 @@ def _reference_bounds(n: int, segments: int) -> list[tuple[int, int]]:
 
 
 def test_signature_matches_torch() -> None:
-    """torch's parameters (names, kinds, defaults); ours are keyword-only with defaults."""
+    """torch's parameters (names, kinds, torch's defaults; ``segments`` and ``input`` get
+    defaults so that a strategy choosing its own segments needs none); ours are keyword-only
+    with defaults."""
     ours = inspect.signature(checkpointing.checkpoint_sequential).parameters
     theirs = inspect.signature(tc.checkpoint_sequential).parameters
     keyword_only = inspect.Parameter.KEYWORD_ONLY
-    assert [(p.name, p.kind, p.default) for p in ours.values() if p.kind != keyword_only] == [
-        (p.name, p.kind, p.default) for p in theirs.values()
+    assert [(p.name, p.kind) for p in ours.values() if p.kind != keyword_only] == [
+        (p.name, p.kind) for p in theirs.values()
     ]
+    for name, p in theirs.items():
+        if p.default is not inspect.Parameter.empty:
+            assert ours[name].default == p.default
+    assert ours["segments"].default is None
     extra = [p for p in ours.values() if p.kind == keyword_only]
     assert [p.name for p in extra] == [
         "strategy",

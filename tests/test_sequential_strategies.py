@@ -230,6 +230,22 @@ def test_balanced_fixes_torch_remainder() -> None:
     assert sizes == {"torch": [1, 1, 1, 1, 5], "balanced": [2, 2, 2, 2, 1]}
 
 
+@pytest.mark.parametrize("strategy", ["sqrt", "log"])
+def test_segments_may_be_omitted_when_the_strategy_chooses(strategy: str) -> None:
+    """``checkpoint_sequential(model, input=x, strategy=...)``: no ``segments`` argument, the
+    same output and gradients as the plain run; no ``input`` is a TypeError that shows the call."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(9)]).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = checkpointing.checkpoint_sequential(
+        model, input=x, use_reentrant=False, strategy=strategy
+    )
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    (expected,) = torch.autograd.grad(model(x).sum(), x)
+    assert torch.equal(grad, expected)
+    with pytest.raises(TypeError, match="missing required argument: 'input'"):
+        checkpointing.checkpoint_sequential(model, use_reentrant=False, strategy=strategy)
+
+
 @pytest.mark.parametrize("n", [1, 2, 7, 16, 33])
 def test_log_nests_log_n_deep(n: int) -> None:
     """Recursive bisection: floor(log2 n) checkpoints deep, ceil(log2 n) + 1 top-level segments
