@@ -278,3 +278,12 @@ def dynamo_eval_frame_active() -> bool:
     not, a ``disable_dynamo`` wrapper would only set it to ``None`` again: calling the function
     directly is the same and skips that wrapper's cost."""
     return _get_eval_frame_callback() not in (None, False)
+
+
+def compile_activation_memory_budget(fraction: float) -> Any:
+    """A context manager: inside it, ``torch.compile``'s partitioner keeps at most ``fraction``
+    of its default activation memory (2.13: ``torch._functorch.config``'s
+    ``activation_memory_budget``); ``benchmarks/planner.py`` compares the planner with it."""
+    from torch._functorch import config
+
+    return config.patch(activation_memory_budget=fraction)
