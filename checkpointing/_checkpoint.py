@@ -11,14 +11,26 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from . import _compat
 from ._frame import checkpoint_without_reentrant_generator, run_generator
 from ._reentrant import CheckpointFunction
 from ._state import ContextFn, is_noop_context_fn, noop_context_fn
 
-__all__ = ["checkpoint"]
+__all__ = ["CHECKPOINT_OPTIONS", "checkpoint"]
+
+# The keyword arguments of ``checkpoint`` that wrappers and integrations pass through to it.
+CHECKPOINT_OPTIONS: Final = frozenset(
+    {
+        "context_fn",
+        "debug",
+        "determinism_check",
+        "early_stop",
+        "preserve_rng_state",
+        "use_reentrant",
+    }
+)
 
 _MSG_USE_REENTRANT_OMITTED = (
     "torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly. Starting "

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._checkpoint import checkpoint
+from ._checkpoint import CHECKPOINT_OPTIONS, checkpoint
 from ._module import is_module_checkpointed
 from ._state import is_recomputing
 
@@ -46,17 +46,6 @@ __all__ = ["CheckpointWrapper", "apply_activation_checkpointing", "checkpoint_wr
 
 _INNER = "_checkpoint_wrapped_module"
 _INNER_PREFIX = _INNER + "."
-# Keyword arguments of ``checkpoint`` that the wrapper passes through.
-_CHECKPOINT_OPTIONS = frozenset(
-    {
-        "context_fn",
-        "debug",
-        "determinism_check",
-        "early_stop",
-        "preserve_rng_state",
-        "use_reentrant",
-    }
-)
 
 _MSG_NOT_A_MODULE = (
     "checkpointing.checkpoint_wrapper: expected an nn.Module to wrap, got {type_name}. Fix: "
@@ -215,12 +204,12 @@ def checkpoint_wrapper(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(_MSG_NOT_A_MODULE.format(type_name=type(module).__name__))
-    unknown = sorted(checkpoint_options.keys() - _CHECKPOINT_OPTIONS)
+    unknown = sorted(checkpoint_options.keys() - CHECKPOINT_OPTIONS)
     if unknown:
         hint = _HINT_CHECKPOINT_IMPL if "checkpoint_impl" in unknown else ""
         raise TypeError(
             _MSG_UNKNOWN_OPTION.format(
-                names=unknown, allowed=sorted(_CHECKPOINT_OPTIONS), hint=hint
+                names=unknown, allowed=sorted(CHECKPOINT_OPTIONS), hint=hint
             )
         )
     return CheckpointWrapper(module, hooks_during_recompute, checkpoint_options)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -357,22 +357,7 @@ SacStep = Literal[
     "tag",
     "rand_mul",
 ]
-SAC_STEPS: tuple[SacStep, ...] = (
-    "matmul",
-    "addmm",
-    "bmm",
-    "relu",
-    "sin",
-    "sigmoid",
-    "mul_self",
-    "add_input",
-    "transpose",
-    "chunk_cat",
-    "max_dim",
-    "softmax",
-    "tag",
-    "rand_mul",
-)
+SAC_STEPS: tuple[SacStep, ...] = get_args(SacStep)
 
 
 @dataclass(frozen=True)

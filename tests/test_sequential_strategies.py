@@ -133,16 +133,23 @@ def test_gradients_equal_plain_run(
     """Random stacks, every strategy (optimal at a random budget): bit-identical gradients."""
     spec, strategy, segments, at = case
     expected = spec.run(lambda model, x: model(x))
-    got = spec.run(
-        lambda model, x: checkpointing.checkpoint_sequential(
-            model,
-            None,
-            x,
-            use_reentrant=use_reentrant,
-            strategy=_plan(model, x, strategy, segments, at),
-        )
-    )
+    got = spec.run(_checkpointed(use_reentrant, strategy, segments, at))
     got.assert_equal(expected)
+
+
+def _checkpointed(
+    use_reentrant: bool, strategy: SequentialStrategy, segments: int | None, at: float
+) -> Callable[[nn.Sequential, torch.Tensor], torch.Tensor]:
+    """The forward of a strategy's run, planned on the model and input it is given."""
+
+    def forward(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        schedule = _plan(model, x, strategy, segments, at)
+        out: torch.Tensor = checkpointing.checkpoint_sequential(
+            model, None, x, use_reentrant=use_reentrant, strategy=schedule
+        )
+        return out
+
+    return forward
 
 
 @VARIANTS
@@ -155,15 +162,7 @@ def test_dropout_bit_identical(
     torch.manual_seed(21)
     expected = spec.run(lambda model, x: model(x))
     torch.manual_seed(21)
-    got = spec.run(
-        lambda model, x: checkpointing.checkpoint_sequential(
-            model,
-            None,
-            x,
-            use_reentrant=use_reentrant,
-            strategy=_plan(model, x, strategy, segments, at),
-        )
-    )
+    got = spec.run(_checkpointed(use_reentrant, strategy, segments, at))
     got.assert_equal(expected)
     assert torch.equal(got.rng_after, expected.rng_after)
 

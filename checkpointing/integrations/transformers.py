@@ -58,13 +58,13 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, overload
+from typing import Any, overload
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._checkpoint import checkpoint
+from .._checkpoint import CHECKPOINT_OPTIONS, checkpoint
 from .._planning import ActivationPlan, plan_checkpointing
 from .._planning.profile import default_loss
 from .._state import ContextFn
@@ -85,17 +85,6 @@ except ImportError as error:
 
 __all__ = ["disable", "enable"]
 
-# Keyword arguments of ``checkpoint`` that ``enable`` passes to every layer's checkpoint.
-_CHECKPOINT_OPTIONS: Final = frozenset(
-    {
-        "context_fn",
-        "debug",
-        "determinism_check",
-        "early_stop",
-        "preserve_rng_state",
-        "use_reentrant",
-    }
-)
 
 _MSG_NOT_A_MODEL = (
     "checkpointing.integrations.transformers.{api}: expected a transformers PreTrainedModel, got "
@@ -379,10 +368,10 @@ def _options(
 
 def _check_known(checkpoint_options: dict[str, Any]) -> None:
     """Rule 4: an unknown option is an error now, not a keyword a layer's forward swallows."""
-    unknown = sorted(checkpoint_options.keys() - _CHECKPOINT_OPTIONS)
+    unknown = sorted(checkpoint_options.keys() - CHECKPOINT_OPTIONS)
     if unknown:
         hint = _HINT_OFFLOAD if "offload" in unknown else ""
-        allowed = sorted(_CHECKPOINT_OPTIONS)
+        allowed = sorted(CHECKPOINT_OPTIONS)
         raise TypeError(_MSG_UNKNOWN_OPTION.format(names=unknown, allowed=allowed, hint=hint))
 
 
