@@ -452,21 +452,7 @@ GraphOpName = Literal[
     "dropout",
     "noise",
 ]
-GRAPH_OPS: tuple[GraphOpName, ...] = (
-    "add",
-    "mul",
-    "sin",
-    "tanh",
-    "exp",
-    "matmul",
-    "sum",
-    "mean",
-    "t",
-    "reshape",
-    "slice",
-    "dropout",
-    "noise",
-)
+GRAPH_OPS: tuple[GraphOpName, ...] = get_args(GraphOpName)
 
 
 @dataclass(frozen=True)

@@ -542,17 +542,22 @@ class _Ours:
 OURS = _Ours()
 
 
+def _assert_raises_clearly(name: str, mistake: Mistake, api: Any) -> None:
+    """``mistake.call(api)`` raises ``mistake.error`` whose message holds every pinned phrase."""
+    with pytest.raises(mistake.error) as info:
+        mistake.call(api)
+    message = str(info.value)
+    missing = [p for p in mistake.phrases if p not in message]
+    assert not missing, f"{name}: phrases {missing} not in message:\n{message}"
+
+
 @pytest.mark.parametrize("name", list(MISTAKES))
 def test_mistake_raises_clear_error(name: str) -> None:
     """Each catalogued mistake raises its exception type with the pinned key phrases."""
     mistake = MISTAKES[name]
     for needed in mistake.needs:
         require(needed)
-    with pytest.raises(mistake.error) as info:
-        mistake.call(OURS)
-    message = str(info.value)
-    missing = [p for p in mistake.phrases if p not in message]
-    assert not missing, f"{name}: phrases {missing} not in message:\n{message}"
+    _assert_raises_clearly(name, mistake, OURS)
 
 
 @pytest.mark.parametrize("name", [n for n, m in MISTAKES.items() if m.torch_too])
@@ -771,11 +776,7 @@ HF_MISTAKES: dict[str, Mistake] = {
 def test_transformers_mistake_raises_clear_error(name: str) -> None:
     """Each mistake with ``checkpointing.integrations.transformers`` raises clearly."""
     mistake = HF_MISTAKES[name]
-    with pytest.raises(mistake.error) as info:
-        mistake.call(hf_checkpointing)
-    message = str(info.value)
-    missing = [p for p in mistake.phrases if p not in message]
-    assert not missing, f"{name}: phrases {missing} not in message:\n{message}"
+    _assert_raises_clearly(name, mistake, hf_checkpointing)
 
 
 def _blocks() -> torch.nn.Sequential:
@@ -850,11 +851,7 @@ PLANNER_MISTAKES: dict[str, Mistake] = {
 def test_planner_mistake_raises_clear_error(name: str) -> None:
     """Each mistake with ``plan_checkpointing`` / ``ActivationPlan`` raises clearly."""
     mistake = PLANNER_MISTAKES[name]
-    with pytest.raises(mistake.error) as info:
-        mistake.call(None)
-    message = str(info.value)
-    missing = [p for p in mistake.phrases if p not in message]
-    assert not missing, f"{name}: phrases {missing} not in message:\n{message}"
+    _assert_raises_clearly(name, mistake, None)
 
 
 def test_planner_reshaped_inputs_warning_says_re_plan() -> None:
