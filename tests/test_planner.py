@@ -334,11 +334,14 @@ def test_from_json_rejects_bad_text() -> None:
 
 
 def test_other_input_shapes_warn_once() -> None:
-    """Inputs of other shapes than the profiled ones warn once per apply, saying re-plan."""
+    """Rule 12: inputs of other shapes than the profiled ones warn once per apply, saying
+    re-plan; under ``no_grad`` they do not."""
     model = mlp()
     plan = plan_checkpointing(model, torch.randn(16, 32, requires_grad=True), budget=0.6)
     plan.apply(model)
     model(torch.randn(16, 32)).sum().backward()  # profiled shapes: no warning (an error here)
+    with torch.no_grad():
+        model(torch.randn(3, 32))  # nothing is kept under no_grad: no warning either
     with pytest.warns(UserWarning, match="re-plan"):
         model(torch.randn(8, 32)).sum().backward()
     model(torch.randn(8, 32)).sum().backward()  # once: a second warning would fail the test

@@ -43,7 +43,8 @@ NOTE [Planner model]
           keys untouched) on each checkpointed region, with a selective policy only where it
           keeps or offloads something: a region that keeps nothing runs as plain checkpoint.
   Rule 12. Inputs whose shapes differ from the profiled ones warn once per ``apply`` ("re-plan"):
-          the bytes and times describe the profiled shapes only.
+          the bytes and times describe the profiled shapes only. Calls under ``no_grad`` keep
+          nothing and never warn.
   Rule 13. A selective policy is not free: in a region that keeps some outputs, every op of
           the forward goes through its dispatch mode (asked per call: the decision depends on
           the occurrence, Rule 3) and every recomputed op through its replay mode. The solver

@@ -525,8 +525,9 @@ class ActivationPlan:
         return model
 
     def _check_shapes(self, applied: _Applied, args: Any, kwargs: Any) -> None:
-        """Rule 12: warn once per apply when the inputs differ from the profiled ones."""
-        if applied.warned:
+        """Rule 12: warn once per apply when the inputs differ from the profiled ones (not under
+        ``no_grad``: evaluation and generation keep nothing, whatever the shapes)."""
+        if applied.warned or not torch.is_grad_enabled():
             return
         shapes = [list(t.shape) for t in tensors((args, kwargs))]
         if shapes != self.input_shapes:
