@@ -1,11 +1,13 @@
 """Bytes kept for backward against depth: none, full, sqrt(n) segments and save_matmuls.
 
-Prints a table; with matplotlib installed (`pip install matplotlib`, or the `plot` dependency
-group) it also draws docs/memory_vs_depth.png, the plot shown in the README.
+Prints a table; asked for a plot (`--plot PATH`, needs matplotlib: `pip install matplotlib`, or
+the `plot` dependency group) it also draws it, as docs/memory_vs_depth.png in the README was
+made. Without `--plot` it writes no file.
 
-Run: python examples/05_memory_vs_depth.py
+Run: python examples/05_memory_vs_depth.py [--plot docs/memory_vs_depth.png]
 """
 
+import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -64,7 +66,7 @@ def kept_activations(depth: int, strategy: Strategy) -> int:
     return report.activation_bytes
 
 
-def main() -> None:
+def main(plot: str | None) -> None:
     table = {name: [kept_activations(d, s) for d in DEPTHS] for name, s in STRATEGIES.items()}
     one = BATCH * WIDTH * 4  # bytes of one activation
     print("activations kept for backward (in units of one layer's activation)")
@@ -77,11 +79,10 @@ def main() -> None:
     grow = DEPTHS[-1] / DEPTHS[0]  # 9x deeper
     assert none[-1] / none[0] > 0.8 * grow, "no checkpoint grows like n"
     assert seg[-1] / seg[0] < 0.5 * grow, "sqrt(n) segments grow like sqrt(n)"
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: table only (pip install matplotlib for the plot)")
+    if plot is None:
         return
+    import matplotlib
+
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
@@ -94,11 +95,12 @@ def main() -> None:
     )
     ax.set_title(f"checkpointing: memory vs depth (batch {BATCH}, width {WIDTH})")
     ax.legend()
-    out = Path(__file__).resolve().parent.parent / "docs" / "memory_vs_depth.png"
-    out.parent.mkdir(exist_ok=True)
+    out = Path(plot)
     fig.savefig(out, dpi=100, bbox_inches="tight")
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", metavar="PATH", help="draw the table as a plot to PATH")
+    main(parser.parse_args().plot)
