@@ -217,20 +217,7 @@ OpName = Literal[
     "mix_detached",
     "dropout",
 ]
-PROGRAM_OPS: tuple[OpName, ...] = (
-    "sin",
-    "tanh",
-    "sigmoid",
-    "relu",
-    "softmax",
-    "mul_w",
-    "add_w",
-    "matmul_w",
-    "center",
-    "add_column_sums",
-    "mix_detached",
-    "dropout",
-)
+PROGRAM_OPS: tuple[OpName, ...] = get_args(OpName)
 
 
 @dataclass(frozen=True)
