@@ -107,7 +107,7 @@ from ._compat import (
     written_arguments,
 )
 from ._determinism import Metadata, check_metadata, metadata_of
-from ._errors import CheckpointError, internal_assert, internal_error
+from ._errors import CheckpointError, internal_error
 from ._events import announce
 from ._frame import Frame, Holder, unpack_holder
 from ._state import (
@@ -914,8 +914,8 @@ _registry: dict[int, _Entry] = {}
 
 @skip_dynamo_in_code  # Rule 10: a tensor may die inside compiled code
 def _entry_died(entry: weakref.ref[torch.Tensor]) -> None:
-    internal_assert(isinstance(entry, _Entry), "registry callback got a foreign reference")
-    assert isinstance(entry, _Entry)  # for mypy; checked just above
+    if not isinstance(entry, _Entry):
+        internal_error("registry callback got a foreign reference")
     if _registry.get(entry.key) is entry:
         del _registry[entry.key]
     entry.tape.slot_died()
