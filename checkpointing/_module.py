@@ -36,6 +36,7 @@ from torch import nn
 
 from . import _compat
 from ._determinism import metadata_fn_for
+from ._errors import internal_error
 from ._frame import checkpoint_without_reentrant_generator
 from ._state import ContextFn, noop_context_fn
 
@@ -76,10 +77,6 @@ _MSG_CONTEXT_FN = (
     "checkpointing.checkpoint_module: context_fn must be callable and return two context "
     "managers, got {type_name}. Fix: pass e.g. functools.partial("
     "create_selective_checkpoint_contexts, policy)."
-)
-_MSG_NOT_EXHAUSTED = (
-    "Expected non-reentrant activation checkpoint generator to be exhausted, but it was not! "
-    "(checkpointing.checkpoint_module: this is a bug in checkpointing, please report it.)"
 )
 
 
@@ -126,7 +123,7 @@ class _ModuleCheckpoint:
         if not stack:
             del self.open[thread]  # Rule 2: nothing of a finished call stays
         for _ in gen:
-            raise RuntimeError(_MSG_NOT_EXHAUSTED)
+            internal_error("the frame generator yielded twice")
 
 
 class _Rerun:
