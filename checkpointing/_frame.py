@@ -29,6 +29,11 @@ NOTE [Nestable checkpoint]
   Rule 8. The forward phase is a generator that pushes the frame's hook at its first ``next()``
           and pops it when it ends, is closed or has an exception thrown in: whoever drives it
           (``checkpoint``, module hooks, third-party code), the hook stack is left as found.
+  Rule 9. The recompute detaches each tensor it saves. When the only dispatch mode active is a
+          recompute context that passes ``detach`` through unchanged (selective checkpoint's,
+          which says so with ``passes_detach_through = True``) and the tensor is a plain one, the
+          detach runs below the modes: the same tensor, without a trip through Python per saved
+          tensor. With any other mode active, or a tensor subclass, every mode sees the detach.
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -297,6 +302,10 @@ class Frame:
             check_metadata(hook.mismatches)
 
 
+# Tensor types without a ``__torch_dispatch__`` of their own (Rule 9).
+_PLAIN: Final = (torch.Tensor, torch.nn.Parameter)
+
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -308,7 +317,7 @@ class _RecomputeHook:
     check after recompute needs no second pass over the holders (this runs per saved tensor).
     """
 
-    __slots__ = ("count", "frame", "key", "mismatches")
+    __slots__ = ("count", "frame", "key", "mismatches", "quiet_detach")
 
     def __init__(self, frame: Frame, key: object) -> None:
         # A strong reference is fine: this object lives only as long as the recompute call,
@@ -317,10 +326,16 @@ class _RecomputeHook:
         self.key = key
         self.count = 0
         self.mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
+        # Rule 9: a recompute mode that passes ``detach`` through need not see ours.
+        self.quiet_detach = getattr(frame.recompute_context, "passes_detach_through", False)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
-        x = x.detach() if x.requires_grad else x
+        if x.requires_grad:
+            if self.quiet_detach and type(x) in _PLAIN and _compat.dispatch_mode_depth() == 1:
+                x = _compat.detach_below_modes(x)  # Rule 9
+            else:
+                x = x.detach()
         frame, idx = self.frame, self.count
         self.count += 1
         n_saved = len(frame.weak_holders)

@@ -919,6 +919,9 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
     """Recompute: replays the forward's decisions from the cache (Rules 3-7)."""
 
     supports_higher_order_operators = True
+    # Rule 4: detach runs as it is; the frame may detach below this mode (NOTE [Nestable
+    # checkpoint], Rule 9).
+    passes_detach_through: Final = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

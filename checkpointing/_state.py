@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
-from typing import Any, NamedTuple
+from typing import Any, TypeAlias
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -188,9 +188,7 @@ def _device_module(device_type: str) -> Any:
 
 def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
     """The ids of the accelerator devices the inputs live on, and each one's RNG state."""
-    device_ids = [
-        t.get_device() for t in _tensors_in(args) if t.device.type not in ("cpu", "meta")
-    ]
+    device_ids = [t.get_device() for t in _tensors_in(args) if t.device.type not in ("cpu", "meta")]
     module = _device_module(infer_device_type(*args))
     states = []
     for device_id in device_ids:
@@ -213,8 +211,9 @@ def set_device_states(
             module.set_rng_state(state)
 
 
-# The last capture, weakly: sharing must never keep a state alive after its regions are gone.
-_last_cpu_rng: weakref.ref[torch.Tensor] | None = None
+# The last capture, weakly (sharing must never keep a state alive after its regions are gone),
+# with its bytes, so that each capture copies out only its own. One tuple, set in one step.
+_last_cpu_rng: tuple[weakref.ref[torch.Tensor], bytes] | None = None
 
 
 def shared_cpu_rng_state() -> torch.Tensor:
@@ -224,21 +223,23 @@ def shared_cpu_rng_state() -> torch.Tensor:
     share. (Hashing the 5 KB to pick a candidate costs more than comparing them.)"""
     global _last_cpu_rng
     state = torch.get_rng_state()
-    previous = _last_cpu_rng() if _last_cpu_rng is not None else None
-    if previous is not None and storage_bytes(previous) == storage_bytes(state):
-        return previous
-    _last_cpu_rng = weakref.ref(state)
+    state_bytes = storage_bytes(state)
+    last = _last_cpu_rng
+    if last is not None and last[1] == state_bytes:
+        previous = last[0]()
+        if previous is not None:
+            return previous
+    _last_cpu_rng = (weakref.ref(state), state_bytes)
     return state
 
 
-class _Autocast(NamedTuple):
-    enabled: bool
-    dtype: torch.dtype
-    cache_enabled: bool
+# Autocast state of one device type: enabled, dtype, cache enabled. A plain tuple: one is made
+# per capture and two per recompute, and a NamedTuple's Python-level constructor costs more.
+_Autocast: TypeAlias = tuple[bool, torch.dtype, bool]
 
 
 def _autocast_now(device_type: str) -> _Autocast:
-    return _Autocast(
+    return (
         torch.is_autocast_enabled(device_type),
         torch.get_autocast_dtype(device_type),
         torch.is_autocast_cache_enabled(),
@@ -309,9 +310,9 @@ class ForwardState:
             wanted.append((self.device_type, self.device_autocast))
         wanted.append(("cpu", self.cpu_autocast))
         return [
-            torch.amp.autocast(device_type, **state._asdict())
-            for device_type, state in wanted
-            if _autocast_now(device_type) != state
+            torch.amp.autocast(device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
+            for device_type, (enabled, dtype, cache) in wanted
+            if _autocast_now(device_type) != (enabled, dtype, cache)
         ]
 
 

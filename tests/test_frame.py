@@ -10,6 +10,7 @@ Rules are those of NOTE [Nestable checkpoint] in ``checkpointing/_frame.py``; th
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from frame_support import (
     leaf,
     raised,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpointing
 
@@ -359,6 +361,58 @@ def test_rule_7_preserve_rng_state_false_draws_fresh_numbers_like_torch() -> Non
     assert not torch.equal(ours[1], plain[1])  # different masks: the flag really took effect
 
 
+class _DetachCounter(TorchDispatchMode):
+    """Counts the ``detach`` calls it sees; runs every op unchanged."""
+
+    def __init__(self, passes_detach_through: bool = False) -> None:
+        super().__init__()
+        self.passes_detach_through = passes_detach_through
+        self.detaches = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.detaches += func is torch.ops.aten.detach.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_rule_9_recompute_detaches_below_a_mode_that_passes_detach_through(passes: bool) -> None:
+    """Only a recompute mode marked ``passes_detach_through`` is spared the detaches."""
+    recompute_mode = _DetachCounter(passes)
+    x, w = leaf(4, 3), leaf(3, 3, seed=1)
+    out = checkpointing.checkpoint(
+        _region,
+        x,
+        w,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), recompute_mode),
+    )
+    out.sum().backward()
+    plain, _ = _step(PLAIN)
+    assert_tensors_equal((out.detach(), x.grad, w.grad), plain)
+    assert recompute_mode.detaches == (0 if passes else 7)  # the region saves 7 grad tensors
+
+
+def test_rule_9_a_users_mode_still_sees_every_recompute_detach_like_torch() -> None:
+    """With a user's mode active in backward, selective checkpoint's recompute detaches
+    through every mode, as torch's does: the user's mode counts torch's number of them."""
+    policy = [torch.ops.aten.mm.default]
+    counts = []
+    for module in (torch.utils.checkpoint, checkpointing):
+        x, w = leaf(4, 3), leaf(3, 3, seed=1)
+        context_fn = functools.partial(module.create_selective_checkpoint_contexts, policy)
+        out = module.checkpoint(_region, x, w, use_reentrant=False, context_fn=context_fn)
+        with _DetachCounter() as user_mode:
+            out.sum().backward()
+        counts.append(user_mode.detaches)
+    assert counts[0] == counts[1] > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Ways to run backward, and what may flow in and out of a region
 # ---------------------------------------------------------------------------------------------
@@ -637,7 +691,12 @@ def test_context_fn_contexts_wrap_their_phase() -> None:
     theirs, ours = (scenario(v) for v in BOTH)
     assert ours == theirs
     assert ours == [
-        "enter forward", "fn", "exit forward", "backward", "enter recompute", "fn",
+        "enter forward",
+        "fn",
+        "exit forward",
+        "backward",
+        "enter recompute",
+        "fn",
         "exit recompute",
     ]
 
@@ -715,9 +774,7 @@ def test_user_hooks_active_during_backward_do_not_see_recompute() -> None:
             out.sum().backward()
         return len(packed), (x.grad,)
 
-    (their_packed, theirs), (our_packed, ours), (_, plain) = (
-        scenario(v) for v in (*BOTH, PLAIN)
-    )
+    (their_packed, theirs), (our_packed, ours), (_, plain) = (scenario(v) for v in (*BOTH, PLAIN))
     assert our_packed == their_packed == 0
     assert_tensors_equal(ours, plain)
     assert_tensors_equal(theirs, plain)
