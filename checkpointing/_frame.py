@@ -3,7 +3,7 @@
 Owns ``Frame`` (one per ``checkpoint(..., use_reentrant=False)`` call), ``Holder`` (what the
 autograd graph stores in place of each saved tensor), the pack/unpack hooks of forward and of
 recompute, early stop, the nesting rules, ``GraphExecGroup`` and the per-context early-stop switch.
-``Holder``, ``graph_key`` and ``unpack_holder`` are shared with the scope API, which fills holders
+``Holder`` and ``unpack_holder`` are shared with the scope API, which fills holders
 by replaying a tape instead of re-running a function. Forward-time state capture belongs to
 ``_state``; what is compared after recompute, and the debug report, to ``_determinism``.
 
@@ -72,7 +72,6 @@ __all__ = [
     "Holder",
     "checkpoint_without_reentrant_generator",
     "early_stop_enabled",
-    "graph_key",
     "run_generator",
     "set_checkpoint_early_stop",
     "unpack_holder",
@@ -144,16 +143,6 @@ class GraphExecGroup:
         return group if isinstance(group, GraphExecGroup) else None
 
 
-def graph_key() -> object:
-    """Which backward an unpack belongs to: the active group, else the graph task; an unpack
-    outside any backward gets a key of its own (See NOTE [Nestable checkpoint], Rule 4)."""
-    group = _compat.get_graph_exec_group()
-    if group is not None:
-        return group
-    task = _compat.current_graph_task_id()
-    return task if task != -1 else object()
-
-
 _MISSING: Final = object()
 
 
@@ -167,13 +156,17 @@ class Holder:
         self.values: dict[object, torch.Tensor | None] = {}
 
 
-def unpack_holder(
-    holder: Holder, recompute: Callable[[object], None], key: object | None = None
-) -> torch.Tensor:
+def unpack_holder(holder: Holder, recompute: Callable[[object], None]) -> torch.Tensor:
     """Hand out ``holder``'s tensor for the current backward, recomputing on first need and
-    releasing it at once (Rule 4). ``recompute(key)`` must fill every live holder for ``key``."""
+    releasing it at once (Rule 4). ``recompute(key)`` must fill every live holder for ``key``.
+
+    The key of a backward: the active ``GraphExecGroup``, else the graph task; an unpack outside
+    any backward gets a key of its own. Worked out inline: this runs per saved tensor."""
+    key = _compat.get_graph_exec_group()
     if key is None:
-        key = graph_key()
+        key = _compat.current_graph_task_id()
+        if key == -1:
+            key = object()
     value = holder.values.get(key, _MISSING)
     if value is _MISSING:
         recompute(key)
