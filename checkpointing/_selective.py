@@ -90,7 +90,7 @@ import abc
 import enum
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeAlias, TypeGuard
 
@@ -225,24 +225,76 @@ _aten = torch.ops.aten
 # Ops selective checkpointing runs as they are, never counting or caching them (Rule 4): the
 # number of detaches differs between forward and recompute, and the metadata queries (which the
 # determinism check adds in forward, and which dispatch for tensor subclasses) would shift every
-# later call index. The same set as torch 2.13's; a mutable set like torch's.
-SAC_IGNORED_OPS: set[OpOverload] = {
-    _aten.detach.default,
-    torch.ops.prim.device.default,
-    _aten.dim.default,
-    _aten.is_contiguous.default,
-    _aten.is_contiguous.memory_format,
-    _aten.is_non_overlapping_and_dense.default,
-    _aten.is_strides_like_format.default,
-    _aten.numel.default,
-    _aten.size.default,
-    _aten.storage_offset.default,
-    _aten.stride.default,
-    _aten.sym_numel.default,
-    _aten.sym_size.default,
-    _aten.sym_storage_offset.default,
-    _aten.sym_stride.default,
-}
+# later call index. The same set as torch 2.13's; a mutable set like torch's, which also keeps
+# the ids of its members: the modes test ``id(func) in SAC_IGNORED_OPS.ids`` per op, where
+# ``func in SAC_IGNORED_OPS`` would call ``OpOverload.__hash__``, a Python method (~0.5 us).
+
+
+class _OpSet(set[OpOverload]):
+    """A ``set`` of ops whose ``ids`` follow every change to it."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ops: Iterable[OpOverload] = ()) -> None:
+        super().__init__(ops)
+        self.ids: frozenset[int] = frozenset(map(id, self))
+
+    def _changed(self) -> None:
+        self.ids = frozenset(map(id, self))
+
+
+def _then_refresh(name: str) -> Callable[..., Any]:
+    """``set.<name>``, followed by a refresh of ``ids``."""
+    method = getattr(set, name)
+
+    def changing(self: _OpSet, *args: Any) -> Any:
+        result = method(self, *args)
+        self._changed()
+        return result
+
+    changing.__name__ = changing.__qualname__ = name
+    return changing
+
+
+for _name in (
+    "add",
+    "clear",
+    "discard",
+    "pop",
+    "remove",
+    "update",
+    "difference_update",
+    "intersection_update",
+    "symmetric_difference_update",
+    "__ior__",
+    "__iand__",
+    "__isub__",
+    "__ixor__",
+):
+    setattr(_OpSet, _name, _then_refresh(_name))
+del _name
+
+
+_IGNORED: Final = _OpSet(
+    {
+        _aten.detach.default,
+        torch.ops.prim.device.default,
+        _aten.dim.default,
+        _aten.is_contiguous.default,
+        _aten.is_contiguous.memory_format,
+        _aten.is_non_overlapping_and_dense.default,
+        _aten.is_strides_like_format.default,
+        _aten.numel.default,
+        _aten.size.default,
+        _aten.storage_offset.default,
+        _aten.stride.default,
+        _aten.sym_numel.default,
+        _aten.sym_size.default,
+        _aten.sym_storage_offset.default,
+        _aten.sym_stride.default,
+    }
+)
+SAC_IGNORED_OPS: set[OpOverload] = _IGNORED
 
 
 # --- The tag op: names that policies can see --------------------------------------------------
@@ -768,10 +820,10 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             kwargs = {}
         if _proxy_mode() is not None and _compat.proxy_tracing_active():
             return self._dispatch_traced(func, args, kwargs)
-        if func in SAC_IGNORED_OPS:
+        op_id = id(func)
+        if op_id in _IGNORED.ids:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        op_id = id(func)
         key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
         plans = self._plans
         if plans is not None:
@@ -956,9 +1008,10 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
     ) -> Any:
         if kwargs is None:
             kwargs = {}
-        if func in SAC_IGNORED_OPS:
+        op_id = id(func)
+        if op_id in _IGNORED.ids:
             return func(*args, **kwargs)
-        key = id(func) if func is not _INDUCTOR_CODE else _region_key(func, args)
+        key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
         replays = self.replays
         index = replays.get(key, 0)
         replays[key] = index + 1

@@ -194,6 +194,56 @@ def test_sac_ignored_ops_equal_torch() -> None:
     assert SAC_IGNORED_OPS == torch_checkpoint.SAC_IGNORED_OPS
 
 
+@pytest.mark.parametrize(
+    ("method", "argument"),
+    [
+        ("add", aten.sin.default),
+        ("discard", aten.dim.default),
+        ("remove", aten.dim.default),
+        ("pop", None),
+        ("clear", None),
+        ("update", {aten.sin.default}),
+        ("difference_update", {aten.dim.default}),
+        ("intersection_update", {aten.dim.default}),
+        ("symmetric_difference_update", {aten.dim.default, aten.sin.default}),
+        ("__ior__", {aten.sin.default}),
+        ("__iand__", {aten.dim.default}),
+        ("__isub__", {aten.dim.default}),
+        ("__ixor__", {aten.sin.default}),
+    ],
+)
+def test_rule4_ignored_op_ids_follow_every_change_to_the_set(method: str, argument: Any) -> None:
+    """Every way to change ``SAC_IGNORED_OPS`` in place also changes the ids the modes test."""
+    before = set(SAC_IGNORED_OPS)
+    try:
+        getattr(SAC_IGNORED_OPS, method)(*(() if argument is None else (argument,)))
+        assert set(SAC_IGNORED_OPS) != before
+        assert SAC_IGNORED_OPS.ids == frozenset(map(id, SAC_IGNORED_OPS))  # type: ignore[attr-defined]
+    finally:
+        SAC_IGNORED_OPS.clear()
+        SAC_IGNORED_OPS.update(before)
+    assert SAC_IGNORED_OPS == torch_checkpoint.SAC_IGNORED_OPS
+
+
+def test_rule4_an_op_added_to_the_ignored_set_is_neither_counted_nor_cached_like_torch() -> None:
+    """With ``sin`` added to both libraries' sets, a policy that saves ``sin`` recomputes it
+    anyway, in torch's SAC as in ours: same backward ops, plain gradients."""
+    plain = _plain_grads(_block, *_inputs())
+    policy = [aten.sin.default, aten.mm.default]
+    for ignored in (SAC_IGNORED_OPS, torch_checkpoint.SAC_IGNORED_OPS):
+        ignored.add(aten.sin.default)
+    try:
+        theirs, their_ops = _step_torch(_block, policy, *_inputs())
+        ours, our_ops = _step_ours(_block, policy, *_inputs())
+    finally:
+        for ignored in (SAC_IGNORED_OPS, torch_checkpoint.SAC_IGNORED_OPS):
+            ignored.discard(aten.sin.default)
+    assert our_ops == their_ops
+    assert our_ops["aten.sin.default"] == 1  # recomputed although the policy saves it
+    assert_tensors_equal(ours, plain)
+    assert_tensors_equal(theirs, plain)
+
+
 def test_checkpoint_policy_members_equal_torch() -> None:
     """``CheckpointPolicy`` has torch's six members with torch's values."""
     ours = {p.name: p.value for p in CheckpointPolicy}
