@@ -5,17 +5,28 @@ Usage (from the repository root)::
     python benchmarks/planner.py            # W1 and W2 (reduced sizes), plot in docs/
     python benchmarks/planner.py --compile  # instead: torch.compile's activation_memory_budget
 
-Method. One thread. For each workload, every hand policy (full checkpointing, ``save_matmuls``,
-every second matmul saved, every n-th layer checkpointed for n = 2, 3, 4) and the plan at each
-budget (0.1 ... 0.9 of the bytes kept without checkpointing) is installed with
-``checkpoint_module`` per block; its kept activation bytes come from ``saved_tensors_report``
-(the count the planner plans with: every storage ops made in the step, masks included). Time:
-each round runs every configuration once (the next round in reverse order); a configuration's
-sample is the faster of two steps' CPU time (``time.process_time``) after a warm-up step. At each
-budget the plan is compared with the fastest hand policy (median over rounds) whose measured
-bytes fit the same budget in bytes (no tolerance: both sides use one count); the ratio is the
-median over rounds of the per-round ratio. The un-checkpointed step is timed twice per round
-("none" and "none again"): the spread of their per-round ratio is the noise of the machine.
+Method. One thread. Hand policies: full checkpointing, ``save_matmuls``, every second matmul
+saved, every n-th layer checkpointed (n = 2, 3, 4), each installed with ``checkpoint_module`` per
+block; plans at budgets 0.1 ... 0.9 of the bytes kept without checkpointing. Every configuration
+runs on its own copy of the model, installed once (no install or warm-up between samples). Kept
+bytes: ``saved_tensors_report().activation_bytes`` of one step (the count the planner plans with:
+every storage ops made in the step, dropout masks included); a hand policy *fits* a budget when
+its measured bytes are at most the plan's budget in bytes.
+
+Time: a sample is one step's CPU time (``time.process_time``) after ``gc.collect()`` (the
+objects made during setup frozen first, so that collection stays short); every configuration
+runs ``WARM_STEPS`` untimed steps first.
+1. Ranking (``--rank-rounds``): every hand policy once per round, the order rotated each round;
+   per budget the fastest fitting hand policy by median, plus every fitting one within
+   ``CONTENDER_MARGIN`` of it (all are compared; the table shows the one the plan fares worst
+   against). The ranking's samples are not used again, so picking a winner does not favour it.
+2. Pairs (``--quads``): per budget, the plan (A) and each contender (B) in tight quads, A B B A
+   and B A A B in turn; a quad's ratio is A's two samples over B's two. Every comparison gets
+   one quad per round, the comparisons' order rotated each round. The A/A control is measured
+   the same way: the un-checkpointed step on two copies of the model ("none" / "none again").
+Reported: the median of the per-quad ratios with a bootstrap 95 % confidence interval
+(``BOOTSTRAP`` resamples of the quads). *Faster*: the interval lies wholly below 1 and below the
+A/A's interval; *slower*: wholly above 1 and above the A/A's; else *same* (within noise).
 
 ``--compile`` (slow: inductor compiles the model once per budget; no timing then): W2 under
 ``torch.compile`` (inductor) with ``activation_memory_budget`` 1.0, 0.5 and 0.25 beside the plan
@@ -30,10 +41,14 @@ graph's saved tensors reach it); for the plans, the report (the hook misses a se
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
+import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +62,20 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import checkpointing
 from checkpointing import _compat, policies
-from checkpointing._planning.plan import policy_seconds_per_op
+from checkpointing._planning.plan import _RegionContexts
 from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import solve
 from checkpointing._selective import CheckpointPolicy
 
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MATMULS = policies.MATMUL_OPS
+WARM_STEPS = 2
+CONTENDER_MARGIN = 0.03  # hand policies this close to the fastest fitting one are compared too
+BOOTSTRAP = 2000
+AA = ("none", "none again")
+# Rounds of quads per workload (--quads overrides): the whole run takes about 9 minutes on the
+# shared 2-core box (W1 about 3, W2 about 6).
+QUADS = {"W1": 50, "W2": 22}
 
 
 class EverySecondMatmul:
@@ -88,41 +110,34 @@ def w2(depth: int, batch: int) -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(batch, 128, 256, requires_grad=True)
 
 
-Installer = Callable[[nn.Module], Callable[[], None]]
+Installer = Callable[[nn.Module], None]
 
 
 def blocks_policy(context_fn: Any = None, every: int = 1) -> Installer:
-    """Checkpoint every ``every``-th block (with ``context_fn`` if given); returns the undo."""
+    """Checkpoint every ``every``-th block (with ``context_fn`` if given)."""
 
-    def install(model: nn.Module) -> Callable[[], None]:
-        chosen = [b for i, b in enumerate(model) if i % every == 0]
-        for block in chosen:
-            if context_fn is None:
-                checkpointing.checkpoint_module(block)
-            else:
-                checkpointing.checkpoint_module(block, context_fn=context_fn)
-
-        def undo() -> None:
-            for block in chosen:
-                checkpointing.remove_checkpoint_module(block)
-
-        return undo
+    def install(model: nn.Module) -> None:
+        for i, block in enumerate(model):
+            if i % every == 0:
+                if context_fn is None:
+                    checkpointing.checkpoint_module(block)
+                else:
+                    checkpointing.checkpoint_module(block, context_fn=context_fn)
 
     return install
 
 
 def plan_installer(plan: checkpointing.ActivationPlan) -> Installer:
-    """Install ``plan``; the undo removes it."""
+    """Install a copy of ``plan``'s decisions (the plan itself is bound to the profiled model)."""
 
-    def install(model: nn.Module) -> Callable[[], None]:
-        plan.apply(model)
-
-        def undo() -> None:
-            plan.remove(model)
-
-        return undo
+    def install(model: nn.Module) -> None:
+        checkpointing.ActivationPlan.from_json(plan.to_json()).apply(model)
 
     return install
+
+
+def no_checkpoint(model: nn.Module) -> None:
+    """The un-checkpointed step: nothing to install."""
 
 
 HAND: dict[str, Installer] = {
@@ -141,35 +156,98 @@ def step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).sum().backward()
 
 
-def kept(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """(activation bytes kept, FLOPs recomputed) of one step, from ``saved_tensors_report``."""
+def sample(model: nn.Module, x: torch.Tensor) -> float:
+    """CPU seconds of one step, garbage collected before."""
+    gc.collect()
+    start = time.process_time()
+    step(model, x)
+    return time.process_time() - start
+
+
+def kept(model: nn.Module, x: torch.Tensor) -> int:
+    """Activation bytes kept by one step, from ``saved_tensors_report``."""
     with checkpointing.saved_tensors_report() as report:
         step(model, x)
-    return report.activation_bytes, report.recompute_flops
+    return report.activation_bytes
 
 
-def time_configs(
-    model: nn.Module, x: torch.Tensor, configs: dict[str, Installer], repeats: int
-) -> dict[str, list[float]]:
-    """Per config, one sample per round: the faster of two steps' CPU seconds after a warm-up
-    step; rounds in alternating order."""
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    names = list(configs)
-    for round_ in range(repeats):
-        for name in names if round_ % 2 == 0 else reversed(names):
-            undo = configs[name](model)
-            step(model, x)  # warm
-            samples = []
-            for _ in range(2):
-                start = time.process_time()
-                step(model, x)
-                samples.append(time.process_time() - start)
-            times[name].append(min(samples))
-            undo()
-    return times
+def rank(models: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    """One sample per configuration per round, the order rotated each round."""
+    names = list(models)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(sample(models[name], x))
+    return samples
 
 
-def run(key: str, model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, Any]:
+def quads(
+    models: dict[str, nn.Module],
+    x: torch.Tensor,
+    comparisons: list[tuple[str, str]],
+    rounds: int,
+) -> tuple[dict[tuple[str, str], list[float]], dict[str, list[float]]]:
+    """Per comparison (a, b), one quad per round (A B B A, then B A A B): the ratio of a's two
+    samples to b's; the comparisons' order rotated each round. Also every sample per config."""
+    ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in comparisons}
+    samples: dict[str, list[float]] = {}
+    for round_ in range(rounds):
+        shift = round_ % len(comparisons)
+        for a, b in comparisons[shift:] + comparisons[:shift]:
+            seconds = {a: 0.0, b: 0.0} if a != b else {}
+            for name in (a, b, b, a) if round_ % 2 == 0 else (b, a, a, b):
+                taken = sample(models[name], x)
+                seconds[name] += taken
+                samples.setdefault(name, []).append(taken)
+            ratios[(a, b)].append(seconds[a] / seconds[b])
+    return ratios, samples
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The median of per-quad ratios with its bootstrap 95 % confidence interval."""
+
+    median: float
+    low: float
+    high: float
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def estimate(ratios: list[float], seed: int = 0) -> Estimate:
+    """Median and percentile-bootstrap 95 % interval (``BOOTSTRAP`` resamples, seeded)."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP)
+    )
+    low, high = medians[int(0.025 * BOOTSTRAP)], medians[int(0.975 * BOOTSTRAP) - 1]
+    return Estimate(statistics.median(ratios), low, high, len(ratios))
+
+
+def verdict(ratio: Estimate, control: Estimate) -> str:
+    """faster / slower only where the interval clears both 1 and the A/A interval."""
+    if ratio.high < 1 and ratio.high < control.low:
+        return "faster"
+    if ratio.low > 1 and ratio.low > control.high:
+        return "slower"
+    return "same"
+
+
+def describe(plan: checkpointing.ActivationPlan) -> str:
+    """The plan's regions: checkpointed whole, with a selective policy (SAC), or kept."""
+    whole = sum(r.checkpoint and not r.save for r in plan.regions)
+    partial = sum(r.checkpoint and bool(r.save) for r in plan.regions)
+    return f"{whole} whole, {partial} SAC, {len(plan.regions) - whole - partial} kept"
+
+
+def run(
+    key: str, model: nn.Module, x: torch.Tensor, rank_rounds: int, rounds: int
+) -> dict[str, Any]:
+    """Plan at every budget, measure every configuration's bytes, rank the hand policies, then
+    time each plan against its contenders and the A/A control in quads."""
     plans = {}
     for budget in BUDGETS:
         try:
@@ -177,82 +255,93 @@ def run(key: str, model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, 
         except ValueError:
             continue
     reference = checkpointing.plan_checkpointing(model, x, budget=1.0)
-    none: Installer = lambda m: lambda: None  # noqa: E731
-    configs: dict[str, Installer] = {"none": none, "none again": none, **HAND}
-    for budget, plan in plans.items():
-        configs[f"plan {budget}"] = plan_installer(plan)
-    measured = {}
-    for name, install in configs.items():
-        undo = install(model)
-        measured[name] = kept(model, x)
-        undo()
-    samples = time_configs(model, x, configs, repeats)
+    installers: dict[str, Installer] = {"none": no_checkpoint, "none again": no_checkpoint}
+    installers.update(HAND)
+    installers.update({f"plan {b}": plan_installer(p) for b, p in plans.items()})
+    models = {}
+    for name, install in installers.items():
+        models[name] = copy.deepcopy(model)
+        install(models[name])
+    nbytes = {name: kept(m, x) for name, m in models.items()}
+    for m in models.values():
+        for _ in range(WARM_STEPS):
+            step(m, x)
+    gc.collect()
+    gc.freeze()  # what exists now is never collected: each sample's gc.collect() stays short
+    ranking = rank({n: models[n] for n in ("none", *HAND)}, x, rank_rounds)
+    hand_seconds = {n: statistics.median(ranking[n]) for n in ("none", *HAND)}
+    contenders: dict[float, list[str]] = {}
+    for budget in plans:
+        limit = int(budget * reference.baseline_bytes)
+        fitting = sorted((hand_seconds[n], n) for n in HAND if nbytes[n] <= limit)
+        if fitting:
+            fastest = fitting[0][0]
+            contenders[budget] = [n for s, n in fitting if s <= fastest * (1 + CONTENDER_MARGIN)]
+    comparisons = [AA] + [(f"plan {b}", n) for b, names in contenders.items() for n in names]
+    ratios, samples = quads(models, x, comparisons, rounds)
+    gc.unfreeze()
     return {
         "key": key,
         "baseline": reference.baseline_bytes,
         "floor": reference.floor_bytes,
-        "frontier": reference.frontier(),
         "plans": plans,
-        "bytes": {n: b for n, (b, _) in measured.items()},
-        "flops": {n: f for n, (_, f) in measured.items()},
+        "bytes": nbytes,
+        "hand_seconds": hand_seconds,
+        "contenders": contenders,
+        "ratios": {pair: estimate(r) for pair, r in ratios.items()},
         "samples": samples,
-        "seconds": {n: statistics.median(t) for n, t in samples.items()},
     }
 
 
-def paired(samples: dict[str, list[float]], a: str, b: str) -> list[float]:
-    """Per-round ratios of ``a``'s sample to ``b``'s, sorted."""
-    return sorted(x / y for x, y in zip(samples[a], samples[b], strict=True))
-
-
-def quantile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))]
+def relative_times(result: dict[str, Any]) -> dict[str, float]:
+    """Each configuration's median step time over the un-checkpointed step's, in one phase:
+    the pairs for the plans (against "none" of the A/A quads), the ranking for hand policies."""
+    samples = result["samples"]
+    none = statistics.median(samples["none"])
+    times = {n: statistics.median(s) / none for n, s in samples.items() if n.startswith("plan")}
+    base = result["hand_seconds"]["none"]
+    times.update({n: s / base for n, s in result["hand_seconds"].items()})
+    return times
 
 
 def table(result: dict[str, Any]) -> list[str]:
-    base = result["baseline"]
-    seconds, nbytes, samples = result["seconds"], result["bytes"], result["samples"]
-    noise = paired(samples, "none again", "none")
+    base, nbytes = result["baseline"], result["bytes"]
+    control = result["ratios"][AA]
+    relative = relative_times(result)
     lines = [
         f"### {result['key']}: the plan against the best hand policy that fits",
         "",
         f"Bytes kept without checkpointing: {base:,}; smallest reachable: {result['floor']:,}. "
-        f"Noise: the un-checkpointed step timed twice per round, per-round ratio median "
-        f"{statistics.median(noise):.3f}, 10-90 % {quantile(noise, 0.1):.3f}-"
-        f"{quantile(noise, 0.9):.3f} ({len(noise)} rounds).",
+        f"A/A control (none / none again): {control} ({control.count} quads).",
         "",
-        "| budget | plan: kept bytes | plan: regions | plan: step ms | best hand policy (fits) "
-        "| its kept bytes | its step ms | plan / hand (10-90 %) |",
+        "| budget | plan: kept bytes | plan: regions | plan: step / none | best hand policy "
+        "(fits) | its kept bytes | plan / hand, median [95 % CI] | verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for budget in BUDGETS:
-        limit = int(budget * base)
-        fitting = [n for n in HAND if nbytes[n] <= limit]
-        best = min(fitting, key=lambda n: seconds[n]) if fitting else None
-        name = f"plan {budget}"
-        if name not in seconds:
-            lines.append(f"| {budget} | below the floor | | | {best or 'none fits'} | | | |")
+        if budget not in result["plans"]:
+            lines.append(f"| {budget} | below the floor | | | | | | |")
             continue
-        plan = result["plans"][budget]
-        whole = sum(r.checkpoint and not r.save for r in plan.regions)
-        partial = sum(r.checkpoint and bool(r.save) for r in plan.regions)
-        regions = f"{whole} whole, {partial} SAC, {len(plan.regions) - whole - partial} kept"
-        if best:
-            ratios = paired(samples, name, best)
-            hand = (
-                f"{best} | {nbytes[best]:,} | {1e3 * seconds[best]:.1f} | "
-                f"{statistics.median(ratios):.2f} ({quantile(ratios, 0.1):.2f}-"
-                f"{quantile(ratios, 0.9):.2f})"
-            )
-        else:
-            hand = "none fits | | | "
+        name = f"plan {budget}"
+        plan_cells = (
+            f"{nbytes[name]:,} | {describe(result['plans'][budget])} | {relative[name]:.3f}"
+        )
+        names = result["contenders"].get(budget)
+        if not names:
+            lines.append(f"| {budget} | {plan_cells} | none fits | | | |")
+            continue
+        worst = max(names, key=lambda n: result["ratios"][(name, n)].median)
+        ratio = result["ratios"][(name, worst)]
+        others = [n for n in names if n != worst]
+        also = f" (also: {', '.join(others)})" if others else ""
         lines.append(
-            f"| {budget} | {nbytes[name]:,} | {regions} | {1e3 * seconds[name]:.1f} | {hand} |"
+            f"| {budget} | {plan_cells} | {worst}{also} | {nbytes[worst]:,} | {ratio} | "
+            f"{verdict(ratio, control)} |"
         )
     lines.append("")
     lines.append(
-        "Hand policies: "
-        + ", ".join(f"{n} {nbytes[n]:,} B / {1e3 * seconds[n]:.1f} ms" for n in ("none", *HAND))
+        "Hand policies (ranking phase, step / none): "
+        + ", ".join(f"{n} {nbytes[n]:,} B / {relative[n]:.3f}" for n in ("none", *HAND))
         + "."
     )
     return lines
@@ -266,16 +355,17 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
     for ax, result in zip(axes if len(results) > 1 else [axes], results, strict=True):
-        seconds, nbytes, base = result["seconds"], result["bytes"], result["baseline"]
+        nbytes, base = result["bytes"], result["baseline"]
+        relative = relative_times(result)
         plan_points = sorted(
-            (nbytes[n] / base, 1e3 * seconds[n]) for n in seconds if n.startswith("plan")
+            (nbytes[n] / base, relative[n]) for n in relative if n.startswith("plan")
         )
         ax.plot(*zip(*plan_points, strict=True), "o-", label="plan_checkpointing (measured)")
         for name in ("none", *HAND):
-            ax.plot(nbytes[name] / base, 1e3 * seconds[name], "s")
-            ax.annotate(name, (nbytes[name] / base, 1e3 * seconds[name]), fontsize=8)
+            ax.plot(nbytes[name] / base, relative[name], "s")
+            ax.annotate(name, (nbytes[name] / base, relative[name]), fontsize=8)
         ax.set_xlabel("activation bytes kept / without checkpointing")
-        ax.set_ylabel("step time, ms (CPU)")
+        ax.set_ylabel("step CPU time / without checkpointing")
         ax.set_title(result["key"])
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -324,11 +414,10 @@ def compile_side_by_side(model: nn.Module, x: torch.Tensor) -> list[dict[str, An
     rows = [{"name": "eager, no checkpoint", "kept": plain_hooked, "flops": 0, "compile_s": 0.0}]
     # The check: for whole-block checkpoint, the report's recompute FLOPs and FlopCounterMode's
     # backward FLOPs above the plain backward must agree.
-    full = HAND["full"](model)
+    full = copy.deepcopy(model)
+    HAND["full"](full)
     with checkpointing.saved_tensors_report() as report:
-        model.zero_grad(set_to_none=True)
-        counted = backward_flops(model(x).sum()) - plain_backward
-    full()
+        counted = backward_flops(full(x).sum()) - plain_backward
     check = (report.recompute_flops, counted)
     for budget in COMPILE_BUDGETS[1:]:
         rows.append(planned(model, x, budget))
@@ -410,7 +499,8 @@ def solve_time(depth: int = 32) -> float:
     """Seconds to solve a profiled ``depth``-block W2-style model (profile not counted)."""
     model, x = w2(depth, 1)
     blocks = [(str(i), b) for i, b in enumerate(model)]
-    problem = profile_step(model, blocks, (x,), {}, None).problem(policy_seconds_per_op())
+    profile = profile_step(model, blocks, (x,), {}, None, _RegionContexts({}))
+    problem = profile.problem(profile.policy_seconds_per_op)
     start = time.process_time()
     baseline = solve(problem, 0).baseline_bytes
     solve(problem, int(0.3 * baseline))
@@ -419,7 +509,9 @@ def solve_time(depth: int = 32) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rank-rounds", type=int, default=8)
+    parser.add_argument("--quads", type=int, default=0, help="rounds of quads (0: per workload)")
+    parser.add_argument("--only", choices=("W1", "W2"), help="one workload only")
     parser.add_argument("--plot", default="docs/planner_pareto.png")
     parser.add_argument("--compile", action="store_true", help="the torch.compile comparison")
     parser.add_argument("--compile-depth", type=int, default=4)
@@ -430,19 +522,30 @@ def main() -> None:
         key = f"W2 ({depth} x TransformerEncoderLayer 256, seq 128, batch 2)"
         print("\n".join(compile_table(key, compile_side_by_side(*w2(depth, 2)))))
         return
-    results = [run("W1 (8 x Linear 1024 + GELU, batch 64)", *w1(8), args.repeats)]
-    results.append(
-        run("W2 (4 x TransformerEncoderLayer 256, seq 128, batch 2)", *w2(4, 2), args.repeats)
-    )
-    for result in results:
+    workloads = {
+        "W1": ("W1 (8 x Linear 1024 + GELU, batch 64)", lambda: w1(8), QUADS["W1"]),
+        "W2": (
+            "W2 (4 x TransformerEncoderLayer 256, seq 128, batch 2)",
+            lambda: w2(4, 2),
+            QUADS["W2"],
+        ),
+    }
+    results = []
+    for name, (key, build, default_quads) in workloads.items():
+        if args.only not in (None, name):
+            continue
+        start = time.perf_counter()
+        result = run(key, *build(), args.rank_rounds, args.quads or default_quads)
         print("\n".join(table(result)))
-        print()
+        print(f"({time.perf_counter() - start:.0f} s)\n")
+        results.append(result)
     print(f"solve time, 32 TransformerEncoderLayer blocks: {1e3 * solve_time():.0f} ms per solve")
-    try:
-        plot(results, Path(args.plot))
-        print(f"plot: {args.plot}")
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    if args.only is None:
+        try:
+            plot(results, Path(args.plot))
+            print(f"plot: {args.plot}")
+        except ImportError:
+            print("matplotlib is not installed: no plot")
 
 
 if __name__ == "__main__":

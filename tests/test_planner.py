@@ -25,6 +25,8 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
+from checkpointing._planning import profile as profile_module
+from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import (
     Choice,
     Problem,
@@ -157,7 +159,7 @@ def free_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plan with selective policies charged nothing (NOTE [Planner model], Rule 13): the ops of
     these tiny models are so fast that the policy's real cost has every region checkpointed
     whole, and the tests that use this need regions that keep some outputs."""
-    monkeypatch.setattr(plan_module, "policy_seconds_per_op", lambda: 0.0)
+    monkeypatch.setattr(profile_module, "_policy_seconds_per_op", lambda *_: 0.0)
 
 
 # --- end to end ---------------------------------------------------------------------------------
@@ -227,10 +229,13 @@ def test_saved_ops_are_the_plan_s_keys() -> None:
 
 
 def test_policy_cost_checkpoints_tiny_regions_whole() -> None:
-    """With the measured policy cost, the tiny transformer (ops far cheaper than a policy's
-    per-op cost) is checkpointed in whole regions, no policy installed."""
+    """With the policy cost measured on the model's own regions, the tiny transformer (ops far
+    cheaper than a policy's per-op cost) is checkpointed in whole regions, no policy installed."""
     model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
-    assert plan_module.policy_seconds_per_op() > 0
+    regions = list(enumerate(model))
+    modes = plan_module._RegionContexts({})
+    profile = profile_step(model, [(str(i), b) for i, b in regions], (x,), {}, None, modes)
+    assert profile.policy_seconds_per_op > 0
     plan = plan_checkpointing(model, x, budget=0.3)
     assert all(r.checkpoint and not r.save for r in plan.regions), str(plan)
 

@@ -48,17 +48,24 @@ NOTE [Planner model]
   Rule 13. A selective policy is not free: in a region that keeps some outputs, every op of
           the forward goes through its dispatch mode (asked per call: the decision depends on
           the occurrence, Rule 3) and every recomputed op through its replay mode. The solver
-          charges that per op of the region (``policy_seconds_per_op``, measured once per
-          process on a chain of tiny ops, plain checkpoint against the installed policy), so a
-          region whose kept outputs save less than it costs is checkpointed whole (Rule 11),
-          and a few whole blocks can beat many partly saved ones. It is measured on the CPU
+          charges that per op of the region, so a region whose kept outputs save less than it
+          costs is checkpointed whole (Rule 11), and a few whole blocks can beat many partly
+          saved ones. The cost is measured on the model's own regions while profiling: each
+          region's forward timed plainly and inside the forward mode ``apply`` would install,
+          ``_POLICY_ROUNDS`` times each in turn (the fastest counts), the difference per op
+          doubled for the replay. (A chain of tiny ops, measured once per process, gave half
+          of it: the modes' per-op work grows with the variety of ops and tensors of a real
+          block, and one op type on four floats stays in cache.) It is measured on the CPU
           side; on an accelerator it may partly overlap device work, so it errs towards whole
-          regions; in a large model it is a lower bound (the modes' Python runs with colder
-          caches there). Recompute's other per-op costs (autograd nodes, Python) are not
-          charged: they differ little between a whole region and a partly saved one.
+          regions. Recompute's other costs (autograd nodes, the frame, cache misses; on W2's
+          CPU blocks about a fifth of a block's op time) are not charged: they differ little
+          between a whole region and a partly saved one, so they only make checkpointing a
+          region look a little cheaper than keeping it.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
-hidden behind the frame's holders), and torch's ``SACEstimator`` (private, CUDA-oriented, and it
+hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly
+and under the policy (the difference is a few percent of a step, below the step-to-step noise of
+a shared machine); and torch's ``SACEstimator`` (private, CUDA-oriented, and it
 counts per tensor, not per storage).
 """
 

@@ -9,9 +9,7 @@ Profiling belongs to ``profile``, deciding to ``solver``; the checkpoint mechani
 
 from __future__ import annotations
 
-import functools
 import json
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -22,7 +20,6 @@ import torch
 from torch import nn
 
 from .. import _compat
-from .._checkpoint import checkpoint
 from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
 from .._selective import (
     CheckpointPolicy,
@@ -40,10 +37,6 @@ _FORMAT: Final = "checkpointing.ActivationPlan/1"
 # Host<->device bandwidth assumed for offload, each way (PCIe 4 x16 in practice reaches ~12-25
 # GB/s; the lower end keeps offload from looking cheaper than it is).
 _HOST_BYTES_PER_SECOND: Final = 10e9
-# The chain of tiny ops on which the selective policy's per-op cost is measured (Rule 13), and
-# how many times each way of running it is timed (the fastest run counts).
-_CALIBRATION_OPS: Final = 32
-_CALIBRATION_RUNS: Final = 5
 
 Key = tuple[str, int]
 
@@ -204,8 +197,10 @@ def plan_checkpointing(
         if is_module_checkpointed(module):
             raise ValueError(_MSG_CHECKPOINTED.format(name=name))
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    profile = profile_step(model, named, args, dict(example_kwargs or {}), loss_fn)
-    problem = profile.problem(policy_seconds_per_op())
+    profile = profile_step(
+        model, named, args, dict(example_kwargs or {}), loss_fn, _RegionContexts({})
+    )
+    problem = profile.problem(profile.policy_seconds_per_op)
     first = solve(problem, 0)
     floor, baseline = first.floor_bytes, first.baseline_bytes
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
@@ -316,35 +311,6 @@ class _RegionContexts:
 
     def __call__(self) -> tuple[_compat.TorchDispatchMode, _compat.TorchDispatchMode]:
         return create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
-
-
-@functools.cache
-def policy_seconds_per_op() -> float:
-    """Rule 13: what running an op under a planned region's selective policy adds to a step
-    (its forward mode asks the policy, its recompute mode replays), measured once per process
-    on a chain of tiny CPU ops, checkpointed plainly and under the policy ``apply`` installs,
-    alternately; the fastest run of each counts."""
-    mul = torch.ops.aten.mul.Tensor
-    contexts = _RegionContexts({(mul, 0): CheckpointPolicy.MUST_SAVE})
-    x = torch.ones(4, requires_grad=True)
-
-    def chain(t: torch.Tensor) -> torch.Tensor:
-        for _ in range(_CALIBRATION_OPS):
-            t = t * 1.5
-        return t
-
-    def seconds(context_fn: Any) -> float:
-        start = time.perf_counter()
-        with torch.enable_grad():
-            out = checkpoint(chain, x, use_reentrant=False, context_fn=context_fn)
-            torch.autograd.grad(out.sum(), x)
-        return time.perf_counter() - start
-
-    plain, selective = [], []
-    for _ in range(_CALIBRATION_RUNS):
-        plain.append(seconds(noop_context_fn))
-        selective.append(seconds(contexts))
-    return max(0.0, (min(selective) - min(plain)) / _CALIBRATION_OPS)
 
 
 def resolve_op(name: str) -> Op:

@@ -11,6 +11,7 @@ data in the solver's terms (``solver.Problem``); deciding belongs to ``solver``,
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ __all__ = ["OpCall", "RegionProfile", "StepProfile", "default_loss", "profile_st
 _TRUSTED_SECONDS: Final = 20e-6
 _DEFAULT_FLOP_RATE: Final = 1e10  # FLOP/s when no op of the step was slow enough to measure it
 _PROFILE_STEPS: Final = 3  # measured steps, after one warm-up step
+_POLICY_ROUNDS: Final = 10  # forward passes timed plainly and under a selective policy (Rule 13)
 
 StorageKey = tuple[torch.device, int]
 
@@ -71,6 +73,8 @@ class StepProfile:
     input_shapes: list[list[int]]
     device: str
     step_seconds: float
+    policy_seconds_per_op: float = 0.0
+    """What a selective policy adds per op of a region call, forward and recompute (Rule 13)."""
 
     def problem(self, policy_seconds_per_op: float) -> Problem:
         """The solver's view of this step (Rules 4-6 decide which ops are units); a selective
@@ -244,15 +248,21 @@ def _untouched(model: nn.Module) -> Iterator[None]:
                 parameter.grad = grad
 
 
+ModesFactory = Callable[[], tuple[Any, Any]]
+
+
 def profile_step(
     model: nn.Module,
     regions: Sequence[tuple[str, nn.Module]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
+    policy_modes: ModesFactory | None = None,
 ) -> StepProfile:
     """Run one warm-up and ``_PROFILE_STEPS`` measured steps; return the last one's structure
-    with each op's fastest time (Rule 9). The model is left as found (Rule 8)."""
+    with each op's fastest time (Rule 9). With ``policy_modes`` (the selective modes ``apply``
+    would install), also measure what they add per op (Rule 13). The model is left as found
+    (Rule 8)."""
     inputs = list(tensors((args, kwargs)))
     leaves = {
         key
@@ -268,7 +278,83 @@ def profile_step(
     with _untouched(model):
         for _ in range(1 + _PROFILE_STEPS):
             steps.append(_one_step(model, regions, args, kwargs, loss_fn, leaves, wrt, synchronize))
-    return _combine(steps[1:], inputs, str(device))
+        profile = _combine(steps[1:], inputs, str(device))
+        if policy_modes is not None:
+            profile.policy_seconds_per_op = _policy_seconds_per_op(
+                model, regions, args, kwargs, profile, policy_modes, synchronize
+            )
+    return profile
+
+
+def _policy_seconds_per_op(
+    model: nn.Module,
+    regions: Sequence[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    profile: StepProfile,
+    policy_modes: ModesFactory,
+    synchronize: Callable[[], None] | None,
+) -> float:
+    """Rule 13, on the model's own regions: each region's forward timed plainly and inside the
+    policy's forward mode, ``_POLICY_ROUNDS`` times each in turn (the fastest counts); the
+    difference per op, doubled for the recompute mode's replay of every op."""
+    plain = [math.inf] * len(regions)
+    selective = [math.inf] * len(regions)
+    for round_ in range(_POLICY_ROUNDS):
+        for under_policy in (False, True) if round_ % 2 == 0 else (True, False):
+            seconds = _region_forwards(
+                model, regions, args, kwargs, policy_modes if under_policy else None, synchronize
+            )
+            best = selective if under_policy else plain
+            for index, taken in enumerate(seconds):
+                best[index] = min(best[index], taken)
+    ops = sum(len(r.ops) * r.calls for r in profile.regions)
+    added = sum(s - p for s, p in zip(selective, plain, strict=True) if p < math.inf)
+    return 2 * max(0.0, added) / max(ops, 1)
+
+
+def _region_forwards(
+    model: nn.Module,
+    regions: Sequence[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    policy_modes: ModesFactory | None,
+    synchronize: Callable[[], None] | None,
+) -> list[float]:
+    """One forward (grad enabled, the graph dropped); per region, the seconds of its calls, each
+    call inside a fresh forward mode of ``policy_modes`` when given."""
+    seconds = [0.0] * len(regions)
+    running: list[tuple[Any, float]] = []
+
+    def enter() -> None:
+        mode = None if policy_modes is None else policy_modes()[0]
+        if mode is not None:
+            mode.__enter__()
+        if synchronize is not None:
+            synchronize()
+        running.append((mode, time.perf_counter()))
+
+    def leave(index: int) -> None:
+        if synchronize is not None:
+            synchronize()
+        mode, start = running.pop()
+        seconds[index] += time.perf_counter() - start
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    handles = []
+    for index, (_name, module) in enumerate(regions):
+        handles.append(module.register_forward_pre_hook(lambda _m, _a: enter()))
+        handles.append(
+            module.register_forward_hook(lambda _m, _a, _o, i=index: leave(i), always_call=True)
+        )
+    try:
+        with torch.enable_grad():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seconds
 
 
 def _one_step(
