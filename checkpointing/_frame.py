@@ -310,7 +310,17 @@ class _RecomputeHook:
     check after recompute needs no second pass over the holders (this runs per saved tensor).
     """
 
-    __slots__ = ("count", "frame", "key", "mismatches", "quiet_detach")
+    __slots__ = (
+        "count",
+        "early_stop",
+        "frame",
+        "holders",
+        "key",
+        "metadata",
+        "mismatches",
+        "n_saved",
+        "quiet_detach",
+    )
 
     def __init__(self, frame: Frame, key: object) -> None:
         # A strong reference is fine: this object lives only as long as the recompute call,
@@ -321,6 +331,12 @@ class _RecomputeHook:
         self.mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
         # Rule 9: a recompute mode that passes ``detach`` through need not see ours.
         self.quiet_detach = getattr(frame.recompute_context, "passes_detach_through", False)
+        # Read once here rather than per saved tensor (the forward has ended, Rule 6 aside:
+        # a forward cut short by its own backward is handled by ``forward_completed``).
+        self.holders = frame.weak_holders
+        self.metadata = frame.metadata
+        self.early_stop = frame.early_stop
+        self.n_saved = len(frame.weak_holders) if frame.forward_completed else -1
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
@@ -329,24 +345,26 @@ class _RecomputeHook:
                 x = _compat.detach_below_modes(x)  # Rule 9
             else:
                 x = x.detach()
-        frame, idx = self.frame, self.count
-        self.count += 1
-        n_saved = len(frame.weak_holders)
+        idx = self.count
+        self.count = idx + 1
+        n_saved = self.n_saved if self.n_saved >= 0 else len(self.holders)
         if idx >= n_saved:
-            internal_assert(not frame.early_stop, "early stop should have ended recompute")
+            frame = self.frame
+            internal_assert(not self.early_stop, "early stop should have ended recompute")
             if not frame.forward_completed:
                 frame.ignore_count_mismatch = True  # Rule 6
                 return x
             too_many_saved(n_saved)
-        holder = frame.weak_holders[idx]()
+        holder = self.holders[idx]()
         if holder is not None:  # a holder cleared by an earlier inner backward is skipped
-            if self.key in holder.values:
+            if holder.values.setdefault(self.key, x) is not x:
                 internal_error("holder filled twice")
-            holder.values[self.key] = x
-            metadata = frame.metadata
-            if metadata is not None and metadata[idx] != (x.shape, x.dtype, x.device):
-                self.mismatches.append((idx, metadata[idx], x))
-        if frame.early_stop and self.count == n_saved:
+            metadata = self.metadata
+            if metadata is not None:
+                saved = metadata[idx]
+                if saved[0] != x.shape or saved[1] != x.dtype or saved[2] != x.device:
+                    self.mismatches.append((idx, saved, x))
+        if self.early_stop and idx + 1 == n_saved:
             raise _StopRecompute
         return x  # Rule 6: a backward inside the re-run can use it
 
