@@ -24,6 +24,7 @@ from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_comp
 from torch._ops import HigherOrderOperator as HigherOrderOperator
 from torch._ops import OpOverload as OpOverload
 from torch._ops import OpOverloadPacket as OpOverloadPacket
+from torch.autograd.graph import _engine_run_backward
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import _get_current_function_mode_stack
@@ -85,6 +86,25 @@ def is_checkpoint_valid() -> bool:
     """False inside ``torch.autograd.grad`` / ``backward(inputs=...)``, where reentrant
     checkpoint cannot work (2.13: ``torch.autograd._is_checkpoint_valid``)."""
     return bool(torch.autograd._is_checkpoint_valid())  # type: ignore[no-untyped-call]
+
+
+def run_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(outputs, grads)`` for the reentrant checkpoint's inner backward,
+    where ``grads`` come from autograd itself, straight into the engine through torch's own
+    helper (2.13: ``torch.autograd.graph._engine_run_backward``), skipping the argument
+    processing that ``backward`` repeats in Python for every call. Anything that processing
+    would act on goes through ``torch.autograd.backward`` itself: functorch transforms,
+    ``__torch_function__`` tensors, and a grad whose shape is not its output's (its error)."""
+    if (
+        torch._C._are_functorch_transforms_active()
+        or torch.overrides.has_torch_function(outputs)
+        or any(out.shape != grad.shape for out, grad in zip(outputs, grads, strict=True))
+    ):
+        torch.autograd.backward(outputs, grads)
+        return
+    _engine_run_backward(
+        tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def disable_dynamo(fn: _F) -> _F:

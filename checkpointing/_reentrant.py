@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._compat import is_checkpoint_valid
+from ._compat import is_checkpoint_valid, run_backward
 from ._state import ForwardState, check_backward_validity, detach_variable
 
 __all__ = ["CheckpointFunction"]
@@ -77,6 +77,6 @@ class CheckpointFunction(torch.autograd.Function):
         ]
         if not pairs:
             raise RuntimeError(_MSG_NO_OUTPUT_REQUIRES_GRAD)
-        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        run_backward([p[0] for p in pairs], [p[1] for p in pairs])
         grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in detached)
         return (None, None, *grads)

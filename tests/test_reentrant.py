@@ -306,6 +306,25 @@ def test_rule2_no_output_requires_grad_raises_like_torch(ours: Runner) -> None:
     assert "none of output has requires_grad=True" in results[1][1]
 
 
+@BOTH_ENTRIES
+def test_rule2_rerun_output_of_another_shape_raises_like_torch(ours: Runner) -> None:
+    """Rule 2: a re-run whose output shape differs from the forward's raises torch's error."""
+    results = []
+    for run in (ours, _torch):
+        calls = []
+
+        def grows(t: torch.Tensor, calls: list[int] = calls) -> torch.Tensor:
+            calls.append(1)
+            return t.repeat(len(calls)) * 2
+
+        x = torch.randn(3, requires_grad=True)
+        out = run(grows, x)
+        results.append(_raised(lambda out=out: out.sum().backward()))
+    assert results[0] == results[1]
+    assert results[0][0] is RuntimeError
+    assert "Mismatch in shape" in results[0][1]
+
+
 # --- Rule 3: only .backward() without inputs= ------------------------------------------------
 
 
