@@ -3,9 +3,11 @@
 Owns ``profile_step``: a few real forward+backward steps of the model on the example inputs,
 watched by a dispatch mode (every op: time, FLOPs, outputs, in-place writes, random draws) and a
 saved-tensors hook (every storage autograd keeps, and which region's op kept it), with forward
-hooks on the region modules saying which region is running. The result, ``StepProfile``, is plain
-data in the solver's terms (``solver.Problem``); deciding belongs to ``solver``, installing to
-``plan``. See NOTE [Planner model] in ``checkpointing._planning`` for the rules it follows.
+hooks on the region modules saying which region is running; then forward passes with each region
+timed plainly and inside a selective policy's forward mode (what the policy costs per op, Rule
+13). The result, ``StepProfile``, is plain data in the solver's terms (``solver.Problem``);
+deciding belongs to ``solver``, installing to ``plan``. See NOTE [Planner model] in
+``checkpointing._planning`` for the rules it follows.
 """
 
 from __future__ import annotations
