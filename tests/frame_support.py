@@ -34,7 +34,11 @@ class Variant:
         """``checkpoint(fn, *args, use_reentrant=False, **kwargs)``, or ``fn(*args)`` for PLAIN."""
         if self.module is None:
             for option in (
-                "context_fn", "determinism_check", "debug", "early_stop", "preserve_rng_state"
+                "context_fn",
+                "determinism_check",
+                "debug",
+                "early_stop",
+                "preserve_rng_state",
             ):
                 kwargs.pop(option, None)
             return fn(*args, **kwargs)
@@ -76,12 +80,16 @@ class OpCounter(TorchDispatchMode):
     """Counts the aten ops run while active, by name.
 
     ``detach`` is left out: each implementation detaches recomputed tensors its own way, and a
-    detach computes nothing.
+    detach computes nothing. It is counted apart, in ``detaches``. ``passes_detach_through``
+    marks the counter as a recompute mode that lets the frame detach below it (NOTE [Nestable
+    checkpoint], Rule 9).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, passes_detach_through: bool = False) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.detaches = 0
+        self.passes_detach_through = passes_detach_through
 
     def __torch_dispatch__(
         self,
@@ -90,7 +98,9 @@ class OpCounter(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is not torch.ops.aten.detach.default:
+        if func is torch.ops.aten.detach.default:
+            self.detaches += 1
+        else:
             self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 

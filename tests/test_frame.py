@@ -28,7 +28,6 @@ from frame_support import (
     leaf,
     raised,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpointing
 
@@ -361,29 +360,10 @@ def test_rule_7_preserve_rng_state_false_draws_fresh_numbers_like_torch() -> Non
     assert not torch.equal(ours[1], plain[1])  # different masks: the flag really took effect
 
 
-class _DetachCounter(TorchDispatchMode):
-    """Counts the ``detach`` calls it sees; runs every op unchanged."""
-
-    def __init__(self, passes_detach_through: bool = False) -> None:
-        super().__init__()
-        self.passes_detach_through = passes_detach_through
-        self.detaches = 0
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        self.detaches += func is torch.ops.aten.detach.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("passes", [True, False])
 def test_rule_9_recompute_detaches_below_a_mode_that_passes_detach_through(passes: bool) -> None:
     """Only a recompute mode marked ``passes_detach_through`` is spared the detaches."""
-    recompute_mode = _DetachCounter(passes)
+    recompute_mode = OpCounter(passes)
     x, w = leaf(4, 3), leaf(3, 3, seed=1)
     out = checkpointing.checkpoint(
         _region,
@@ -407,7 +387,7 @@ def test_rule_9_a_users_mode_still_sees_every_recompute_detach_like_torch() -> N
         x, w = leaf(4, 3), leaf(3, 3, seed=1)
         context_fn = functools.partial(module.create_selective_checkpoint_contexts, policy)
         out = module.checkpoint(_region, x, w, use_reentrant=False, context_fn=context_fn)
-        with _DetachCounter() as user_mode:
+        with OpCounter() as user_mode:
             out.sum().backward()
         counts.append(user_mode.detaches)
     assert counts[0] == counts[1] > 0
