@@ -108,7 +108,7 @@ from ._compat import (
 )
 from ._determinism import Metadata, check_metadata, metadata_of
 from ._errors import CheckpointError, internal_error
-from ._events import announce
+from ._events import announce, listener
 from ._frame import Frame, Holder, unpack_holder
 from ._state import (
     GeneratorStates,
@@ -375,7 +375,7 @@ class _ScopeHolder(Holder):
     def __init__(
         self, tape: _Tape, slot: int, view: _View | None, position: int, meta: Metadata
     ) -> None:
-        super().__init__()
+        # No ``super().__init__()``: the holder starts as an empty dict (one per saved tensor).
         self.tape = tape
         self.slot = slot
         self.view = view
@@ -442,7 +442,7 @@ class _Tape:
         """Run one op and append it. Its arguments become markers before it runs, so that an
         outside input carries the version it was read at. Runs for every op of a scope: the
         common case (flat positional arguments, one new plain tensor) takes the short path."""
-        facts = _op_facts.get(func)
+        facts = _op_facts.get(id(func))  # by id: ``OpOverload.__hash__`` is a Python method
         if facts is None:
             facts = _learn_facts(func)
         run, written, random, is_view, hidden_writes = facts
@@ -630,7 +630,7 @@ class _Tape:
         waiting = []
         for ref in self.holders:
             holder = ref()
-            if holder is None or key in holder.values:
+            if holder is None or key in holder:
                 continue
             group = group_of[holder.slot]
             if not every_chain and of_group[group] not in chains:
@@ -704,7 +704,7 @@ class _Tape:
                 internal_error("replay missed a requested slot")
             if holder.view is not None:
                 value = value.as_strided(*holder.view)
-            holder.values[key] = value
+            holder[key] = value
             shape, dtype, device = holder.meta
             if value.dtype is not dtype or value.shape != shape or value.device != device:
                 differing.append((index, holder.meta, value))
@@ -834,13 +834,15 @@ def _unflatten(spec: _Spec, leaves: Iterator[Any]) -> Any:
 
 # Per op, worked out once from its schema: what runs it, the (position, name) of each argument it
 # writes, whether it draws random numbers, whether it returns a view, and whether it has hidden
-# writes.
+# writes. Keyed by the op's id; ``_known_ops`` keeps each op alive so that its id stays its own.
 _OpFacts = tuple[Callable[..., Any], tuple[tuple[int, str], ...], bool, bool, bool]
-_op_facts: dict[OpOverload, _OpFacts] = {}
+_op_facts: dict[int, _OpFacts] = {}
+_known_ops: list[OpOverload] = []
 
 
 def _learn_facts(func: OpOverload) -> _OpFacts:
-    facts = _op_facts[func] = (
+    _known_ops.append(func)
+    facts = _op_facts[id(func)] = (
         op_runner(func),
         written_arguments(func),
         torch.Tag.nondeterministic_seeded in func.tags,
@@ -1046,30 +1048,38 @@ class _ThreadHooks:
     @skip_dynamo_in_code  # Rule 10: runs wherever autograd saves, compiled code included
     def pack(self, tensor: torch.Tensor) -> Any:
         """Our pack hook: a holder for a scope tensor, else a detached pass-through."""
-        tape = self.open_tape
-        if tape is not None:
-            tape.paused = True  # our own ops here are not the user's
-        try:
-            entry = _registry.get(id(tensor))  # the common case first: a scope tensor itself
-            if (
-                entry is not None
-                and entry() is tensor
-                and entry.tape.reproduces(entry.slot, tensor)
-            ):
-                packed: Any = entry.tape.holder_for(tensor, entry.slot, None)
-            elif (found := _scope_slot(tensor)) is not None:
-                owner, slot, view = found
-                packed = owner.holder_for(tensor, slot, view)
-            elif self.below is not None:
-                packed = _Delegated(self.below[0](tensor), self.below[1])
-            else:
-                packed = _Passed(tensor)  # Rule 5
-        finally:
+        entry = _registry.get(id(tensor))
+        packed: Any
+        if (  # the common case: a scope tensor itself, no report listening (no op runs here)
+            entry is not None
+            and entry() is tensor
+            and entry.tape.reproduces(entry.slot, tensor)
+            and listener.get() is None
+        ):
+            packed = entry.tape.holder_for(tensor, entry.slot, None)
+        else:
+            tape = self.open_tape
             if tape is not None:
-                tape.paused = False
+                tape.paused = True  # our own ops here (detach, a report) are not the user's
+            try:
+                packed = self._pack_other(tensor)
+            finally:
+                if tape is not None:
+                    tape.paused = False
         if self.pending:
             self.settle()
         return packed
+
+    def _pack_other(self, tensor: torch.Tensor) -> Any:
+        """``pack`` for all but its common case: a view of a scope tensor, a scope tensor seen
+        by a report, a tensor handed to the hook below ours, or one passed through."""
+        found = _scope_slot(tensor)
+        if found is not None:
+            owner, slot, view = found
+            return owner.holder_for(tensor, slot, view)
+        if self.below is not None:
+            return _Delegated(self.below[0](tensor), self.below[1])
+        return _Passed(tensor)  # Rule 5
 
     @staticmethod
     @skip_dynamo_in_code
