@@ -7,9 +7,13 @@ interleaved rounds (A B B A ...), medians:
 - a do-nothing Python ``TorchDispatchMode`` around the forward, per op, with and without the
   ``torch._disable_dynamo`` wrapper that torch 2.13 puts around every mode's
   ``__torch_dispatch__`` (a mode opts out by answering ``False`` from ``_should_skip_dynamo``);
-- the forward-side caching mode of selective checkpointing, ours and torch's, per op.
+- the forward-side caching mode of selective checkpointing, ours and torch's, per op;
+- the scope's floor: the do-nothing mode (no wrapper) over the 200 ops, the do-nothing hooks over
+  the saved tensors and one no-grad run of the body (what a replay must compute), summed, as a
+  multiple of our non-reentrant checkpoint's overhead on the same body; beside it the scope's
+  own overhead, as the benchmark's "scope / non-reentrant" ratio.
 
-Run: ``python benchmarks/floors.py`` (about 20 s). RESULTS.md quotes its output.
+Run: ``python benchmarks/floors.py`` (about 40 s). RESULTS.md quotes its output.
 """
 
 from __future__ import annotations
@@ -76,8 +80,9 @@ def _median_seconds(cases: dict[str, Callable[[], object]], rounds: int = 30) ->
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def hook_floor(x: Tensor, w: Tensor) -> None:
-    """Print the cost of do-nothing saved-tensor hooks per saved tensor (forward + backward)."""
+def hook_floor(x: Tensor, w: Tensor) -> float:
+    """Print the cost of do-nothing saved-tensor hooks per saved tensor (forward + backward);
+    return their cost per step."""
     saved = 0
 
     def count(tensor: Tensor) -> Tensor:
@@ -100,14 +105,16 @@ def hook_floor(x: Tensor, w: Tensor) -> None:
     extra = (medians["hooks"] - medians["plain"]) / saved
     print(f"step without hooks: {medians['plain'] * 1e3:.3f} ms ({saved} saved tensors)")
     print(f"do-nothing saved-tensor hooks: +{extra * 1e6:.2f} us per saved tensor")
+    return extra * saved
 
 
 def _unbox(box: _Box) -> Tensor:
     return box.tensor
 
 
-def mode_floor(x: Tensor, w: Tensor, libs: list[Library]) -> None:
-    """Print the per-op cost of dispatch modes around the forward (no backward)."""
+def mode_floor(x: Tensor, w: Tensor, libs: list[Library]) -> float:
+    """Print the per-op cost of dispatch modes around the forward (no backward); return the
+    cheapest one's (no dynamo wrapper) cost per step."""
 
     def under(make: Callable[[], Any]) -> Callable[[], object]:
         def run() -> object:
@@ -131,6 +138,42 @@ def mode_floor(x: Tensor, w: Tensor, libs: list[Library]) -> None:
     for name, seconds in medians.items():
         if name != "no mode":
             print(f"{name}: +{(seconds - base) / OPS * 1e6:.2f} us per op")
+    return medians["do-nothing mode, no dynamo wrapper"] - base
+
+
+def scope_floor(x: Tensor, w: Tensor, ours: Library, mode: float, hooks: float) -> None:
+    """Print the scope's floor (``mode`` + ``hooks`` + a no-grad run of the body, per step) and
+    its overhead, each as a multiple of our non-reentrant checkpoint's overhead."""
+    scope = ours.scope
+    if scope is None:
+        return
+
+    def plain() -> None:
+        tiny_ops(x, w, OPS).sum().backward()
+
+    def checkpointed() -> None:
+        ours.checkpoint(tiny_ops, x, w, OPS, use_reentrant=False).sum().backward()
+
+    def scoped() -> None:
+        with scope():
+            y = tiny_ops(x, w, OPS)
+        y.sum().backward()
+
+    def replay() -> None:
+        with torch.no_grad():
+            tiny_ops(x, w, OPS)
+
+    medians = _median_seconds(
+        {"plain": plain, "non-reentrant": checkpointed, "scope": scoped, "replay": replay}
+    )
+    checkpoint_cost = medians["non-reentrant"] - medians["plain"]
+    floor = mode + hooks + medians["replay"]
+    print(
+        f"scope floor (mode {mode * 1e3:.2f} + hooks {hooks * 1e3:.2f} + no-grad body "
+        f"{medians['replay'] * 1e3:.2f} ms): {floor / checkpoint_cost:.2f}x our non-reentrant "
+        f"overhead ({checkpoint_cost * 1e3:.2f} ms); the scope's overhead: "
+        f"{(medians['scope'] - medians['plain']) / checkpoint_cost:.2f}x"
+    )
 
 
 def main() -> int:
@@ -139,9 +182,12 @@ def main() -> int:
     torch.manual_seed(3)
     x = torch.randn(64, requires_grad=True)
     w = torch.nn.Parameter(torch.rand(64) + 0.5)
-    libs = [lib for lib in (ours_library(), torch_library()) if lib is not None]
-    hook_floor(x, w)
-    mode_floor(x, w, libs)
+    ours = ours_library()
+    libs = [lib for lib in (ours, torch_library()) if lib is not None]
+    hooks = hook_floor(x, w)
+    mode = mode_floor(x, w, libs)
+    if ours is not None:
+        scope_floor(x, w, ours, mode, hooks)
     return 0
 
 

@@ -294,6 +294,12 @@ def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
     )
 
 
+def returns_alias(op: OpOverload) -> bool:
+    """Whether ``op``'s schema lets an output alias an argument (``Tensor(a)``): a view, or the
+    argument itself, as ``lift_fresh`` and in-place ops return (2.13: ``OpOverload._schema``)."""
+    return any(result.alias_info is not None for result in op._schema.returns)
+
+
 def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     """The forward pre-hooks registered on ``module`` (2.13: ``nn.Module._forward_pre_hooks``;
     there is no public accessor)."""

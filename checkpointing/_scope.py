@@ -99,6 +99,7 @@ from ._compat import (
     op_runner,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
+    returns_alias,
     skip_dynamo_in_code,
     tensor_version,
     top_saved_tensors_hooks,
@@ -445,7 +446,13 @@ class _Tape:
         facts = _op_facts.get(id(func))  # by id: ``OpOverload.__hash__`` is a Python method
         if facts is None:
             facts = _learn_facts(func)
-        run, written, random, is_view, hidden_writes = facts
+        run, written, random, is_view, hidden_writes, plain = facts
+        if plain and not kwargs:
+            for arg in args:  # loops, not any(): a generator costs more than two arguments do
+                if isinstance(arg, _CONTAINERS):
+                    break
+            else:
+                return self._record_plain(run, args)
         flat: _Flat = args
         spec: _Spec = _FLAT
         nested = bool(kwargs)
@@ -476,6 +483,18 @@ class _Tape:
         else:
             op = _Op(run, leaves, spec, writes, (), reads, (), draw)
             self._add_outputs(op, flat, out, is_view)
+        return out
+
+    def _record_plain(self, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """``record`` for a plain op (``_OpFacts``) with flat positional arguments: nothing
+        written, nothing drawn, no output that is or views an input."""
+        leaves, reads = self._markers(args)
+        out = run(*args)
+        if type(out) is not torch.Tensor:  # several outputs, or none
+            self._add_outputs(_Op(run, leaves, _FLAT, (), (), reads, (), None), args, out, False)
+            return out
+        outs = (self._new_slot(out, None),)  # a group of its own: numbered as its slot
+        self.ops.append(_Op(run, leaves, _FLAT, (), outs, reads, outs, None))
         return out
 
     def _markers(self, flat: _Flat) -> tuple[list[Any], tuple[int, ...]]:
@@ -833,22 +852,23 @@ def _unflatten(spec: _Spec, leaves: Iterator[Any]) -> Any:
 
 
 # Per op, worked out once from its schema: what runs it, the (position, name) of each argument it
-# writes, whether it draws random numbers, whether it returns a view, and whether it has hidden
-# writes. Keyed by the op's id; ``_known_ops`` keeps each op alive so that its id stays its own.
-_OpFacts = tuple[Callable[..., Any], tuple[tuple[int, str], ...], bool, bool, bool]
+# writes, whether it draws random numbers, whether it returns a view, whether it has hidden
+# writes, and whether it is plain: none of these, and no output aliases an input (so an output
+# is never an argument itself). Keyed by the op's id; ``_known_ops`` keeps each op alive so that
+# its id stays its own.
+_OpFacts = tuple[Callable[..., Any], tuple[tuple[int, str], ...], bool, bool, bool, bool]
 _op_facts: dict[int, _OpFacts] = {}
 _known_ops: list[OpOverload] = []
 
 
 def _learn_facts(func: OpOverload) -> _OpFacts:
     _known_ops.append(func)
-    facts = _op_facts[id(func)] = (
-        op_runner(func),
-        written_arguments(func),
-        torch.Tag.nondeterministic_seeded in func.tags,
-        bool(func.is_view),
-        func.overloadpacket in _HIDDEN_WRITES,
-    )
+    written = written_arguments(func)
+    random = torch.Tag.nondeterministic_seeded in func.tags
+    is_view = bool(func.is_view)
+    hidden_writes = func.overloadpacket in _HIDDEN_WRITES
+    plain = not (written or random or is_view or hidden_writes or returns_alias(func))
+    facts = _op_facts[id(func)] = (op_runner(func), written, random, is_view, hidden_writes, plain)
     return facts
 
 
