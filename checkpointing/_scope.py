@@ -625,10 +625,10 @@ class _Tape:
         return not self.closed or self.exit_versions.get(slot) == tensor_version(tensor)
 
     def holder_for(self, tensor: torch.Tensor, slot: int, view: _View | None) -> _ScopeHolder:
-        """A holder that autograd stores instead of ``tensor`` (Rules 2 and 8)."""
+        """A holder that autograd stores instead of ``tensor`` (Rules 2 and 8). The caller
+        tells a listening report (``announce``)."""
         holder = _ScopeHolder(self, slot, view, len(self.ops), metadata_of(tensor))
         self.holders.append(weakref.ref(holder))
-        announce(tensor, "scope", "recomputed")
         return holder
 
     # -- replay (Rules 2, 3, 5 and 7) -----------------------------------------------------------
@@ -1096,7 +1096,9 @@ class _ThreadHooks:
         found = _scope_slot(tensor)
         if found is not None:
             owner, slot, view = found
-            return owner.holder_for(tensor, slot, view)
+            holder = owner.holder_for(tensor, slot, view)
+            announce(tensor, "scope", "recomputed")
+            return holder
         if self.below is not None:
             return _Delegated(self.below[0](tensor), self.below[1])
         return _Passed(tensor)  # Rule 5
