@@ -55,7 +55,7 @@ _MSG_NOT_CALLABLE = (
 )
 
 
-@_compat.disable_dynamo
+@_compat.skip_dynamo
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
@@ -94,8 +94,8 @@ def checkpoint(
         >>> y.sum().backward()
     """
     if use_reentrant is None:
-        # stacklevel 3: past dynamo's disable wrapper, to the caller's line (torch stops at 2).
-        warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=3)
+        # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
+        warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
     if not callable(function):
         raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(function).__name__))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +64,16 @@ def test_omitted_use_reentrant_warns_like_torch() -> None:
     assert isinstance(mine[0], torch.Tensor)
     assert isinstance(theirs[0], torch.Tensor)
     assert torch.equal(mine[0], theirs[0])
+
+
+def test_omitted_use_reentrant_warning_points_at_the_callers_line() -> None:
+    """The warning names the line that called ``checkpoint`` (torch's names its own wrapper)."""
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        checkpointing.checkpoint(torch.sin, x)
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

@@ -1,7 +1,8 @@
 """``torch.compile`` around code that calls our ``checkpoint``: eager's gradients, every backend.
 
-Our ``checkpoint`` is hook-based and wrapped in ``_compat.disable_dynamo``: dynamo does not trace
-into it but breaks the graph around it, compiles what comes before and after, and the
+Our ``checkpoint`` is hook-based and marked with ``_compat.skip_dynamo`` (dynamo's disable mark
+and a recursive skip of its code, with no wrapper per call): dynamo does not trace into it but
+breaks the graph around it, compiles what comes before and after, and the
 checkpointed region runs eagerly with our hooks (README, "torch.compile"). Graph breaks are
 therefore expected; the tests check that gradients equal the uncompiled run and that the region
 is really checkpointed (it re-runs in backward).
@@ -95,6 +96,31 @@ def test_checkpoint_breaks_the_graph_instead_of_being_traced() -> None:
     explanation = torch._dynamo.explain(model)(torch.randn(3, 4))
     assert explanation.graph_break_count >= 1
     assert explanation.graph_count >= 2
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_the_checkpointed_function_is_never_compiled(use_reentrant: bool) -> None:
+    """Called from compiled code, ``checkpoint`` breaks the graph and runs eagerly, and so does
+    everything it calls: dynamo is handed the two halves of ``step`` only, never the region, in
+    forward or in recompute (what ``torch._disable_dynamo``'s wrapper did, with no wrapper)."""
+    lin = torch.nn.Linear(8, 8)
+    traced: list[bool] = []
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        traced.append(torch.compiler.is_compiling())
+        return torch.tanh(lin(h)) * 2
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x) + 1
+        h = checkpointing.checkpoint(region, h, use_reentrant=use_reentrant)
+        return h.sin().sum()
+
+    x = torch.randn(3, 8, requires_grad=True)
+    compiled = torch.compile(step, backend="eager")
+    frames = _frames_converted(lambda: [compiled(x).backward() for _ in range(2)])
+    assert frames == 2
+    assert traced == [False] * 4  # two forwards, two recomputes
+    assert not hasattr(checkpointing.checkpoint, "__wrapped__")
 
 
 # --- Selective checkpointing: our dispatch modes stay out of dynamo (NOTE [Selective checkpoint
