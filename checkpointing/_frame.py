@@ -361,7 +361,8 @@ class _RecomputeHook:
             metadata = self.metadata
             if metadata is not None:
                 saved = metadata[idx]
-                if saved[0] != x.shape or saved[1] != x.dtype or saved[2] != x.device:
+                # dtypes are singletons: ``is not`` spares a rich comparison
+                if saved[1] is not x.dtype or saved[0] != x.shape or saved[2] != x.device:
                     self.mismatches.append((idx, saved, x))
         if self.early_stop and idx + 1 == n_saved:
             raise _StopRecompute

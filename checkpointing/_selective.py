@@ -764,6 +764,10 @@ _NEVER: Final = -1
 _ALWAYS: Final = -2
 _OpFacts: TypeAlias = tuple[object, int, bool]
 _op_facts: dict[int, _OpFacts] = {}
+# Per op id, what calling the op calls: for a plain ``OpOverload`` its C++ entry point (one Python
+# frame fewer per call, ~0.2 us, in both modes), else the op itself. Filled by ``_runner``
+# together with ``_op_facts``, which holds the op.
+_runners: dict[int, Callable[..., Any]] = {}
 
 _ASK: Final[_OpPlan] = (_Plan.ASK, _Action.RECOMPUTE)
 
@@ -823,7 +827,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         op_id = id(func)
         if op_id in _IGNORED.ids:
             return func(*args, **kwargs)
-        out = func(*args, **kwargs)
+        out = (_runners.get(op_id) or _runner(func))(*args, **kwargs)
         key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
         plans = self._plans
         if plans is not None:
@@ -1018,11 +1022,12 @@ class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch'
         record = self.cache.records.get(key)
         if record is None:  # a COUNT key: recompute, if the forward got this far (Rule 3)
             if index < self.cache.counts.get(key, 0):
-                return func(*args, **kwargs)
+                return (_runners.get(op_id) or _runner(func))(*args, **kwargs)
         elif index < record.calls:
             kept = record.kept
             if kept is None or (slot := kept.get(index)) is None:
-                return func(*args, **kwargs)  # Rule 3: not kept, so recomputed
+                # Rule 3: not kept, so recomputed
+                return (_runners.get(op_id) or _runner(func))(*args, **kwargs)
             if isinstance(slot, _Consumed):
                 raise RuntimeError(_MSG_EXTRA_BACKWARD)
             kept[index] = _CONSUMED
@@ -1064,6 +1069,13 @@ def _facts(func: object) -> _OpFacts:
     if facts is None:
         facts = _op_facts[id(func)] = (func, _draw_rule(func), _is_pure(func))
     return facts
+
+
+def _runner(func: Op) -> Callable[..., Any]:
+    """What calling ``func`` calls (see ``_runners``), worked out on its first call."""
+    _facts(func)  # holds ``func``, so that its id keys ``_runners`` for good
+    run = _runners[id(func)] = _compat.op_runner(func) if type(func) is OpOverload else func
+    return run
 
 
 def _draw_rule(func: object) -> int:
