@@ -439,20 +439,11 @@ class _Tape:
 
     # -- recording (Rule 1) ---------------------------------------------------------------------
 
-    def record(self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run one op and append it. Its arguments become markers before it runs, so that an
-        outside input carries the version it was read at. Runs for every op of a scope: the
-        common case (flat positional arguments, one new plain tensor) takes the short path."""
-        facts = _op_facts.get(id(func))  # by id: ``OpOverload.__hash__`` is a Python method
-        if facts is None:
-            facts = _learn_facts(func)
-        run, written, random, is_view, hidden_writes, plain = facts
-        if plain and not kwargs:
-            for arg in args:  # loops, not any(): a generator costs more than two arguments do
-                if isinstance(arg, _CONTAINERS):
-                    break
-            else:
-                return self._record_plain(run, args)
+    def record(self, facts: _OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one op and append it: the long path, for all but plain ops with flat positional
+        arguments (``record_plain``). Its arguments become markers before it runs, so that an
+        outside input carries the version it was read at."""
+        run, written, random, is_view, hidden_writes, _ = facts
         flat: _Flat = args
         spec: _Spec = _FLAT
         nested = bool(kwargs)
@@ -485,16 +476,45 @@ class _Tape:
             self._add_outputs(op, flat, out, is_view)
         return out
 
-    def _record_plain(self, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """``record`` for a plain op (``_OpFacts``) with flat positional arguments: nothing
-        written, nothing drawn, no output that is or views an input."""
-        leaves, reads = self._markers(args)
+    def record_plain(self, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """``record`` for a plain op (``_OpFacts``) without kwargs: nothing written, nothing
+        drawn, no output that is or views an input. Returns ``_NESTED``, having done nothing,
+        if an argument is a container (``record`` flattens it). Runs for nearly every op of a
+        scope, so the markers and the new slot are worked out inline (``_markers`` and
+        ``_new_slot`` are the long path's): one Python call per op instead of three."""
+        leaves: list[Any] = []
+        reads: list[int] = []
+        registry, group_of = _registry, self.group_of
+        for arg in args:
+            if not isinstance(arg, torch.Tensor):
+                if isinstance(arg, _CONTAINERS):
+                    return _NESTED
+                leaves.append(arg)
+                continue
+            entry = registry.get(id(arg))
+            if entry is not None and entry.tape is self and entry() is arg:
+                slot = entry.slot
+                leaves.append(_slots[slot])  # made with the slot
+                reads.append(group_of[slot])
+            else:
+                leaves.append(self._other_marker(arg, entry))
         out = run(*args)
         if type(out) is not torch.Tensor:  # several outputs, or none
-            self._add_outputs(_Op(run, leaves, _FLAT, (), (), reads, (), None), args, out, False)
+            op = _Op(run, leaves, _FLAT, (), (), tuple(reads), (), None)
+            self._add_outputs(op, args, out, False)
             return out
-        outs = (self._new_slot(out, None),)  # a group of its own: numbered as its slot
-        self.ops.append(_Op(run, leaves, _FLAT, (), outs, reads, outs, None))
+        slot = len(group_of)
+        group_of.append(slot)  # a group of its own: numbered as its slot
+        entry = _Entry(out)
+        entry.key, entry.tape, entry.slot = id(out), self, slot
+        self.entries.append(entry)
+        registry[entry.key] = entry
+        if slot == len(_slots):
+            _slots.append(_Slot(slot))
+        if not out.is_cpu:
+            self.device_types.add(out.device.type)
+        outs = (slot,)
+        self.ops.append(_Op(run, leaves, _FLAT, (), outs, tuple(reads), outs, None))
         return out
 
     def _markers(self, flat: _Flat) -> tuple[list[Any], tuple[int, ...]]:
@@ -507,19 +527,25 @@ class _Tape:
                 leaves.append(leaf)
                 continue
             entry = registry.get(id(leaf))
-            if entry is not None and entry() is leaf:
-                if entry.tape is self:
-                    slot = entry.slot
-                    leaves.append(_slots[slot])  # made with the slot
-                    reads.append(group_of[slot])
-                    continue
-                if entry.tape.closed and entry.tape.reproduces(entry.slot, leaf):  # Rule 3
-                    entry.tape.read_by(self)
-                    self.reads_others = True
-                    leaves.append(entry)
-                    continue
-            leaves.append(self._outside_marker(leaf))
+            if entry is not None and entry.tape is self and entry() is leaf:
+                slot = entry.slot
+                leaves.append(_slots[slot])  # made with the slot
+                reads.append(group_of[slot])
+            else:
+                leaves.append(self._other_marker(leaf, entry))
         return leaves, tuple(reads)
+
+    def _other_marker(self, tensor: torch.Tensor, entry: _Entry | None) -> _Entry | _Outside:
+        """The marker of an argument that is not this tape's: a closed scope's tensor is read
+        through its entry (Rule 3), any other through an ``_Outside``. ``entry`` is the
+        registry's entry for the tensor's id, if any."""
+        if entry is not None and entry() is tensor:
+            owner = entry.tape
+            if owner.closed and owner.reproduces(entry.slot, tensor):
+                owner.read_by(self)
+                self.reads_others = True
+                return entry
+        return self._outside_marker(tensor)
 
     def _outside_marker(self, tensor: torch.Tensor) -> _Outside:
         key, version = id(tensor), tensor_version(tensor)
@@ -827,6 +853,7 @@ def _replay_linked(tape: _Tape, slot: int, key: object) -> None:
 # cyclic objects per call, and the tape records every op of a scope (SPEC §6, "No garbage").
 _Spec = Any  # None for a leaf; (container type, [child specs]) or (dict, [(key, spec)])
 _FLAT: Final = "flat"  # the spec of ``(args, {})`` where no argument is a container
+_NESTED: Final = object()  # ``record_plain``'s answer for an argument that is a container
 _CONTAINERS: Final = (tuple, list, dict)
 
 
@@ -912,7 +939,14 @@ class _TapeMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         tape = self.tape
         if tape.paused or is_recomputing():  # our own hook's work, or a replay
             return func(*args, **(kwargs or {}))
-        return tape.record(func, args, kwargs or {})
+        facts = _op_facts.get(id(func))  # by id: ``OpOverload.__hash__`` is a Python method
+        if facts is None:
+            facts = _learn_facts(func)
+        if facts[5] and not kwargs:  # a plain op: the short path, unless an argument nests
+            out = tape.record_plain(facts[0], args)
+            if out is not _NESTED:
+                return out
+        return tape.record(facts, args, kwargs or {})
 
 
 # -------------------------------------------------------------------------------------------
@@ -1069,15 +1103,14 @@ class _ThreadHooks:
     def pack(self, tensor: torch.Tensor) -> Any:
         """Our pack hook: a holder for a scope tensor, else a detached pass-through."""
         entry = _registry.get(id(tensor))
-        packed: Any
-        if (  # the common case: a scope tensor itself, no report listening (no op runs here)
-            entry is not None
-            and entry() is tensor
-            and entry.tape.reproduces(entry.slot, tensor)
-            and listener.get() is None
-        ):
-            packed = entry.tape.holder_for(tensor, entry.slot, None)
-        else:
+        packed: Any = None
+        if entry is not None and entry() is tensor and listener.get() is None:
+            owner, slot = entry.tape, entry.slot  # the common case: a scope tensor itself, no
+            if not owner.closed or owner.reproduces(slot, tensor):  # report listening
+                # ``holder_for``, inline (one call less per saved tensor); no op runs here
+                packed = _ScopeHolder(owner, slot, None, len(owner.ops), metadata_of(tensor))
+                owner.holders.append(weakref.ref(packed))
+        if packed is None:
             tape = self.open_tape
             if tape is not None:
                 tape.paused = True  # our own ops here (detach, a report) are not the user's
