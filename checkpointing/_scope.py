@@ -767,23 +767,26 @@ class _Chains:
     __slots__ = ("count", "foreign", "group_of", "of_group", "size")
 
     def __init__(self, tape: _Tape) -> None:
+        # Union-find where a chain's root is its lowest group (``parent[g] <= g``), so that
+        # the roots come out in one pass below; the walks are inline (no call per op).
         parent = list(range(len(tape.group_of)))
-
-        def root(group: int) -> int:
-            while parent[group] != group:
-                parent[group] = group = parent[parent[group]]
-            return group
-
         for op in tape.ops:
             linked = op.reads + op.touches
-            if len(linked) > 1:
-                first = root(linked[0])
-                for group in linked[1:]:
-                    if parent[group] == group:  # a group this op made: no walk needed
-                        parent[group] = first
-                    else:
-                        parent[root(group)] = first
-        self.of_group = [root(group) for group in range(len(parent))]
+            if len(linked) < 2:
+                continue
+            top = linked[0]
+            while parent[top] != top:
+                parent[top] = top = parent[parent[top]]
+            for group in linked[1:]:
+                while parent[group] != group:  # none for a group this op made
+                    parent[group] = group = parent[parent[group]]
+                if group > top:
+                    parent[group] = top
+                elif group < top:
+                    parent[top] = top = group
+        for group, up in enumerate(parent):  # ``up`` is done: ``up <= group``
+            parent[group] = parent[up]
+        self.of_group = parent
         self.count = len(set(self.of_group))
         self.foreign: dict[int, list[tuple[_Tape, int]]] = {}
         for op in tape.ops if tape.reads_others else ():
