@@ -76,7 +76,11 @@ arbitrary order could not be unwound safely); restoring the default dtype for a 
 process-wide, so a backward in one thread would change it for every thread: the metadata check
 reports the divergence instead, as for checkpoint); finding scope tensors by storage (an alias that
 does not share the version counter, like ``.data`` or an AOTAutograd output, can be written without
-a version bump, and the replay would silently differ).
+a version bump, and the replay would silently differ); replaying (and recording) ops through
+torch's Python bindings (``torch.sin``) instead of ``OpOverload._op`` (850 against 1,020 ns per op
+on W3's tensors, but a binding picks its overload from the argument types: ``aten.mul.Scalar``
+would replay as ``mul.Tensor``); binding loop methods and globals to locals in the replay loops
+(``run`` 282 -> 274 us and ``needed_ops`` 20 -> 18 us per W3 replay: within the step's noise).
 """
 
 from __future__ import annotations
