@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -45,5 +46,23 @@ def gloo_group(rank: int, port: int) -> Iterator[None]:
 def spawn_pair(worker: Callable[..., None], *args: Any) -> None:
     """Run ``worker(rank, port, *args)`` in 2 spawned processes; raise if either fails."""
     mp.start_processes(
-        worker, args=(free_port(), *args), nprocs=WORLD_SIZE, join=True, start_method="spawn"
+        _then_exit,
+        args=(worker, free_port(), *args),
+        nprocs=WORLD_SIZE,
+        join=True,
+        start_method="spawn",
     )
+
+
+def _then_exit(rank: int, worker: Callable[..., None], port: int, *args: Any) -> None:
+    """Run the worker; once it has succeeded, end the process without Python's teardown.
+
+    After a gloo group was destroyed, the interpreter's teardown aborted both processes now and
+    then ("terminate called without an active exception", SIGABRT, after
+    ``destroy_process_group()`` had returned in both: 1 run in 2 to 7 of test_ddp after
+    test_fsdp2 and the examples on 2026-11-24). The results are written by then; an exception
+    in ``worker`` still reaches the parent through ``start_processes`` as before."""
+    worker(rank, port, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

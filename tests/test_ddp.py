@@ -12,15 +12,13 @@ a parameter being marked ready twice. That documented setup is tested too.
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_support import gloo_group, spawn_pair
 from mechanism_support import require
 
 import checkpointing
@@ -116,11 +114,7 @@ def _train(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> None:
 def _worker(rank: int, port: int, mechanisms: list[str], out_dir: str) -> None:
     """One DDP process: for each mechanism, train on rows ``rank::2`` of each batch and save
     the final parameters."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         for mechanism in mechanisms:
             model = torch.nn.parallel.DistributedDataParallel(
                 Model(mechanism), **SETUPS[mechanism]
@@ -130,14 +124,6 @@ def _worker(rank: int, port: int, mechanisms: list[str], out_dir: str) -> None:
                 xs.requires_grad_()  # reentrant: an input must require grad (README)
             _train(model, xs[:, rank::2], ys[:, rank::2])
             torch.save(model.module.state_dict(), Path(out_dir) / f"{mechanism}{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _available() -> list[str]:
@@ -157,13 +143,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Train every available setup once, in one pair of spawned processes (spawning costs
     seconds; one spawn keeps the file fast)."""
     out_dir = tmp_path_factory.mktemp("ddp")
-    mp.start_processes(
-        _worker,
-        args=(_free_port(), _available(), str(out_dir)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    spawn_pair(_worker, _available(), str(out_dir))
     return out_dir
 
 
