@@ -285,7 +285,8 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 def op_runner(op: OpOverload) -> Callable[..., Any]:
     """What ``op(...)`` calls: same arguments and result, one Python frame fewer per call, for
-    the scope's tape, which runs every op of a scope and replays it (2.13: ``OpOverload._op``)."""
+    the scope's tape, which runs every op of a scope and replays it, and for selective
+    checkpointing's two modes, which run every op of a region (2.13: ``OpOverload._op``)."""
     runner: Callable[..., Any] = op._op
     return runner
 
