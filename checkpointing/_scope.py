@@ -458,7 +458,10 @@ class _Tape:
         if nested:
             flat = []
             spec = _flatten((args, kwargs), flat)
-        leaves, reads = self._markers(flat)
+        marked = self._markers(flat)
+        if marked is None:
+            internal_error("a flattened argument of a scope op is a container")
+        leaves, reads = marked
         writes: tuple[int, ...] = ()
         if written or hidden_writes:
             ids = _written_ids(written, hidden_writes, args, kwargs)
@@ -483,51 +486,30 @@ class _Tape:
     def record_plain(self, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """``record`` for a plain op (``_OpFacts``) without kwargs: nothing written, nothing
         drawn, no output that is or views an input. Returns ``_NESTED``, having done nothing,
-        if an argument is a container (``record`` flattens it). Runs for nearly every op of a
-        scope, so the markers and the new slot are worked out inline (``_markers`` and
-        ``_new_slot`` are the long path's): one Python call per op instead of three."""
-        leaves: list[Any] = []
-        reads: list[int] = []
-        registry, group_of = _registry, self.group_of
-        for arg in args:
-            if not isinstance(arg, torch.Tensor):
-                if isinstance(arg, _CONTAINERS):
-                    return _NESTED
-                leaves.append(arg)
-                continue
-            entry = registry.get(id(arg))
-            if entry is not None and entry.tape is self and entry() is arg:
-                slot = entry.slot
-                leaves.append(_slots[slot])  # made with the slot
-                reads.append(group_of[slot])
-            else:
-                leaves.append(self._other_marker(arg, entry))
+        if an argument is a container (``record`` flattens it)."""
+        marked = self._markers(args)
+        if marked is None:
+            return _NESTED
+        leaves, reads = marked
         out = run(*args)
         if type(out) is not torch.Tensor:  # several outputs, or none
-            op = _Op(run, leaves, _FLAT, (), (), tuple(reads), (), None)
-            self._add_outputs(op, args, out, False)
+            self._add_outputs(_Op(run, leaves, _FLAT, (), (), reads, (), None), args, out, False)
             return out
-        slot = len(group_of)
-        group_of.append(slot)  # a group of its own: numbered as its slot
-        entry = _Entry(out)
-        entry.key, entry.tape, entry.slot = id(out), self, slot
-        self.entries.append(entry)
-        registry[entry.key] = entry
-        if slot == len(_slots):
-            _slots.append(_Slot(slot))
-        if not out.is_cpu:
-            self.device_types.add(out.device.type)
-        outs = (slot,)
-        self.ops.append(_Op(run, leaves, _FLAT, (), outs, tuple(reads), outs, None))
+        outs = (self._new_slot(out, None),)  # a group of its own: numbered as its slot
+        self.ops.append(_Op(run, leaves, _FLAT, (), outs, reads, outs, None))
         return out
 
-    def _markers(self, flat: _Flat) -> tuple[list[Any], tuple[int, ...]]:
-        """The op's arguments with tensors replaced by markers, and the groups it reads."""
+    def _markers(self, flat: _Flat) -> tuple[list[Any], tuple[int, ...]] | None:
+        """The op's arguments with tensors replaced by markers, and the groups it reads; None
+        if an argument is a container (``flat`` not flat: ``record_plain``'s unflattened
+        arguments)."""
         leaves: list[Any] = []
         reads: list[int] = []
         registry, group_of = _registry, self.group_of
         for leaf in flat:
             if not isinstance(leaf, torch.Tensor):
+                if isinstance(leaf, _CONTAINERS):
+                    return None
                 leaves.append(leaf)
                 continue
             entry = registry.get(id(leaf))
@@ -1114,9 +1096,7 @@ class _ThreadHooks:
         if entry is not None and entry() is tensor and listener.get() is None:
             owner, slot = entry.tape, entry.slot  # the common case: a scope tensor itself, no
             if not owner.closed or owner.reproduces(slot, tensor):  # report listening
-                # ``holder_for``, inline (one call less per saved tensor); no op runs here
-                packed = _ScopeHolder(owner, slot, None, len(owner.ops), metadata_of(tensor))
-                owner.holders.append(weakref.ref(packed))
+                packed = owner.holder_for(tensor, slot, None)  # no op runs here
         if packed is None:
             tape = self.open_tape
             if tape is not None:
