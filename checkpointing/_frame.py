@@ -43,6 +43,7 @@ its graph node, and with it the tensor) with no per-backward bookkeeping left on
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
@@ -144,6 +145,10 @@ class GraphExecGroup:
 
 
 _MISSING: Final = object()
+# Read per saved tensor: module globals rather than attributes of ``_compat``.
+_weak: Final = weakref.ref
+_get_graph_exec_group: Final = _compat.get_graph_exec_group
+_current_graph_task_id: Final = _compat.current_graph_task_id
 
 
 class Holder(dict[object, torch.Tensor | None]):
@@ -155,15 +160,17 @@ class Holder(dict[object, torch.Tensor | None]):
     __slots__ = ("__weakref__",)
 
 
-def unpack_holder(holder: Holder, recompute: Callable[[object], None]) -> torch.Tensor:
+def unpack_holder(recompute: Callable[[object], None], holder: Holder) -> torch.Tensor:
     """Hand out ``holder``'s tensor for the current backward, recomputing on first need and
     releasing it at once (Rule 4). ``recompute(key)`` must fill every live holder for ``key``.
 
-    The key of a backward: the active ``GraphExecGroup``, else the graph task; an unpack outside
-    any backward gets a key of its own. Worked out inline: this runs per saved tensor."""
-    key = _compat.get_graph_exec_group()
+    ``recompute`` comes first so that ``functools.partial(unpack_holder, recompute)`` is an
+    unpack hook with no Python frame of its own (the partial's call is C). The key of a
+    backward: the active ``GraphExecGroup``, else the graph task; an unpack outside any backward
+    gets a key of its own. Worked out inline: this runs per saved tensor."""
+    key = _get_graph_exec_group()
     if key is None:
-        key = _compat.current_graph_task_id()
+        key = _current_graph_task_id()
         if key == -1:
             key = object()
     value = holder.get(key, _MISSING)
@@ -172,7 +179,7 @@ def unpack_holder(holder: Holder, recompute: Callable[[object], None]) -> torch.
         value = holder.get(key, _MISSING)
         internal_assert(value is not _MISSING, "recompute did not fill a live holder")
     if value is None:
-        extra = _MSG_GROUP_OVERLAP if _compat.get_graph_exec_group() is not None else ""
+        extra = _MSG_GROUP_OVERLAP if _get_graph_exec_group() is not None else ""
         raise CheckpointError(_MSG_UNPACKED_TWICE.format(extra=extra))
     holder[key] = None
     return value  # type: ignore[return-value]  # neither _MISSING nor None here
@@ -245,9 +252,10 @@ class Frame:
     def pack(self, x: torch.Tensor) -> Holder:
         """Forward pack hook: store a holder, never the tensor (Rule 1)."""
         holder = Holder()
-        self.weak_holders.append(weakref.ref(holder))
-        if self.metadata is not None:
-            self.metadata.append((x.shape, x.dtype, x.device))
+        self.weak_holders.append(_weak(holder))
+        metadata = self.metadata
+        if metadata is not None:
+            metadata.append((x.shape, x.dtype, x.device))
         if self.observed:
             announce(x, self.region(), "recomputed")
         return holder
@@ -258,25 +266,75 @@ class Frame:
         name = getattr(fn, "region_name", None) or getattr(fn, "__qualname__", None)
         return f"checkpoint({name or type(fn).__name__})"
 
-    def unpack(self, holder: Holder) -> torch.Tensor:
-        """Forward unpack hook: recompute on first need in this backward, then hand out."""
+    def unpack_hook(self) -> Callable[[Holder], torch.Tensor]:
+        """The forward's unpack hook: recompute on first need in this backward, then hand out.
+        Without debug loggers, ``unpack_holder`` bound to this frame's ``recompute``."""
         if self.loggers is None:
-            return unpack_holder(holder, self.recompute)
+            return functools.partial(unpack_holder, self.recompute)
+        return self._unpack_debug
+
+    def _unpack_debug(self, holder: Holder) -> torch.Tensor:
         try:
-            return unpack_holder(holder, self.recompute)
+            return unpack_holder(self.recompute, holder)
         except CheckpointError as error:
+            if self.loggers is None:
+                raise
             debug_error(error, *self.loggers)
 
     # -- backward -----------------------------------------------------------------------------
 
     def recompute(self, key: object) -> None:
         """Re-run the function under the forward's state, filling this frame's live holders
-        for backward ``key``; then check the recomputed tensors against the forward's."""
+        for backward ``key``; then check the recomputed tensors against the forward's.
+
+        The pack hook below also compares each recomputed tensor's metadata with the forward's
+        as it goes, so no second pass over the holders is needed. It is a closure over locals
+        rather than a method reading attributes: it runs per saved tensor."""
         if self.loggers is not None:
             self.loggers[1].ops.clear()  # the report shows the failing recompute only
         args = [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.saved_args]
-        hook = _RecomputeHook(self, key)
-        _compat.push_saved_tensors_hooks(hook.pack, _identity)  # Rule 3: on top of the stack
+        holders = self.weak_holders
+        metadata = self.metadata
+        early_stop = self.early_stop
+        # Fixed once the forward has ended; a forward cut short by its own backward (Rule 6)
+        # may still save more, so then the count is read per tensor.
+        n_fixed = len(holders) if self.forward_completed else -1
+        # Rule 9: a recompute mode that passes ``detach`` through need not see ours.
+        quiet_detach = getattr(self.recompute_context, "passes_detach_through", False)
+        mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
+        count = 0
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
+            nonlocal count
+            if x.requires_grad:
+                if quiet_detach and type(x) in _PLAIN and _dispatch_mode_depth() == 1:
+                    x = _detach_below_modes(x)  # Rule 9
+                else:
+                    x = x.detach()
+            idx = count
+            count = idx + 1
+            n_saved = n_fixed if n_fixed >= 0 else len(holders)
+            if idx >= n_saved:
+                internal_assert(not early_stop, "early stop should have ended recompute")
+                if not self.forward_completed:
+                    self.ignore_count_mismatch = True  # Rule 6
+                    return x
+                too_many_saved(n_saved)
+            holder = holders[idx]()
+            if holder is not None:  # a holder cleared by an earlier inner backward is skipped
+                if holder.setdefault(key, x) is not x:
+                    internal_error("holder filled twice")
+                if metadata is not None:
+                    saved = metadata[idx]
+                    # dtypes are singletons: ``is not`` spares a rich comparison
+                    if saved[1] is not x.dtype or saved[0] != x.shape or saved[2] != x.device:
+                        mismatches.append((idx, saved, x))
+            if early_stop and idx + 1 == n_saved:
+                raise _StopRecompute
+            return x  # Rule 6: a backward inside the re-run can use it
+
+        _compat.push_saved_tensors_hooks(pack, _identity)  # Rule 3: on top of the stack
         try:
             with torch.enable_grad(), self.state.restored(), self.recompute_context:
                 if _compat.dynamo_eval_frame_active():
@@ -289,84 +347,19 @@ class Frame:
             _compat.pop_saved_tensors_hooks()
         if self.ignore_count_mismatch:
             return  # Rule 6: a forward cut short by its own backward saved fewer
-        check_counts(len(self.weak_holders), hook.count)
-        if hook.mismatches:
-            check_metadata(hook.mismatches)
+        check_counts(len(holders), count)
+        if mismatches:
+            check_metadata(mismatches)
 
 
 # Tensor types without a ``__torch_dispatch__`` of their own (Rule 9).
 _PLAIN: Final = (torch.Tensor, torch.nn.Parameter)
+_dispatch_mode_depth: Final = _compat.dispatch_mode_depth
+_detach_below_modes: Final = _compat.detach_below_modes
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-class _RecomputeHook:
-    """The pack hook active while a frame is recomputed for one backward.
-
-    It also compares each recomputed tensor's metadata with the forward's as it goes, so the
-    check after recompute needs no second pass over the holders (this runs per saved tensor).
-    """
-
-    __slots__ = (
-        "count",
-        "early_stop",
-        "frame",
-        "holders",
-        "key",
-        "metadata",
-        "mismatches",
-        "n_saved",
-        "quiet_detach",
-    )
-
-    def __init__(self, frame: Frame, key: object) -> None:
-        # A strong reference is fine: this object lives only as long as the recompute call,
-        # plus any graph built inside it (Rule 6), which dies with the recompute's outputs.
-        self.frame = frame
-        self.key = key
-        self.count = 0
-        self.mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
-        # Rule 9: a recompute mode that passes ``detach`` through need not see ours.
-        self.quiet_detach = getattr(frame.recompute_context, "passes_detach_through", False)
-        # Read once here rather than per saved tensor (the forward has ended, Rule 6 aside:
-        # a forward cut short by its own backward is handled by ``forward_completed``).
-        self.holders = frame.weak_holders
-        self.metadata = frame.metadata
-        self.early_stop = frame.early_stop
-        self.n_saved = len(frame.weak_holders) if frame.forward_completed else -1
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
-        if x.requires_grad:
-            if self.quiet_detach and type(x) in _PLAIN and _compat.dispatch_mode_depth() == 1:
-                x = _compat.detach_below_modes(x)  # Rule 9
-            else:
-                x = x.detach()
-        idx = self.count
-        self.count = idx + 1
-        n_saved = self.n_saved if self.n_saved >= 0 else len(self.holders)
-        if idx >= n_saved:
-            frame = self.frame
-            internal_assert(not self.early_stop, "early stop should have ended recompute")
-            if not frame.forward_completed:
-                frame.ignore_count_mismatch = True  # Rule 6
-                return x
-            too_many_saved(n_saved)
-        holder = self.holders[idx]()
-        if holder is not None:  # a holder cleared by an earlier inner backward is skipped
-            if holder.setdefault(self.key, x) is not x:
-                internal_error("holder filled twice")
-            metadata = self.metadata
-            if metadata is not None:
-                saved = metadata[idx]
-                # dtypes are singletons: ``is not`` spares a rich comparison
-                if saved[1] is not x.dtype or saved[0] != x.shape or saved[2] != x.device:
-                    self.mismatches.append((idx, saved, x))
-        if self.early_stop and idx + 1 == n_saved:
-            raise _StopRecompute
-        return x  # Rule 6: a backward inside the re-run can use it
 
 
 def checkpoint_without_reentrant_generator(
@@ -417,7 +410,7 @@ def checkpoint_without_reentrant_generator(
     )
     completed = False
     token = current_region.set(frame.region()) if frame.observed else None
-    _compat.push_saved_tensors_hooks(frame.pack, frame.unpack)  # Rule 1
+    _compat.push_saved_tensors_hooks(frame.pack, frame.unpack_hook())  # Rule 1
     try:
         with forward_context:
             yield
