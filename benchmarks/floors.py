@@ -11,9 +11,13 @@ interleaved rounds (A B B A ...), medians:
 - the scope's floor: the do-nothing mode (no wrapper) over the 200 ops, the do-nothing hooks over
   the saved tensors and one no-grad run of the body (what a replay must compute), summed, as a
   multiple of our non-reentrant checkpoint's overhead on the same body; beside it the scope's
-  own overhead, as the benchmark's "scope / non-reentrant" ratio.
+  own overhead, as the benchmark's "scope / non-reentrant" ratio;
+- the non-reentrant floor: stripped-down non-reentrant checkpoints (``_bare_checkpoint``), each
+  adding one thing torch's contract asks for, as fractions of torch's own overhead, beside ours
+  with and without the determinism check. The last rung is the least any design with torch's
+  semantics pays in Python: everything above it in ours is the frame's own bookkeeping.
 
-Run: ``python benchmarks/floors.py`` (about 40 s). RESULTS.md quotes its output.
+Run: ``python benchmarks/floors.py`` (about 70 s). RESULTS.md quotes its output.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import gc
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,8 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from _libs import Library, ours_library, torch_library
 from _workloads import tiny_ops
+
+from checkpointing import _compat
 
 OPS = 200
 
@@ -176,6 +183,123 @@ def scope_floor(x: Tensor, w: Tensor, ours: Library, mode: float, hooks: float) 
     )
 
 
+class _Slot(dict[object, Tensor | None]):
+    """A bare holder: recomputed tensors by backward key, weakly referenced by the frame."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _bare_checkpoint(
+    fn: Callable[[Tensor], Tensor], x: Tensor, *, holders: bool, metadata: bool, keyed: bool
+) -> Tensor:
+    """The least a non-reentrant checkpoint of ``fn(x)`` can do, with optional parts of torch's
+    contract: ``holders`` (a weakly held object per saved tensor, so a recomputed tensor lives
+    no longer than its graph node), ``metadata`` (shape, dtype and device compared after
+    recompute) and ``keyed`` (recomputed tensors kept per backward). No early stop, nesting,
+    RNG state or errors beyond the metadata check: a measuring stick, not a checkpoint."""
+    refs: list[weakref.ref[_Slot]] = []
+    values: list[Tensor | None] = []
+    recorded: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+    recomputed = False
+
+    def pack(tensor: Tensor) -> object:
+        if metadata:
+            recorded.append((tensor.shape, tensor.dtype, tensor.device))
+        if holders:
+            slot = _Slot()
+            refs.append(weakref.ref(slot))
+            return slot
+        values.append(None)
+        return len(values) - 1
+
+    def recompute(key: object) -> None:
+        nonlocal recomputed
+        position = 0
+
+        def fill(tensor: Tensor) -> Tensor:
+            nonlocal position
+            if tensor.requires_grad:
+                tensor = tensor.detach()
+            if holders:
+                slot = refs[position]()
+                if slot is not None:
+                    slot[key] = tensor
+            else:
+                values[position] = tensor
+            if metadata:
+                shape, dtype, device = recorded[position]
+                if dtype is not tensor.dtype or shape != tensor.shape or device != tensor.device:
+                    raise RuntimeError("recomputed metadata differs")
+            position += 1
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(fill, lambda t: t), torch.enable_grad():
+            fn(x)
+        recomputed = True
+
+    def unpack(packed: Any) -> Tensor:
+        key: object = 0
+        if keyed:
+            key = _compat.get_graph_exec_group()
+            if key is None:
+                key = _compat.current_graph_task_id()
+        if holders:
+            if key not in packed:
+                recompute(key)
+            tensor = packed[key]
+            packed[key] = None
+        else:
+            if not recomputed:
+                recompute(key)
+            tensor = values[packed]
+            values[packed] = None
+        if tensor is None:
+            raise RuntimeError("unpacked twice")
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+
+
+def frame_floor(x: Tensor, w: Tensor, ours: Library, theirs: Library) -> None:
+    """Print the non-reentrant ladder on W3's body: each rung's overhead above the plain step,
+    as a fraction of torch's non-reentrant overhead (the benchmark's ratio)."""
+
+    def body(h: Tensor) -> Tensor:
+        return tiny_ops(h, w, OPS)
+
+    def step(forward: Callable[[], Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            x.grad = w.grad = None
+            forward().sum().backward()
+
+        return run
+
+    def bare(holders: bool, metadata: bool, keyed: bool) -> Callable[[], None]:
+        return step(
+            lambda: _bare_checkpoint(body, x, holders=holders, metadata=metadata, keyed=keyed)
+        )
+
+    cases = {
+        "plain": step(lambda: body(x)),
+        "torch": step(lambda: theirs.checkpoint(body, x, use_reentrant=False)),
+        "ours": step(lambda: ours.checkpoint(body, x, use_reentrant=False)),
+        'ours, determinism_check="none"': step(
+            lambda: ours.checkpoint(body, x, use_reentrant=False, determinism_check="none")
+        ),
+        "bare: recompute, hand out, release": bare(False, False, False),
+        "bare + holders": bare(True, False, False),
+        "bare + holders + metadata check": bare(True, True, False),
+        "bare + holders + metadata check + per-backward keys": bare(True, True, True),
+    }
+    medians = _median_seconds(cases, rounds=40)
+    plain = medians.pop("plain")
+    torch_cost = medians.pop("torch") - plain
+    print(f"non-reentrant on W3, overhead / torch's ({torch_cost * 1e3:.2f} ms):")
+    for name, seconds in medians.items():
+        print(f"  {name}: {(seconds - plain) / torch_cost:.3f}")
+
+
 def main() -> int:
     """Measure and print the floors."""
     torch.set_num_threads(1)
@@ -188,6 +312,7 @@ def main() -> int:
     mode = mode_floor(x, w, libs)
     if ours is not None:
         scope_floor(x, w, ours, mode, hooks)
+        frame_floor(x, w, ours, torch_library())
     return 0
 
 
