@@ -43,12 +43,11 @@ its graph node, and with it the tensor) with no per-backward bookkeeping left on
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
-from typing import Any, Final, Self
+from typing import Any, Final, Protocol, Self
 
 import torch
 
@@ -71,6 +70,7 @@ __all__ = [
     "Frame",
     "GraphExecGroup",
     "Holder",
+    "Recomputes",
     "checkpoint_without_reentrant_generator",
     "early_stop_enabled",
     "run_generator",
@@ -160,14 +160,20 @@ class Holder(dict[object, torch.Tensor | None]):
     __slots__ = ("__weakref__",)
 
 
-def unpack_holder(recompute: Callable[[object], None], holder: Holder) -> torch.Tensor:
-    """Hand out ``holder``'s tensor for the current backward, recomputing on first need and
-    releasing it at once (Rule 4). ``recompute(key)`` must fill every live holder for ``key``.
+class Recomputes(Protocol):
+    """What ``unpack_holder`` asks to fill holders: a frame, or a scope's holder itself."""
 
-    ``recompute`` comes first so that ``functools.partial(unpack_holder, recompute)`` is an
-    unpack hook with no Python frame of its own (the partial's call is C). The key of a
-    backward: the active ``GraphExecGroup``, else the graph task; an unpack outside any backward
-    gets a key of its own. Worked out inline: this runs per saved tensor."""
+    def recompute(self, key: object) -> None:
+        """Fill every live holder that waits for backward ``key`` (or raise)."""
+
+
+def unpack_holder(owner: Recomputes, holder: Holder) -> torch.Tensor:
+    """Hand out ``holder``'s tensor for the current backward, recomputing on first need and
+    releasing it at once (Rule 4). ``owner.recompute(key)`` must fill every live holder for
+    ``key``.
+
+    The key of a backward: the active ``GraphExecGroup``, else the graph task; an unpack outside
+    any backward gets a key of its own. Worked out inline: this runs per saved tensor."""
     key = _get_graph_exec_group()
     if key is None:
         key = _current_graph_task_id()
@@ -175,7 +181,7 @@ def unpack_holder(recompute: Callable[[object], None], holder: Holder) -> torch.
             key = object()
     value = holder.get(key, _MISSING)
     if value is _MISSING:
-        recompute(key)
+        owner.recompute(key)
         value = holder.get(key, _MISSING)
         internal_assert(value is not _MISSING, "recompute did not fill a live holder")
     if value is None:
@@ -266,16 +272,17 @@ class Frame:
         name = getattr(fn, "region_name", None) or getattr(fn, "__qualname__", None)
         return f"checkpoint({name or type(fn).__name__})"
 
+    # The forward's unpack hook, without debug loggers, is the frame itself: calling it runs
+    # ``unpack_holder(frame, holder)``, one Python frame and no bound method made per call.
+    __call__ = unpack_holder
+
     def unpack_hook(self) -> Callable[[Holder], torch.Tensor]:
-        """The forward's unpack hook: recompute on first need in this backward, then hand out.
-        Without debug loggers, ``unpack_holder`` bound to this frame's ``recompute``."""
-        if self.loggers is None:
-            return functools.partial(unpack_holder, self.recompute)
-        return self._unpack_debug
+        """The forward's unpack hook: recompute on first need in this backward, then hand out."""
+        return self if self.loggers is None else self._unpack_debug
 
     def _unpack_debug(self, holder: Holder) -> torch.Tensor:
         try:
-            return unpack_holder(self.recompute, holder)
+            return unpack_holder(self, holder)
         except CheckpointError as error:
             if self.loggers is None:
                 raise

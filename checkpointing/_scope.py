@@ -1128,7 +1128,7 @@ class _ThreadHooks:
     def unpack(packed: Any) -> torch.Tensor:
         """Our unpack hook (any thread): recompute a holder, or hand back what was kept."""
         if isinstance(packed, _ScopeHolder):
-            return unpack_holder(packed.recompute, packed)
+            return unpack_holder(packed, packed)
         if isinstance(packed, _Passed):
             return packed.unpack()
         result: torch.Tensor = packed.unpack_fn(packed.packed)
