@@ -163,23 +163,19 @@ def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] |
 dispatch_mode_depth: Callable[[], int] = torch._C._len_torch_dispatch_stack
 """How many Python dispatch modes are active in this thread, infra modes included (2.13)."""
 
-_PYTHON_KEY = torch._C.DispatchKey.Python
-_python_key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_exclude_python_key = torch._C._dispatch_tls_set_dispatch_key_excluded
+has_torch_function_unary: Callable[[object], bool] = torch._C._has_torch_function_unary
+"""Whether a call on this object would reach ``__torch_function__``: a subclass that overrides
+it, or an active torch-function mode (2.13)."""
 
-
-def detach_below_modes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.detach()`` run below the Python dispatch key, so no dispatch mode sees it: the
-    same result as a mode that passes ``detach`` through unchanged, without the ~3-4 us of a
-    round trip into Python. Callers make sure that is the only mode and ``tensor`` is a plain
-    ``torch.Tensor`` (2.13: ``torch._C._dispatch_tls_set_dispatch_key_excluded``)."""
-    if _python_key_excluded(_PYTHON_KEY):
-        return tensor.detach()
-    _exclude_python_key(_PYTHON_KEY, True)
-    try:
-        return tensor.detach()
-    finally:
-        _exclude_python_key(_PYTHON_KEY, False)
+detach_below_modes: Callable[[torch.Tensor], torch.Tensor] = functools.partial(
+    torch.Tensor._make_subclass, torch.Tensor
+)
+"""``tensor.detach()`` that no dispatch mode sees: the same alias (version counter shared,
+``requires_grad`` off) as a mode that passes ``detach`` through unchanged would give, without
+the ~2 us of a round trip into Python, and no Python frame of its own. Callers make sure that
+is the only mode, no torch-function override or mode could see the call, and ``tensor`` is a
+plain ``torch.Tensor`` (2.13: ``Tensor._make_subclass`` stashes the dispatch-mode stack and
+turns the Python dispatcher off around its detach)."""
 
 
 def push_saved_tensors_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:

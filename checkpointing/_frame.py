@@ -33,7 +33,8 @@ NOTE [Nestable checkpoint]
           recompute context that passes ``detach`` through unchanged (selective checkpoint's,
           which says so with ``passes_detach_through = True``) and the tensor is a plain one, the
           detach runs below the modes: the same tensor, without a trip through Python per saved
-          tensor. With any other mode active, or a tensor subclass, every mode sees the detach.
+          tensor. With any other mode active (a torch-function mode included), or a tensor
+          subclass, every mode sees the detach.
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -315,7 +316,12 @@ class Frame:
             """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
             nonlocal count
             if x.requires_grad:
-                if quiet_detach and type(x) in _PLAIN and _dispatch_mode_depth() == 1:
+                if (
+                    quiet_detach
+                    and type(x) in _PLAIN
+                    and _dispatch_mode_depth() == 1
+                    and not _has_torch_function(x)
+                ):
                     x = _detach_below_modes(x)  # Rule 9
                 else:
                     x = x.detach()
@@ -363,6 +369,7 @@ class Frame:
 _PLAIN: Final = (torch.Tensor, torch.nn.Parameter)
 _dispatch_mode_depth: Final = _compat.dispatch_mode_depth
 _detach_below_modes: Final = _compat.detach_below_modes
+_has_torch_function: Final = _compat.has_torch_function_unary
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
