@@ -111,7 +111,7 @@ from ._compat import (
     view_base,
     written_arguments,
 )
-from ._determinism import Metadata, check_metadata, metadata_of
+from ._determinism import Metadata, check_metadata
 from ._errors import CheckpointError, internal_error
 from ._events import announce, listener
 from ._frame import Frame, Holder, unpack_holder
@@ -121,6 +121,7 @@ from ._state import (
     default_generator,
     is_recomputing,
     marked_as_recompute,
+    recompute_depth,
 )
 
 __all__ = ["gradient_checkpoint_scope", "gradient_checkpoint_session"]
@@ -373,19 +374,18 @@ class _Op:
 
 
 class _ScopeHolder(Holder):
-    """A frame ``Holder`` that knows its tape, slot, view and when it was packed (Rules 2, 8)."""
+    """A frame ``Holder`` that knows its tape, slot, view and when it was packed (Rules 2, 8).
+
+    Made by ``_Tape.holder_for`` only, which sets the fields: one is made per saved tensor, and
+    a constructor taking them would add a Python call to each."""
 
     __slots__ = ("meta", "position", "slot", "tape", "view")
 
-    def __init__(
-        self, tape: _Tape, slot: int, view: _View | None, position: int, meta: Metadata
-    ) -> None:
-        # No ``super().__init__()``: the holder starts as an empty dict (one per saved tensor).
-        self.tape = tape
-        self.slot = slot
-        self.view = view
-        self.position = position
-        self.meta = meta
+    tape: _Tape
+    slot: int
+    view: _View | None
+    position: int  # how many ops the tape had when the tensor was saved
+    meta: Metadata
 
     def recompute(self, key: object) -> None:
         """Fill this holder, and every holder replayed with it, for backward ``key``."""
@@ -639,7 +639,9 @@ class _Tape:
     def holder_for(self, tensor: torch.Tensor, slot: int, view: _View | None) -> _ScopeHolder:
         """A holder that autograd stores instead of ``tensor`` (Rules 2 and 8). The caller
         tells a listening report (``announce``)."""
-        holder = _ScopeHolder(self, slot, view, len(self.ops), metadata_of(tensor))
+        holder = _ScopeHolder()
+        holder.tape, holder.slot, holder.view, holder.position = self, slot, view, len(self.ops)
+        holder.meta = (tensor.shape, tensor.dtype, tensor.device)  # ``metadata_of``, inline
         self.holders.append(weakref.ref(holder))
         return holder
 
@@ -926,7 +928,7 @@ class _TapeMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         tape = self.tape
-        if tape.paused or is_recomputing():  # our own hook's work, or a replay
+        if tape.paused or recompute_depth():  # our own hook's work, or a replay
             return func(*args, **(kwargs or {}))
         facts = _op_facts.get(id(func))  # by id: ``OpOverload.__hash__`` is a Python method
         if facts is None:

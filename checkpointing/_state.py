@@ -60,6 +60,7 @@ __all__ = [
     "is_recomputing",
     "marked_as_recompute",
     "noop_context_fn",
+    "recompute_depth",
     "set_device_states",
     "shared_cpu_rng_state",
 ]
@@ -84,6 +85,11 @@ def is_recomputing() -> bool:
     a forward hook's side effect the second time.
     """
     return _recompute_depth.get() > 0
+
+
+recompute_depth: Callable[[], int] = _recompute_depth.get
+"""How many recomputes are running in this context (0 outside any): ``is_recomputing()`` as one
+C-level call, for per-op paths."""
 
 
 @contextlib.contextmanager
