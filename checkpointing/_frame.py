@@ -278,16 +278,19 @@ class Frame:
     __call__ = unpack_holder
 
     def unpack_hook(self) -> Callable[[Holder], torch.Tensor]:
-        """The forward's unpack hook: recompute on first need in this backward, then hand out."""
-        return self if self.loggers is None else self._unpack_debug
+        """The forward's unpack hook: recompute on first need in this backward, then hand out;
+        with debug loggers, a failure also reports the ops of forward and recompute."""
+        loggers = self.loggers
+        if loggers is None:
+            return self
 
-    def _unpack_debug(self, holder: Holder) -> torch.Tensor:
-        try:
-            return unpack_holder(self, holder)
-        except CheckpointError as error:
-            if self.loggers is None:
-                raise
-            debug_error(error, *self.loggers)
+        def unpack_reporting(holder: Holder) -> torch.Tensor:
+            try:
+                return unpack_holder(self, holder)
+            except CheckpointError as error:
+                debug_error(error, *loggers)
+
+        return unpack_reporting
 
     # -- backward -----------------------------------------------------------------------------
 

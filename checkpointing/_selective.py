@@ -772,9 +772,9 @@ _runners: dict[int, Callable[..., Any]] = {}
 _ASK: Final[_OpPlan] = (_Plan.ASK, _Action.RECOMPUTE)
 # Plan members as module constants for the per-op path: reading an ``Enum`` member through its
 # class costs ~50 ns, a global ~10 ns.
-_COUNT: Final = _Plan.COUNT
-_KEEP: Final = _Plan.KEEP
-_ASKS: Final = _Plan.ASK
+_PLAN_COUNT: Final = _Plan.COUNT
+_PLAN_KEEP: Final = _Plan.KEEP
+_PLAN_ASK: Final = _Plan.ASK
 _dispatch_mode_depth: Final = _compat.dispatch_mode_depth
 
 
@@ -841,7 +841,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             op_plan = plans.get(op_id)
             if op_plan is None:
                 op_plan = self._learn_plan(func, plans)
-            if op_plan[0] is _COUNT:  # Rule 3: a count is all that recompute needs
+            if op_plan[0] is _PLAN_COUNT:  # Rule 3: a count is all that recompute needs
                 counts = self.cache.counts
                 counts[key] = counts.get(key, 0) + 1
                 return out
@@ -853,7 +853,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             record = records[key] = _OpRecord(op_plan, _facts(func))
         index = record.calls
         record.calls = index + 1
-        if op_plan[0] is _KEEP:
+        if op_plan[0] is _PLAN_KEEP:
             record.keep(index, _keep(out, op_plan[1], self.offload_stats))
             return out
         return self._decide(func, args, kwargs, out, record, index)
@@ -870,7 +870,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         """Rules 1, 2, 8 and 10 for one call: ask the policy (unless its answer for the op is
         known), keep or hand over what it says, note producers for later tags."""
         action = record.action
-        if record.plan is _ASKS:
+        if record.plan is _PLAN_ASK:
             ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
             answer = self.policy(ctx, func, *args, **kwargs)
             # Rule 2, inline: answers are singletons (enum members, bools): identity finds them.
