@@ -7,6 +7,8 @@ ready-made ``checkpointing.policies``, and reports of what is saved for backward
 
 from __future__ import annotations
 
+# _compat first: its release gate runs before any module that needs a supported torch.
+from . import _compat as _compat
 from . import _frame
 from . import policies as policies
 from ._checkpoint import checkpoint
@@ -38,9 +40,10 @@ from ._state import (
 )
 from ._wrappers import apply_activation_checkpointing, checkpoint_wrapper
 
-# Not in __all__: torch's private name, for code written against torch's generator (README,
-# "For library authors").
+# Not in __all__: torch's private names, for code written against torch's generator (README,
+# "For library authors"): the positional form of 2.13 and the ``fn, args, kwargs`` form of 2.14.
 _checkpoint_without_reentrant_generator = _frame.checkpoint_without_reentrant_generator
+_checkpoint_without_reentrant_generator_impl = _frame.checkpoint_without_reentrant_generator_impl
 
 __all__ = [
     "SAC_IGNORED_OPS",

@@ -1,20 +1,21 @@
 """The ``checkpoint()`` front door: validates arguments and picks the variant.
 
-Owns the public signature (identical to ``torch.utils.checkpoint.checkpoint`` in 2.13), the
-warning when ``use_reentrant`` is omitted, and the argument errors. The reentrant variant lives in
-``_reentrant``; the non-reentrant variant is ``_frame``'s generator, driven here exactly as
-``checkpoint_module``'s hooks drive it (one path); the determinism and debug machinery lives in
-``_determinism``.
+Owns the public signature (torch 2.14's, the newest: ``function`` may be omitted to get a
+decorator), the decorator's wrapper, the warning when ``use_reentrant`` is omitted, and the
+argument errors. The reentrant variant lives in ``_reentrant``; the non-reentrant variant is
+``_frame``'s generator, driven here exactly as ``checkpoint_module``'s hooks drive it (one path);
+the determinism and debug machinery lives in ``_determinism``.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, TypeVar, overload
 
 from . import _compat
-from ._frame import checkpoint_without_reentrant_generator, run_generator
+from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
 from ._reentrant import CheckpointFunction
 from ._state import ContextFn, is_noop_context_fn, noop_context_fn
 
@@ -28,13 +29,18 @@ CHECKPOINT_OPTIONS: Final = frozenset(
         "determinism_check",
         "early_stop",
         "preserve_rng_state",
+        "respect_saved_tensors_hooks",
         "use_reentrant",
     }
 )
 
+_T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# Torch 2.15's wording (2.11-2.14 said "Starting in PyTorch 2.9, ...").
 _MSG_USE_REENTRANT_OMITTED = (
-    "torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly. Starting "
-    "in PyTorch 2.9, calling checkpoint without use_reentrant will raise an exception. "
+    "torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly. In a "
+    "future release, calling checkpoint without use_reentrant will raise an exception. "
     "use_reentrant=False is recommended, but if you need to preserve the current default "
     "behavior, you can pass use_reentrant=True. Refer to docs for more details on the "
     "differences between the two variants."
@@ -45,9 +51,15 @@ _MSG_UNEXPECTED_KWARGS = (
     "them with functools.partial.)"
 )
 _MSG_REENTRANT_ONLY_DEFAULTS = (
-    "Passing `context_fn` or `debug` is only supported when use_reentrant=False. "
-    "(checkpointing.checkpoint: got use_reentrant=True with {what}. Fix: pass "
-    "use_reentrant=False.)"
+    "Passing `context_fn`, `debug`, or `respect_saved_tensors_hooks` is only supported when "
+    "use_reentrant=False. (checkpointing.checkpoint: got use_reentrant=True with {what}. Fix: "
+    "pass use_reentrant=False.)"
+)
+_MSG_DECORATOR_KWARGS = (
+    "Unexpected keyword arguments: {names}. (checkpointing.checkpoint called without a function "
+    "returns a decorator, which takes checkpoint options only. Fix: pass the function's own "
+    "arguments when calling the decorated function, e.g. "
+    "`checkpoint(use_reentrant=False)(fn)(x, scale=2)`.)"
 )
 _MSG_NOT_CALLABLE = (
     "checkpointing.checkpoint: expected a callable as the first argument (the function to "
@@ -55,27 +67,61 @@ _MSG_NOT_CALLABLE = (
 )
 
 
-@_compat.skip_dynamo
+@overload
 def checkpoint(
-    function: Callable[..., Any],
+    function: Callable[..., _T],
     *args: Any,
     use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
     context_fn: ContextFn = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
+    **kwargs: Any,
+) -> _T: ...
+
+
+@overload
+def checkpoint(
+    function: None = None,
+    *,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: ContextFn = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
+) -> Callable[[_F], _F]: ...
+
+
+@_compat.skip_dynamo
+def checkpoint(
+    function: Callable[..., Any] | None = None,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: ContextFn = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
 
-    Drop-in for ``torch.utils.checkpoint.checkpoint`` (same signature and behaviour): the inputs
-    are kept and the function is re-run in backward to recompute what backward needs.
+    Drop-in for ``torch.utils.checkpoint.checkpoint`` (torch 2.15's signature and behaviour, on
+    every supported release): the inputs are kept and the function is re-run in backward to
+    recompute what backward needs. Called with options only, it returns a decorator.
 
     Args:
-        function: the region to checkpoint.
+        function: the region to checkpoint; omitted, ``checkpoint(**options)`` returns a
+            decorator for functions and methods (``@checkpoint(use_reentrant=False)``).
         *args: its positional inputs.
         use_reentrant: ``False`` (recommended) for the non-reentrant frame; ``True`` for the
-            reentrant ``CheckpointFunction``. Omitted: warns and uses ``True``, as torch 2.13.
+            reentrant ``CheckpointFunction``. Omitted: warns and uses ``True``, as torch.
+        preserve_rng_state: restore the RNG state of the forward for recompute.
         context_fn: returns two context managers, entered around forward and recompute
             (non-reentrant only); see ``create_selective_checkpoint_contexts``.
         determinism_check: ``"default"`` compares shape, dtype and device of recomputed
@@ -84,30 +130,95 @@ def checkpoint(
             divergence (non-reentrant only).
         early_stop: stop recompute once everything needed exists (non-reentrant only; a
             ``set_checkpoint_early_stop`` context active at forward time overrides it).
-        **kwargs: ``preserve_rng_state=True`` (restore RNG state for recompute), then keyword
-            arguments for ``function`` (non-reentrant only).
+        respect_saved_tensors_hooks: route what a selective policy keeps through the user's
+            saved-tensors hooks (``True``), or not (``False``); ``None`` does not, and warns
+            (``FutureWarning``) when such hooks are active (non-reentrant only).
+        **kwargs: keyword arguments for ``function`` (non-reentrant only).
 
     Example:
         >>> import torch, checkpointing
         >>> x = torch.randn(4, 4, requires_grad=True)
         >>> y = checkpointing.checkpoint(torch.sin, x, use_reentrant=False)
         >>> y.sum().backward()
+        >>> @checkpointing.checkpoint(use_reentrant=False)
+        ... def block(t):
+        ...     return t.sin().cos()
+        >>> block(x).sum().backward()
     """
+    if function is None and not args:
+        if kwargs:
+            raise ValueError(_MSG_DECORATOR_KWARGS.format(names=",".join(kwargs)))
+        return functools.partial(
+            CheckpointedFunction,
+            use_reentrant=use_reentrant,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=context_fn,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        )
     if use_reentrant is None:
         # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
     if not callable(function):
         raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(function).__name__))
-    preserve = kwargs.pop("preserve_rng_state", True)
     if use_reentrant:
         if kwargs:
             raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
-        if not is_noop_context_fn(context_fn) or debug is not False:
-            what = "context_fn" if not is_noop_context_fn(context_fn) else "debug=True"
+        if (
+            not is_noop_context_fn(context_fn)
+            or debug is not False
+            or respect_saved_tensors_hooks is not None
+        ):
+            what = (
+                "context_fn"
+                if not is_noop_context_fn(context_fn)
+                else "debug=True"
+                if debug is not False
+                else f"respect_saved_tensors_hooks={respect_saved_tensors_hooks!r}"
+            )
             raise ValueError(_MSG_REENTRANT_ONLY_DEFAULTS.format(what=what))
-        return CheckpointFunction.apply(function, preserve, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
-    gen = checkpoint_without_reentrant_generator(
-        function, preserve, context_fn, determinism_check, debug, early_stop, *args, **kwargs
+        return CheckpointFunction.apply(function, preserve_rng_state, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
+    gen = checkpoint_without_reentrant_generator_impl(
+        function,
+        args,
+        kwargs,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
     )
     return run_generator(gen, function, *args, **kwargs)
+
+
+class CheckpointedFunction:
+    """``function`` with checkpoint options bound: what ``@checkpoint(**options)`` returns.
+
+    Calling it checkpoints one call of ``function``; it keeps ``function``'s name, docstring
+    and module, and as a method decorator binds ``self`` (the bound method is checkpointed
+    with the same options)."""
+
+    def __init__(self, function: Callable[..., Any], **options: Any) -> None:
+        self.function = function
+        self.options = options
+        functools.update_wrapper(self, function, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        options = self.options
+        if options["use_reentrant"] is None:
+            # Warned here, so that the warning points at the caller's line, not at this one.
+            warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
+            options = {**options, "use_reentrant": True}
+        return checkpoint(self.function, *args, **options, **kwargs)
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        bind = getattr(self.function, "__get__", None)
+        if bind is None:
+            return self
+        return type(self)(bind(instance, owner), **self.options)

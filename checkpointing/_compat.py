@@ -1,9 +1,13 @@
 """The only module that touches private PyTorch APIs.
 
-Each name here wraps one private torch API, with a comment saying what it is for and a version
-gate: the code is checked against torch 2.13 (the floor in ``pyproject.toml``). Every other module
-imports from here instead of reaching into ``torch._C`` or ``torch.utils._*``; when torch moves
-one of these, this file is the one place to fix.
+Each name here wraps one private torch API, with a comment saying what it is for and the releases
+it is checked against. The supported range is torch 2.11 to 2.15 (SPEC §12); where a release lacks
+an API, the wrapper says so and carries the fallback. Every other module imports from here instead
+of reaching into ``torch._C`` or ``torch.utils._*``; when torch moves one of these, this file is
+the one place to fix.
+
+The release gate runs before any private import, so that an unsupported torch meets our message
+and not an ``ImportError`` from deep inside torch.
 """
 
 from __future__ import annotations
@@ -11,15 +15,29 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+"""The installed torch's (major, minor) release."""
+OLDEST_SUPPORTED: tuple[int, int] = (2, 11)
+NEWEST_CHECKED: tuple[int, int] = (2, 15)
+_MSG_UNSUPPORTED_TORCH = (
+    "checkpointing supports torch 2.11 to 2.15, but torch {found} is installed (checkpointing "
+    "relies on autograd and dispatch internals that older releases lack or spell differently). "
+    "Fix: upgrade PyTorch to 2.11 or newer with the wheel for your accelerator, e.g. "
+    "`pip install --upgrade 'torch>=2.11'`."
+)
+if TORCH_VERSION < OLDEST_SUPPORTED:
+    raise ImportError(_MSG_UNSUPPORTED_TORCH.format(found=torch.__version__))
+
+# Every private import sits below the gate (ruff's E402 is off for this file for that reason).
 from torch._C._autograd import SavedTensor as SavedTensor
-from torch._C._autograd import _make_saved_tensor
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
-from torch._higher_order_ops.wrap import _resolve_inductor_callable
+from torch._higher_order_ops.effects import has_effects as _has_effects
 from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_compiled_code
 from torch._ops import HigherOrderOperator as HigherOrderOperator
 from torch._ops import OpOverload as OpOverload
@@ -37,28 +55,94 @@ from torch.utils._pytree import tree_unflatten as tree_unflatten
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# Pytree helpers (2.13, ``torch.utils._pytree``). Prefer ``tree_leaves``: ``tree_flatten`` and
+# Pytree helpers (2.11-2.15, ``torch.utils._pytree``). Prefer ``tree_leaves``: ``tree_flatten`` and
 # ``tree_map`` leave a few cyclic objects per call (a self-referencing closure), which a hot path
 # must not do (SPEC §6, "No garbage").
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-# Version gate shared by every wrapper below: all of them exist with these signatures in 2.13.
-if TORCH_VERSION < (2, 13):  # pragma: no cover - guarded by the dependency floor
-    raise ImportError(
-        f"checkpointing needs torch>=2.13, found {torch.__version__}. "
-        "Fix: pip install 'torch>=2.13'."
-    )
 
+# --- Saving a region's inputs (``_frame``, NOTE [Nestable checkpoint], Rule 2) -----------------
+# A region's tensor inputs are saved the way autograd saves an op's inputs: through the hooks
+# active at the call (a parent checkpoint's, so nesting works), and with the version check that
+# turns an in-place change before backward into autograd's usual error.
 
-def make_saved_tensor(tensor: torch.Tensor) -> SavedTensor:
-    """Save ``tensor`` the way autograd saves an input: through the active pack hooks, with a
-    version-counter check on unpack (torch 2.13: ``torch._C._autograd._make_saved_tensor``)."""
-    return _make_saved_tensor(tensor, is_output=False)
+if hasattr(torch._C._autograd, "_make_saved_tensor"):  # 2.12 and newer
+    _make_saved_tensor = torch._C._autograd._make_saved_tensor
+
+    def save_inputs(args: Sequence[Any]) -> list[Any]:
+        """``args`` with each tensor replaced by a ``SavedTensor`` (2.12-2.15:
+        ``torch._C._autograd._make_saved_tensor(t, is_output=False)``)."""
+        return [
+            _make_saved_tensor(a, is_output=False) if isinstance(a, torch.Tensor) else a
+            for a in args
+        ]
+
+    def unpack_inputs(saved: list[Any]) -> list[Any]:
+        """The inputs ``save_inputs`` saved, unpacked (the version check runs here)."""
+        return [a.unpack() if isinstance(a, SavedTensor) else a for a in saved]
+
+else:  # 2.11: no way to make a SavedTensor from Python
+
+    class _KeepInputs(torch.autograd.Function):
+        """Saves its tensor arguments for a backward that never runs: autograd then holds
+        them as saved inputs (hooks and version check included), as torch 2.11's own
+        checkpoint does. The first argument is an anchor that requires grad, so that a node
+        exists to hold them."""
+
+        @staticmethod
+        def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(*tensors)
+            return anchor.new_empty(0)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+            raise RuntimeError("checkpointing: the node that keeps a region's inputs ran")
+
+    _ANCHOR = torch.empty(0, requires_grad=True)
+
+    class _InputSlot:
+        """Where a saved input sits: the node's output that keeps it alive, and its index."""
+
+        __slots__ = ("index", "keeper")
+
+        def __init__(self, keeper: torch.Tensor, index: int) -> None:
+            self.keeper = keeper
+            self.index = index
+
+    def save_inputs(args: Sequence[Any]) -> list[Any]:
+        """``args`` with each tensor replaced by its slot in one node that saved them all
+        (2.11: a no-op ``autograd.Function``; the caller has grad mode on)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:
+            return list(args)
+        keeper = _KeepInputs.apply(_ANCHOR, *tensors)  # type: ignore[no-untyped-call]  # untyped
+        saved: list[Any] = []
+        count = 0
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                saved.append(_InputSlot(keeper, count))
+                count += 1
+            else:
+                saved.append(a)
+        return saved
+
+    def unpack_inputs(saved: list[Any]) -> list[Any]:
+        """The inputs ``save_inputs`` saved: the node's saved tensors are unpacked once, all
+        together (a parent checkpoint hands each one out once per backward)."""
+        values: tuple[torch.Tensor, ...] | None = None
+        out: list[Any] = []
+        for a in saved:
+            if type(a) is _InputSlot:
+                if values is None:
+                    values = a.keeper.grad_fn.saved_tensors  # type: ignore[union-attr]
+                out.append(values[a.index])
+            else:
+                out.append(a)
+        return out
 
 
 def storage_bytes(tensor: torch.Tensor) -> bytes:
     """A copy of a CPU tensor's storage as ``bytes``, invisible to dispatch and function modes
-    (no aten op runs; the torch-function guard is entered only when a mode is active; 2.13:
+    (no aten op runs; the torch-function guard is entered only when a mode is active; 2.11-2.15:
     ``torch._C._is_torch_function_mode_enabled``)."""
     if torch._C._is_torch_function_mode_enabled():
         with torch._C.DisableTorchFunction():
@@ -70,28 +154,28 @@ def storage_bytes(tensor: torch.Tensor) -> bytes:
 
 # Direct aliases, not wrappers: both run on every unpack of a saved tensor.
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
-"""Id of the backward graph task running on this thread, -1 outside backward (2.13)."""
+"""Id of the backward graph task running on this thread, -1 outside backward (2.11-2.15)."""
 
 get_graph_exec_group: Callable[[], object | None] = torch._C._get_graph_exec_group
-"""The active ``GraphExecGroup`` (a thread-local kept by autograd's C++ side, 2.13)."""
+"""The active ``GraphExecGroup`` (a thread-local kept by autograd's C++ side, 2.11-2.15)."""
 
 
 def set_graph_exec_group(group: object | None) -> None:
-    """Set or clear the active ``GraphExecGroup`` (2.13)."""
+    """Set or clear the active ``GraphExecGroup`` (2.11-2.15)."""
     # The stub names torch's own GraphExecGroup; the C++ side stores any object.
     torch._C._set_graph_exec_group(group)  # type: ignore[arg-type]
 
 
 def is_checkpoint_valid() -> bool:
     """False inside ``torch.autograd.grad`` / ``backward(inputs=...)``, where reentrant
-    checkpoint cannot work (2.13: ``torch.autograd._is_checkpoint_valid``)."""
+    checkpoint cannot work (2.11-2.15: ``torch.autograd._is_checkpoint_valid``)."""
     return bool(torch.autograd._is_checkpoint_valid())  # type: ignore[no-untyped-call]
 
 
 def run_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """``torch.autograd.backward(outputs, grads)`` for the reentrant checkpoint's inner backward,
     where ``grads`` come from autograd itself, straight into the engine through torch's own
-    helper (2.13: ``torch.autograd.graph._engine_run_backward``), skipping the argument
+    helper (2.11-2.15: ``torch.autograd.graph._engine_run_backward``), skipping the argument
     processing that ``backward`` repeats in Python for every call. Anything that processing
     would act on goes through ``torch.autograd.backward`` itself: functorch transforms,
     ``__torch_function__`` tensors, and a grad whose shape is not its output's (its error)."""
@@ -109,7 +193,7 @@ def run_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None
 
 def disable_dynamo(fn: _F) -> _F:
     """Keep dynamo out of ``fn``: hook-based machinery breaks the graph instead of being traced
-    (2.13: ``torch._disable_dynamo``)."""
+    (2.11-2.15: ``torch._disable_dynamo``)."""
     disable: Callable[[_F], _F] = torch._disable_dynamo  # type: ignore[attr-defined,assignment]  # private, overloaded
     return disable(fn)
 
@@ -118,7 +202,7 @@ def skip_dynamo_in_code(fn: _F) -> _F:
     """Keep dynamo out of ``fn`` and of every frame it calls, as ``disable_dynamo`` does, but
     recorded once on ``fn``'s code object, so that a call costs nothing (no wrapper frame, no
     eval-frame switch). For hot functions called by torch itself, such as a dispatch mode's
-    ``__torch_dispatch__`` (2.13: ``torch._C._dynamo.eval_frame.set_code_exec_strategy`` with
+    ``__torch_dispatch__`` (2.11-2.15: ``torch._C._dynamo.eval_frame.set_code_exec_strategy`` with
     SKIP for the frame and its callees, the mechanism behind dynamo's own ``skip_code``)."""
     code = fn.__code__
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
@@ -131,18 +215,18 @@ def skip_dynamo(fn: _F) -> _F:
     ``disable`` and ``skip`` set), and when ``fn`` runs, dynamo skips it and every frame it calls
     (``skip_dynamo_in_code``). For entry points called once per region, such as ``checkpoint``:
     ``disable_dynamo``'s two wrapper frames cost about 4 us per call even when nothing is being
-    compiled (2.13: ``torch._dynamo`` reads the mark with ``inspect.getattr_static``)."""
+    compiled (2.11-2.15: ``torch._dynamo`` reads the mark with ``inspect.getattr_static``)."""
     skip_dynamo_in_code(fn)
     fn._torchdynamo_disable = True  # type: ignore[attr-defined]
     return fn
 
 
 def active_device_context() -> DeviceContext | None:
-    """The innermost ``with torch.device(...)`` mode on the function-mode stack, if any (2.13:
+    """The innermost ``with torch.device(...)`` mode on the function-mode stack, if any (2.11-2.15:
     ``torch.overrides._get_current_function_mode_stack`` and ``torch.utils._device``)."""
     if not torch._C._len_torch_function_stack():
         return None  # the common case, per checkpoint call: no function mode at all
-    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]  # untyped in 2.13
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]  # untyped in torch
     for mode in reversed(stack):
         if isinstance(mode, DeviceContext):
             return mode
@@ -151,21 +235,52 @@ def active_device_context() -> DeviceContext | None:
 
 def accelerator_initialized(device_module: Any) -> bool:
     """Whether an accelerator's runtime is already initialised, without initialising it (each
-    device module keeps a private ``_initialized`` flag in 2.13; ``torch.cpu`` has none)."""
+    device module keeps a private ``_initialized`` flag in 2.11-2.15; ``torch.cpu`` has none)."""
     return bool(getattr(device_module, "_initialized", False))
 
 
-def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The innermost default saved-tensors hook pair on this thread, or None (2.13)."""
+HookPair = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+def top_saved_tensors_hooks() -> HookPair | None:
+    """The innermost default saved-tensors hook pair on this thread, or None (2.11-2.15)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+# Checkpoint-internal hooks (torch 2.14's protocol, which we follow on every release): a pack hook
+# of checkpoint machinery says so with ``_checkpoint_internal = True`` and, while it is on the
+# stack, names in ``_user_hooks`` the user's pair that was visible when it was pushed (or None).
+# Selective checkpointing asks for the user's hooks through that chain: torch's own (2.14+) and
+# ours, so neither mistakes the other's frame for a user hook. Torch 2.11-2.13 mark nothing; their
+# checkpoint's hooks are recognised by their module, and what sits below them is unknown there.
+_TORCH_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def resolve_user_hooks(hooks: HookPair | None) -> HookPair | None:
+    """The user's pair behind ``hooks``: follow internal hooks down to the first user pair."""
+    while hooks is not None:
+        pack = hooks[0]
+        if getattr(pack, "_checkpoint_internal", False):
+            hooks = pack._user_hooks  # type: ignore[attr-defined]  # the protocol's mark
+        elif getattr(pack, "__module__", None) == _TORCH_CHECKPOINT_MODULE:
+            return None  # torch 2.11-2.13's checkpoint: no record of what is below it
+        else:
+            return hooks
+    return None
+
+
+def user_saved_tensors_hooks() -> HookPair | None:
+    """The user's saved-tensors hook pair a tensor saved now would meet if checkpoint
+    machinery were not in the way, or None."""
+    return resolve_user_hooks(top_saved_tensors_hooks())
+
+
 dispatch_mode_depth: Callable[[], int] = torch._C._len_torch_dispatch_stack
-"""How many Python dispatch modes are active in this thread, infra modes included (2.13)."""
+"""How many Python dispatch modes are active in this thread, infra modes included (2.11-2.15)."""
 
 has_torch_function_unary: Callable[[object], bool] = torch._C._has_torch_function_unary
 """Whether a call on this object would reach ``__torch_function__``: a subclass that overrides
-it, or an active torch-function mode (2.13)."""
+it, or an active torch-function mode (2.11-2.15)."""
 
 detach_below_modes: Callable[[torch.Tensor], torch.Tensor] = functools.partial(
     torch.Tensor._make_subclass, torch.Tensor
@@ -174,34 +289,34 @@ detach_below_modes: Callable[[torch.Tensor], torch.Tensor] = functools.partial(
 ``requires_grad`` off) as a mode that passes ``detach`` through unchanged would give, without
 the ~2 us of a round trip into Python, and no Python frame of its own. Callers make sure that
 is the only mode, no torch-function override or mode could see the call, and ``tensor`` is a
-plain ``torch.Tensor`` (2.13: ``Tensor._make_subclass`` stashes the dispatch-mode stack and
+plain ``torch.Tensor`` (2.11-2.15: ``Tensor._make_subclass`` stashes the dispatch-mode stack and
 turns the Python dispatcher off around its detach)."""
 
 
 def push_saved_tensors_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
-    """Push a default saved-tensors hook pair without a context manager (2.13)."""
+    """Push a default saved-tensors hook pair without a context manager (2.11-2.15)."""
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def pop_saved_tensors_hooks() -> None:
-    """Pop the innermost default saved-tensors hook pair (2.13)."""
+    """Pop the innermost default saved-tensors hook pair (2.11-2.15)."""
     torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 # --- Selective checkpointing (``_selective``): op types, aliases below autograd, tracing ---------
-# All checked against torch 2.13 (the version gate above).
+# All checked against torch 2.11-2.15 (the release gate above).
 
 
 def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
     """A detached alias of ``tensor`` that shares its version counter even when called below
-    autograd, inside ``__torch_dispatch__`` (2.13: re-include the ADInplaceOrView key)."""
+    autograd, inside ``__torch_dispatch__`` (2.11-2.15: re-include the ADInplaceOrView key)."""
     with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
         return tensor.detach()
 
 
 def op_mutates_inputs(op: OpOverload | HigherOrderOperator) -> bool:
     """Whether ``op`` writes to any of its arguments (in-place and ``out=`` ops); higher-order
-    operators are assumed to (2.13: ``OpOverload._schema.is_mutable``)."""
+    operators are assumed to (2.11-2.15: ``OpOverload._schema.is_mutable``)."""
     if isinstance(op, OpOverload):
         return bool(op._schema.is_mutable)
     return True
@@ -209,7 +324,7 @@ def op_mutates_inputs(op: OpOverload | HigherOrderOperator) -> bool:
 
 def argument_index(op: OpOverload, name: str) -> int | None:
     """Position of the argument called ``name`` in ``op``'s schema, None if it has none
-    (2.13: ``OpOverload._schema.arguments``)."""
+    (2.11-2.15: ``OpOverload._schema.arguments``)."""
     for index, argument in enumerate(op._schema.arguments):
         if argument.name == name:
             return index
@@ -221,27 +336,35 @@ _PROXY_MODE_KEY = torch._C._TorchDispatchModeKey.PROXY
 
 proxy_mode: Callable[[], object | None] = functools.partial(_get_dispatch_mode, _PROXY_MODE_KEY)
 """The active proxy mode (tracing) or None, as a C-level call without a Python frame: the cheap
-first test before ``proxy_tracing_active``, per op of selective checkpointing (2.13:
+first test before ``proxy_tracing_active``, per op of selective checkpointing (2.11-2.15:
 ``torch._C._get_dispatch_mode``)."""
+
+
+# 2.12 added the non-strict tracing flag; 2.11 cannot tell that kind of tracing apart (and
+# torch 2.11's own selective checkpoint treats it as compiling too).
+_is_non_strict_tracing: Callable[[], bool] = getattr(
+    torch.compiler, "_is_non_strict_tracing", lambda: False
+)
 
 
 def proxy_tracing_active() -> bool:
     """True while AOTAutograd or export traces through a dispatch mode (a proxy mode is
-    active), false in eager and in non-strict make_fx tracing (2.13). Runs per op of selective
-    checkpointing, hence the names bound once above."""
+    active), false in eager and in non-strict make_fx tracing (2.12-2.15:
+    ``torch.compiler._is_non_strict_tracing``; 2.11 has no such flag, so there any proxy mode
+    counts). Runs per op of selective checkpointing, hence the names bound once above."""
     if proxy_mode() is None:
         return False
-    return not torch.compiler._is_non_strict_tracing()
+    return not _is_non_strict_tracing()
 
 
 def set_traced_node_meta(key: str, value: object) -> None:
     """Set ``key`` on the metadata of every FX node traced from now on
-    (2.13: ``torch.fx.traceback.current_meta``)."""
+    (2.11-2.15: ``torch.fx.traceback.current_meta``)."""
     fx_traceback.current_meta[key] = value
 
 
 def traced_node_count() -> int:
-    """Number of nodes in the graph the active proxy mode is tracing, 0 when none (2.13:
+    """Number of nodes in the graph the active proxy mode is tracing, 0 when none (2.11-2.15:
     ``torch.fx.experimental.proxy_tensor.get_proxy_mode``)."""
     mode = get_proxy_mode()
     return 0 if mode is None else len(mode.tracer.graph.nodes)
@@ -249,7 +372,7 @@ def traced_node_count() -> int:
 
 def tag_traced_nodes(count_before: int, key: str, value: object) -> None:
     """Set ``meta[key] = value`` on the nodes traced since the graph had ``count_before``
-    nodes (2.13: the proxy mode's tracer graph)."""
+    nodes (2.11-2.15: the proxy mode's tracer graph)."""
     mode = get_proxy_mode()
     if mode is None:
         return
@@ -262,40 +385,59 @@ def tag_traced_nodes(count_before: int, key: str, value: object) -> None:
 # region; selective checkpointing keys its calls per region.
 
 
+# 2.12 added the side table of compiled regions; 2.11 keys every compiled region by the op alone
+# (as torch 2.11's selective checkpoint does).
+_resolve_inductor_callable: Callable[[Any], Any] | None = getattr(
+    torch._higher_order_ops.wrap, "_resolve_inductor_callable", None
+)
+
+
 def inductor_region_key(op: object, args: tuple[Any, ...]) -> object:
     """Cache key of an ``inductor_compiled_code`` call: the op and the compiled region's id, so
-    two compiled regions do not share one call counter (2.13: ``_resolve_inductor_callable``)."""
-    if not args:
+    two compiled regions do not share one call counter (2.12-2.15:
+    ``_resolve_inductor_callable``; on 2.11 the op alone)."""
+    if not args or _resolve_inductor_callable is None:
         return op
     return (op, _resolve_inductor_callable(args[0]).idx)
 
 
+def has_ordered_effect(op: object) -> bool:
+    """Whether ``op`` is registered with a side effect that must not run twice (printing, a
+    torchbind call, ...), outside the ``c10d`` namespace, whose launches return a work handle
+    that cannot stand in for running them (2.11-2.15: ``torch._higher_order_ops.effects``).
+    Each release registers its own set of ops."""
+    if getattr(op, "namespace", None) == "c10d":
+        return False
+    return bool(_has_effects(op))
+
+
 # --- Scope API (``_scope``): tensor versions and view bases, op schemas --------------------------
-# All checked against torch 2.13 (the version gate above).
+# All checked against torch 2.11-2.15 (the release gate above).
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
-    """The tensor's version counter, bumped by every in-place write (2.13: ``Tensor._version``)."""
+    """The tensor's version counter, bumped by every in-place write (2.11-2.15:
+    ``Tensor._version``)."""
     return int(tensor._version)
 
 
 def op_runner(op: OpOverload) -> Callable[..., Any]:
     """What ``op(...)`` calls: same arguments and result, one Python frame fewer per call, for
     the scope's tape, which runs every op of a scope and replays it, and for selective
-    checkpointing's two modes, which run every op of a region (2.13: ``OpOverload._op``)."""
+    checkpointing's two modes, which run every op of a region (2.11-2.15: ``OpOverload._op``)."""
     runner: Callable[..., Any] = op._op
     return runner
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor an autograd view was taken from (always a non-view), else None
-    (2.13: ``Tensor._base``)."""
+    (2.11-2.15: ``Tensor._base``)."""
     return tensor._base
 
 
 def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
     """(position, name) of each argument ``op``'s schema marks as written, e.g. ``self`` of an
-    in-place op or ``out`` (2.13: ``OpOverload._schema``)."""
+    in-place op or ``out`` (2.11-2.15: ``OpOverload._schema``)."""
     return tuple(
         (index, argument.name)
         for index, argument in enumerate(op._schema.arguments)
@@ -305,12 +447,13 @@ def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
 
 def returns_alias(op: OpOverload) -> bool:
     """Whether ``op``'s schema lets an output alias an argument (``Tensor(a)``): a view, or the
-    argument itself, as ``lift_fresh`` and in-place ops return (2.13: ``OpOverload._schema``)."""
+    argument itself, as ``lift_fresh`` and in-place ops return (2.11-2.15:
+    ``OpOverload._schema``)."""
     return any(result.alias_info is not None for result in op._schema.returns)
 
 
 def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
-    """The forward pre-hooks registered on ``module`` (2.13: ``nn.Module._forward_pre_hooks``;
+    """The forward pre-hooks registered on ``module`` (2.11-2.15: ``nn.Module._forward_pre_hooks``;
     there is no public accessor)."""
     return list(module._forward_pre_hooks.values())
 
@@ -320,7 +463,7 @@ def remove_forward_hooks(
 ) -> None:
     """Remove the forward pre-hook ``pre_hook`` and forward hook ``hook`` (compared with ``==``,
     so bound methods of one object match) from ``module``. A ``RemovableHandle`` would do, but
-    ``copy.deepcopy`` of a module copies its hooks and not the handles' targets (2.13: the
+    ``copy.deepcopy`` of a module copies its hooks and not the handles' targets (2.11-2.15: the
     ``nn.Module._forward_*hooks*`` dicts)."""
     for key in [k for k, h in module._forward_pre_hooks.items() if h == pre_hook]:
         del module._forward_pre_hooks[key]
@@ -333,7 +476,7 @@ def remove_forward_hooks(
 
 def dynamo_eval_frame_active() -> bool:
     """Whether dynamo's frame-evaluation callback is set in this thread, i.e. new Python frames
-    may be compiled (2.13: ``torch._C._dynamo.eval_frame.get_eval_frame_callback``). When it is
+    may be compiled (2.11-2.15: ``torch._C._dynamo.eval_frame.get_eval_frame_callback``). When it is
     not, a ``disable_dynamo`` wrapper would only set it to ``None`` again: calling the function
     directly is the same and skips that wrapper's cost."""
     return _get_eval_frame_callback() not in (None, False)
@@ -341,7 +484,7 @@ def dynamo_eval_frame_active() -> bool:
 
 def compile_activation_memory_budget(fraction: float) -> Any:
     """A context manager: inside it, ``torch.compile``'s partitioner keeps at most ``fraction``
-    of its default activation memory (2.13: ``torch._functorch.config``'s
+    of its default activation memory (2.11-2.15: ``torch._functorch.config``'s
     ``activation_memory_budget``); ``benchmarks/planner.py`` compares the planner with it."""
     from torch._functorch import config
 

@@ -35,6 +35,13 @@ NOTE [Nestable checkpoint]
           detach runs below the modes: the same tensor, without a trip through Python per saved
           tensor. With any other mode active (a torch-function mode included), or a tensor
           subclass, every mode sees the detach.
+  Rule 10. Our hooks are checkpoint-internal (torch 2.14's protocol, kept on every release): the
+          forward's pack hook (the frame) and the recompute's carry ``_checkpoint_internal`` and,
+          only while they are on the stack, ``_user_hooks``, the user's saved-tensors hooks they
+          shadow. Selective checkpointing (ours, and torch's from 2.14) reads the user's hooks
+          through them: they never count as user hooks themselves, and what a policy keeps can be
+          routed through the user's (``respect_saved_tensors_hooks``). The mark is dropped when
+          the hook leaves the stack, because the graph holds pack hooks for as long as it lives.
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -44,6 +51,7 @@ its graph node, and with it the tensor) with no per-backward bookkeeping left on
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
@@ -73,6 +81,7 @@ __all__ = [
     "Holder",
     "Recomputes",
     "checkpoint_without_reentrant_generator",
+    "checkpoint_without_reentrant_generator_impl",
     "early_stop_enabled",
     "run_generator",
     "set_checkpoint_early_stop",
@@ -148,6 +157,7 @@ class GraphExecGroup:
 _MISSING: Final = object()
 # Read per saved tensor: module globals rather than attributes of ``_compat``.
 _weak: Final = weakref.ref
+_partial: Final = functools.partial
 _get_graph_exec_group: Final = _compat.get_graph_exec_group
 _current_graph_task_id: Final = _compat.current_graph_task_id
 
@@ -210,6 +220,7 @@ class Frame:
 
     __slots__ = (
         "__weakref__",
+        "_user_hooks",
         "early_stop",
         "fn",
         "forward_completed",
@@ -248,16 +259,17 @@ class Frame:
         self.observed = listener.get() is not None  # a report watches this frame
         token = current_region.set(f"inputs of {self.region()}") if self.observed else None
         # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
-        self.saved_args = [
-            _compat.make_saved_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
-        ]
+        self.saved_args = _compat.save_inputs(args)
+        # See NOTE [Nestable checkpoint], Rule 10: set while the pack hook is on the stack.
+        self._user_hooks: _compat.HookPair | None = None
         if token is not None:
             current_region.reset(token)
 
     # -- forward ------------------------------------------------------------------------------
 
     def pack(self, x: torch.Tensor) -> Holder:
-        """Forward pack hook: store a holder, never the tensor (Rule 1)."""
+        """Forward pack hook: store a holder, never the tensor (Rule 1). The frame itself is
+        the hook (``__call__``), so that it can carry Rule 10's marks."""
         holder = Holder()
         self.weak_holders.append(_weak(holder))
         metadata = self.metadata
@@ -273,16 +285,17 @@ class Frame:
         name = getattr(fn, "region_name", None) or getattr(fn, "__qualname__", None)
         return f"checkpoint({name or type(fn).__name__})"
 
-    # The forward's unpack hook, without debug loggers, is the frame itself: calling it runs
-    # ``unpack_holder(frame, holder)``, one Python frame and no bound method made per call.
-    __call__ = unpack_holder
+    # The forward's pack hook is the frame itself: calling it runs ``pack``, one Python frame and
+    # no bound method made per call; and the frame carries Rule 10's marks.
+    __call__ = pack
+    _checkpoint_internal: Final = True  # Rule 10
 
     def unpack_hook(self) -> Callable[[Holder], torch.Tensor]:
         """The forward's unpack hook: recompute on first need in this backward, then hand out;
         with debug loggers, a failure also reports the ops of forward and recompute."""
         loggers = self.loggers
         if loggers is None:
-            return self
+            return _partial(unpack_holder, self)  # C-level: no Python frame of its own
 
         def unpack_reporting(holder: Holder) -> torch.Tensor:
             try:
@@ -303,7 +316,7 @@ class Frame:
         rather than a method reading attributes: it runs per saved tensor."""
         if self.loggers is not None:
             self.loggers[1].ops.clear()  # the report shows the failing recompute only
-        args = [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.saved_args]
+        args = _compat.unpack_inputs(self.saved_args)
         holders = self.weak_holders
         metadata = self.metadata
         early_stop = self.early_stop
@@ -350,6 +363,8 @@ class Frame:
                 raise _StopRecompute
             return x  # Rule 6: a backward inside the re-run can use it
 
+        pack._checkpoint_internal = True  # type: ignore[attr-defined]  # Rule 10
+        pack._user_hooks = _compat.user_saved_tensors_hooks()  # type: ignore[attr-defined]
         _compat.push_saved_tensors_hooks(pack, _identity)  # Rule 3: on top of the stack
         try:
             with torch.enable_grad(), self.state.restored(), self.recompute_context:
@@ -361,6 +376,7 @@ class Frame:
             pass
         finally:
             _compat.pop_saved_tensors_hooks()
+            del pack._user_hooks  # type: ignore[attr-defined]  # Rule 10: no graph-held reference
         if self.ignore_count_mismatch:
             return  # Rule 6: a forward cut short by its own backward saved fewer
         check_counts(len(holders), count)
@@ -387,9 +403,38 @@ def checkpoint_without_reentrant_generator(
     debug: bool = False,
     early_stop: bool = True,
     *args: Any,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Generator[None, None, None]:
-    """The forward phase of a non-reentrant checkpoint, as a generator (torch's contract).
+    """Torch's positional form of the generator (``fn``, the options, then ``fn``'s arguments),
+    kept for code written against torch 2.13 and older; see
+    ``checkpoint_without_reentrant_generator_impl``."""
+    return checkpoint_without_reentrant_generator_impl(
+        fn,
+        args,
+        kwargs,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+    )
+
+
+def checkpoint_without_reentrant_generator_impl(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    preserve_rng_state: bool = True,
+    context_fn: ContextFn = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
+) -> Generator[None, None, None]:
+    """The forward phase of a non-reentrant checkpoint, as a generator (torch 2.14's contract).
 
     The first ``next()`` validates, captures the forward state and pushes the frame's hooks; the
     caller then runs ``fn(*args, **kwargs)`` itself; the second ``next()`` pops the hooks, checks
@@ -397,6 +442,8 @@ def checkpoint_without_reentrant_generator(
     pause pops the hooks too, so the caller's hook stack is exactly as before (See NOTE
     [Nestable checkpoint], Rule 8). ``checkpoint(..., use_reentrant=False)`` drives this, and so
     do ``checkpoint_module``'s hooks and third-party code written against torch's generator.
+    ``respect_saved_tensors_hooks`` reaches a selective-checkpoint forward context (ours or
+    torch's), which routes what it keeps through the user's saved-tensors hooks when True.
     """
     loggers: tuple[OpLogger, OpLogger] | None = None
     if debug_enabled(debug):
@@ -412,6 +459,8 @@ def checkpoint_without_reentrant_generator(
         forward_context = recompute_context = _NULL_CONTEXT
     else:
         forward_context, recompute_context = context_fn()  # called once per call, as torch
+        if hasattr(forward_context, "respect_saved_tensors_hooks"):  # a selective checkpoint's
+            forward_context.respect_saved_tensors_hooks = respect_saved_tensors_hooks
     if not torch.is_grad_enabled():
         yield  # nothing will be saved: no frame, no state capture
         return
@@ -427,13 +476,15 @@ def checkpoint_without_reentrant_generator(
     )
     completed = False
     token = current_region.set(frame.region()) if frame.observed else None
-    _compat.push_saved_tensors_hooks(frame.pack, frame.unpack_hook())  # Rule 1
+    frame._user_hooks = _compat.user_saved_tensors_hooks()  # Rule 10
+    _compat.push_saved_tensors_hooks(frame, frame.unpack_hook())  # Rule 1: the frame packs
     try:
         with forward_context:
             yield
             completed = True
     finally:
         _compat.pop_saved_tensors_hooks()  # Rule 8: also on close() and throw()
+        frame._user_hooks = None  # Rule 10
         if token is not None:
             current_region.reset(token)
     if not completed:

@@ -37,12 +37,19 @@ from torch import nn
 from . import _compat
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
-from ._frame import checkpoint_without_reentrant_generator
+from ._frame import checkpoint_without_reentrant_generator_impl
 from ._state import ContextFn, noop_context_fn
 
 __all__ = ["checkpoint_module", "is_module_checkpointed", "remove_checkpoint_module"]
 
-_OPTIONS: Final = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+_OPTIONS: Final = (
+    "preserve_rng_state",
+    "context_fn",
+    "determinism_check",
+    "debug",
+    "early_stop",
+    "respect_saved_tensors_hooks",
+)
 
 _MSG_REENTRANT = (
     "use_reentrant=True is not supported in composable checkpoint. Please use "
@@ -96,16 +103,8 @@ class _ModuleCheckpoint:
         thread = threading.get_ident()
         if self.recomputing.get(thread):
             return  # Rule 3
-        o = self.options
-        gen = checkpoint_without_reentrant_generator(
-            _Rerun(module, self),
-            o["preserve_rng_state"],
-            o["context_fn"],
-            o["determinism_check"],
-            o["debug"],
-            o["early_stop"],
-            *args,
-            **kwargs,
+        gen = checkpoint_without_reentrant_generator_impl(
+            _Rerun(module, self), args, dict(kwargs), **self.options
         )
         next(gen)
         self.open.setdefault(thread, []).append(gen)
@@ -176,6 +175,7 @@ def checkpoint_module(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     **unexpected: Any,
 ) -> nn.Module:
     """Checkpoint ``module`` through forward hooks: its activations are recomputed in backward.
@@ -190,8 +190,9 @@ def checkpoint_module(
     Args:
         module: the module whose every call becomes one checkpointed region.
         use_reentrant: must be ``False``: ``True`` raises ``NotImplementedError`` (as torch).
-        preserve_rng_state, context_fn, determinism_check, debug, early_stop: as in
-            ``checkpointing.checkpoint(..., use_reentrant=False)``.
+        preserve_rng_state, context_fn, determinism_check, debug, early_stop,
+            respect_saved_tensors_hooks: as in ``checkpointing.checkpoint(...,
+            use_reentrant=False)``.
 
     Returns:
         ``module`` itself.
@@ -222,6 +223,7 @@ def checkpoint_module(
             "determinism_check": determinism_check,
             "debug": debug,
             "early_stop": early_stop,
+            "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
         }
     )
     module.register_forward_pre_hook(state.pre_hook, with_kwargs=True)

@@ -292,7 +292,7 @@ def _records_here(hooks: _ThreadHooks) -> bool:
     if top is None:
         return True
     pack = top[0]
-    in_checkpoint = isinstance(getattr(pack, "__self__", None), Frame) or (
+    in_checkpoint = isinstance(pack, Frame) or (
         getattr(pack, "__module__", None) == "torch.utils.checkpoint"
     )
     return not in_checkpoint

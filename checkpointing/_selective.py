@@ -65,6 +65,21 @@ NOTE [Selective checkpoint cache]
           gradients. Recomputing a random op is cheap. An op with a ``dropout_p`` argument
           (the fused attention kernels) draws only when it is not 0, so attention without
           dropout is kept as the policy says.
+  Rule 12. An op registered with an ordered side effect (``aten::_print``, a torchbind call, ...;
+          ``c10d`` launches excepted) must not run twice: recompute would repeat the effect. Its
+          output is kept whatever the policy answers, unless the answer is ``MUST_RECOMPUTE``,
+          the one explicit request to replay it (torch 2.15's rule, on every release; an
+          offload answer keeps it in host memory, as offload does). Rule 10 comes first: a
+          random op is recomputed regardless. The effect registry is read at an op's first call
+          and remembered (an effect registered later is not seen).
+  Rule 13. What a policy saves is held by the cache, not by autograd, so the user's
+          saved-tensors hooks (``save_on_cpu`` and the like) never see it unless the checkpoint
+          says ``respect_saved_tensors_hooks=True``: then each saved output goes through the
+          user's pack hook in forward and its unpack hook at recompute (the user's hooks are
+          found past our frame's and torch's, NOTE [Nestable checkpoint], Rule 10). ``None``,
+          the default, keeps them out and warns (``FutureWarning``, torch 2.14's) when such
+          hooks are active; ``False`` keeps them out silently. Offloaded outputs are in host
+          memory already and never go through them.
   Rule 11. Dynamo never traces the modes' ``__torch_dispatch__`` nor what it calls (a policy,
           the op's own Python kernels). This matters when a ``torch.compile``d function runs
           inside a region and breaks its graph: the eager ops between its graphs reach our
@@ -89,6 +104,7 @@ from __future__ import annotations
 import abc
 import enum
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -225,7 +241,7 @@ _aten = torch.ops.aten
 # Ops selective checkpointing runs as they are, never counting or caching them (Rule 4): the
 # number of detaches differs between forward and recompute, and the metadata queries (which the
 # determinism check adds in forward, and which dispatch for tensor subclasses) would shift every
-# later call index. The same set as torch 2.13's; a mutable set like torch's, which also keeps
+# later call index. The same set as torch 2.15's; a mutable set like torch's, which also keeps
 # the ids of its members: the modes test ``id(func) in SAC_IGNORED_OPS.ids`` per op, where
 # ``func in SAC_IGNORED_OPS`` would call ``OpOverload.__hash__``, a Python method (~0.5 us).
 
@@ -292,6 +308,7 @@ _IGNORED: Final = _OpSet(
         _aten.sym_size.default,
         _aten.sym_storage_offset.default,
         _aten.sym_stride.default,
+        torch.ops.prim.layout.default,  # torch 2.15 added it; ours has it on every release
     }
 )
 SAC_IGNORED_OPS: set[OpOverload] = _IGNORED
@@ -429,6 +446,29 @@ _ACTION_OF_ID: Final[dict[int, _Action]] = {
 }
 
 
+# Rule 12: the answers that keep an op with an ordered effect all the same (every "recompute"
+# answer except MUST_RECOMPUTE), by identity; and, under a tracing compiler, torch's tags that
+# stay as they are.
+_PREFERS_RECOMPUTE: Final = frozenset(
+    {id(CheckpointPolicy.PREFER_RECOMPUTE), id(_TorchCheckpointPolicy.PREFER_RECOMPUTE), id(False)}
+)
+_SAVE_OR_REPLAY: Final = frozenset(
+    {
+        _TorchCheckpointPolicy.MUST_SAVE,
+        _TorchCheckpointPolicy.PREFER_SAVE,
+        _TorchCheckpointPolicy.MUST_RECOMPUTE,
+    }
+)
+_MSG_HOOKS_BYPASSED = (
+    "A saved_tensors_hooks context (e.g. save_on_cpu) is active around a selective activation "
+    "checkpoint region. Tensors that SAC saves currently bypass these hooks, but a future "
+    "release will route them through the hooks like any other saved tensor. Silence this "
+    "warning and choose the behavior explicitly by passing respect_saved_tensors_hooks=True|False "
+    "to checkpointing.checkpoint (or checkpoint_module, checkpoint_wrapper, "
+    "checkpoint_sequential's segments through their options)."
+)
+
+
 class _CacheEntryMutated(Exception):
     """A saved alias changed in place after it was cached (becomes the user-facing error)."""
 
@@ -450,6 +490,25 @@ class _Saved:
         if not allow_mutation and self.alias._version != self.version:
             raise _CacheEntryMutated
         return self.alias
+
+
+class _Packed:
+    """A saved output routed through the user's saved-tensors hooks (Rule 13): what their pack
+    hook returned, their unpack hook, and the version check of Rule 5 when that is a tensor."""
+
+    __slots__ = ("packed", "unpack", "version")
+
+    def __init__(self, tensor: torch.Tensor, hooks: _compat.HookPair) -> None:
+        pack, self.unpack = hooks
+        self.packed = pack(_compat.detach_sharing_version(tensor))
+        packed = self.packed
+        self.version = packed._version if isinstance(packed, torch.Tensor) else None
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> Any:
+        version = self.version
+        if version is not None and not allow_mutation and self.packed._version != version:
+            raise _CacheEntryMutated
+        return self.unpack(self.packed)
 
 
 class _HostAlias:
@@ -532,8 +591,8 @@ class _Tree:
         )
 
 
-_Leaf: TypeAlias = _Saved | _HostAlias | _HostCopy
-_LEAVES: Final = (_Saved, _HostAlias, _HostCopy)
+_Leaf: TypeAlias = _Saved | _Packed | _HostAlias | _HostCopy
+_LEAVES: Final = (_Saved, _Packed, _HostAlias, _HostCopy)
 _Entry: TypeAlias = _Leaf | _Tree
 
 
@@ -572,13 +631,13 @@ class _OpRecord:
     kept, by call index (kept calls only); with the op's plan and facts, so that later calls
     in the region look nothing else up. Keys of the COUNT plan have a bare count instead."""
 
-    __slots__ = ("action", "calls", "draw_rule", "kept", "plan", "pure")
+    __slots__ = ("action", "calls", "draw_rule", "effect", "kept", "plan", "pure")
 
     def __init__(self, op_plan: _OpPlan, facts: _OpFacts) -> None:
         self.calls = 0
         self.kept: dict[int, _Slot] | None = None
         self.plan, self.action = op_plan  # the action of an op-only answer (unused by ASK)
-        _, self.draw_rule, self.pure = facts
+        _, self.draw_rule, self.pure, self.effect = facts
 
     def keep(self, index: int, entry: _Entry) -> None:
         kept = self.kept
@@ -608,11 +667,14 @@ class _Cache:
         return stats
 
 
-def _keep_tensor(tensor: torch.Tensor, action: _Action, stats: OffloadStats) -> _Leaf:
-    """The entry for one output tensor under a save or offload decision, announced."""
+def _keep_tensor(
+    tensor: torch.Tensor, action: _Action, stats: OffloadStats, hooks: _compat.HookPair | None
+) -> _Leaf:
+    """The entry for one output tensor under a save or offload decision, announced; a saved
+    one goes through the user's saved-tensors ``hooks`` when given (Rule 13)."""
     if action is _Action.SAVE:
         announce(tensor, _REGION, "saved")
-        return _Saved(tensor)
+        return _Saved(tensor) if hooks is None else _Packed(tensor, hooks)
     announce(tensor, _REGION, "offloaded")
     nbytes = tensor.numel() * tensor.element_size()
     stats._count_offload(nbytes)
@@ -621,13 +683,16 @@ def _keep_tensor(tensor: torch.Tensor, action: _Action, stats: OffloadStats) -> 
     return _HostCopy(tensor, nbytes)
 
 
-def _keep(out: Any, action: _Action, stats: OffloadStats) -> _Entry:
+def _keep(
+    out: Any, action: _Action, stats: OffloadStats, hooks: _compat.HookPair | None = None
+) -> _Entry:
     """The entry for an op's output (a tensor, or a container of them) under ``action``."""
     if isinstance(out, torch.Tensor):
-        return _keep_tensor(out, action, stats)
+        return _keep_tensor(out, action, stats, hooks)
     return _Tree(
         tree_map(
-            lambda x: _keep_tensor(x, action, stats) if isinstance(x, torch.Tensor) else x, out
+            lambda x: _keep_tensor(x, action, stats, hooks) if isinstance(x, torch.Tensor) else x,
+            out,
         )
     )
 
@@ -762,7 +827,8 @@ _proxy_mode: Final = _compat.proxy_mode
 # the region caches use the same ids (their ops are all held here).
 _NEVER: Final = -1
 _ALWAYS: Final = -2
-_OpFacts: TypeAlias = tuple[object, int, bool]
+# Rule 12: whether it has an ordered side effect.
+_OpFacts: TypeAlias = tuple[object, int, bool, bool]
 _op_facts: dict[int, _OpFacts] = {}
 # Per op id, what calling the op calls: for a plain ``OpOverload`` its C++ entry point (one Python
 # frame fewer per call, ~0.2 us, in both modes), else the op itself. Filled by ``_runner``
@@ -804,6 +870,8 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.cache = cache
         # Set by torch.compile's activation-checkpoint lowering (Rule 9).
         self.ac_graph_id: int | None = None
+        # Set by the checkpoint that enters this mode (Rule 13).
+        self.respect_saved_tensors_hooks: bool | None = None
         self._producers: dict[int, _Producer] = {}
         # Rule 1: an op-only policy's plans by op id (kept on the policy when it is ours).
         self._plans: dict[int, _OpPlan] | None = None
@@ -854,7 +922,7 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         index = record.calls
         record.calls = index + 1
         if op_plan[0] is _PLAN_KEEP:
-            record.keep(index, _keep(out, op_plan[1], self.offload_stats))
+            record.keep(index, self._entry(out, op_plan[1]))
             return out
         return self._decide(func, args, kwargs, out, record, index)
 
@@ -878,10 +946,12 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             if asked is None:
                 raise _bad_answer(answer, self.policy, func)
             action = asked
+            if record.effect and id(answer) in _PREFERS_RECOMPUTE:
+                action = _Action.SAVE  # Rule 12
         draw_rule = record.draw_rule
         random = draw_rule == _ALWAYS or (draw_rule >= 0 and _draws_at(draw_rule, args, kwargs))
         if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
-            record.keep(index, _keep(out, action, self.offload_stats))
+            record.keep(index, self._entry(out, action))
         elif func is TAG_OP:
             if action is not _Action.RECOMPUTE:
                 self._hand_over(args[0] if args else kwargs["x"], action)
@@ -905,7 +975,24 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         ref, record, index, version = producer
         if ref() is not tensor or tensor._version != version:
             return
-        record.keep(index, _keep(tensor, action, self.offload_stats))
+        record.keep(index, self._entry(tensor, action))
+
+    def _entry(self, out: Any, action: _Action) -> _Entry:
+        """The cache entry for ``out`` under a keep ``action`` (Rule 13 for saves)."""
+        hooks = self._user_hooks() if action is _Action.SAVE else None
+        return _keep(out, action, self.offload_stats, hooks)
+
+    def _user_hooks(self) -> _compat.HookPair | None:
+        """Rule 13: the user's saved-tensors hooks a save goes through, or None; warns when
+        they are active and the checkpoint did not say whether to respect them."""
+        hooks = _compat.user_saved_tensors_hooks()
+        if hooks is None:
+            return None
+        respect = self.respect_saved_tensors_hooks
+        if respect is None:
+            # stacklevel 4: past this method, _entry and __torch_dispatch__, to the op's caller
+            warnings.warn(_MSG_HOOKS_BYPASSED, FutureWarning, stacklevel=4)
+        return hooks if respect else None
 
     def _dispatch_traced(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Rule 9: what torch does under AOTAutograd tracing, so the partitioner decides."""
@@ -924,15 +1011,21 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         answer = self.policy(ctx, func, *args, **kwargs)
         _action_of(answer, self.policy, func)
-        _compat.tag_traced_nodes(count_before, "recompute", _as_torch_policy(answer))
+        tag = _as_torch_policy(answer)
+        if record.effect and tag not in _SAVE_OR_REPLAY:  # Rule 12, as torch 2.15 tags it
+            tag = _TorchCheckpointPolicy.MUST_SAVE
+        _compat.tag_traced_nodes(count_before, "recompute", tag)
         record.keep(index, _save_traced(out))
         return out
 
 
 def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
     """Rule 1: what an op-only policy's answer for ``func`` means for every call of it."""
-    action = _action_of(policy.answer_for_op(func), policy, func)
-    _, draw_rule, pure = _facts(func)
+    answer = policy.answer_for_op(func)
+    action = _action_of(answer, policy, func)
+    _, draw_rule, pure, effect = _facts(func)
+    if effect and id(answer) in _PREFERS_RECOMPUTE:
+        action = _Action.SAVE  # Rule 12
     if draw_rule == _ALWAYS:
         return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
     if func is TAG_OP or draw_rule >= 0:
@@ -1070,11 +1163,16 @@ def _draws_at(rule: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def _facts(func: object) -> _OpFacts:
-    """``func`` (held), its draw rule (Rule 10) and whether it is pure (Rule 8), worked out on
-    its first call and remembered."""
+    """``func`` (held), its draw rule (Rule 10), whether it is pure (Rule 8) and whether it has
+    an ordered side effect (Rule 12), worked out on its first call and remembered."""
     facts = _op_facts.get(id(func))
     if facts is None:
-        facts = _op_facts[id(func)] = (func, _draw_rule(func), _is_pure(func))
+        facts = _op_facts[id(func)] = (
+            func,
+            _draw_rule(func),
+            _is_pure(func),
+            _compat.has_ordered_effect(func),
+        )
     return facts
 
 

@@ -10,6 +10,17 @@ By default (``strategy="torch"``) it cuts exactly as torch 2.13 does: ``segments
 checkpointed segments of ``len // segments`` functions, then the rest runs un-checkpointed, and
 the input is handed to the first function as one argument. Every other strategy hands a tuple
 input over as ``*input`` (and each function's tuple result to the next).
+
+NOTE [Torch's path]
+
+Rule 1. With ``strategy="torch"`` and none of our keywords, no argument is read before torch
+        reads it: ``use_reentrant`` is compared with ``None`` (for the warning) and otherwise
+        only each checkpointed segment's ``checkpoint`` asks for its truth value, so with
+        ``segments=1`` nothing does. A second input given by position lands there: torch then
+        fails (or runs) in the layer or in ``checkpoint``, and so must we, with the same type.
+Rule 2. Our strategies and keywords read ``use_reentrant`` themselves (nesting, the
+        ``context_fn``/``debug`` check), so they first check that it is a bool: a TypeError
+        naming the fix, never torch's "Boolean value of Tensor ... is ambiguous".
 """
 
 from __future__ import annotations
@@ -45,9 +56,10 @@ _MSG_NO_INPUT = (
     "checkpoint_sequential(functions, segments, input) or, for a strategy that chooses its own "
     "segments, checkpoint_sequential(functions, input=x, strategy='sqrt')."
 )
+# Torch 2.15's wording (2.11-2.14 said "In version 2.9 we will raise ...").
 _MSG_USE_REENTRANT_OMITTED = (
     "torch.utils.checkpoint.checkpoint_sequential: the use_reentrant parameter should be "
-    "passed explicitly. In version 2.9 we will raise an exception if use_reentrant is not "
+    "passed explicitly. In a future release, we will raise an exception if use_reentrant is not "
     "passed. use_reentrant=False is recommended, but if you need to preserve the current "
     "default behavior, you can pass use_reentrant=True. Refer to docs for more details on the "
     "differences between the two variants."
@@ -113,6 +125,13 @@ _MSG_SCHEDULE_MISMATCH = (
     "None (got segments={segments!r}). Fix: build the schedule for these functions with "
     "sequential_schedule() and pass it alone."
 )
+_MSG_USE_REENTRANT_TYPE = (
+    "checkpointing.checkpoint_sequential: use_reentrant must be True or False with "
+    "{extension}, got {observed}. A tensor there is usually a second input given by position "
+    "(the fourth positional argument is use_reentrant). Fix: pass the inputs as one tuple, "
+    "input=(a, b) (every strategy but 'torch' hands it over as *input), and "
+    "use_reentrant=False by keyword."
+)
 _MSG_REENTRANT_OPTIONS = (
     "checkpointing.checkpoint_sequential: {what} is only supported with use_reentrant=False "
     "(it is handed to each segment's checkpoint), got use_reentrant=True. Fix: pass "
@@ -148,7 +167,8 @@ def checkpoint_sequential(
             ``None``) for the strategies that choose their own.
         input: the first function's input. With a strategy other than ``"torch"``, a tuple is
             passed as ``*input`` and each function's tuple result to the next as ``*result``.
-        use_reentrant: as for ``checkpoint``; omitted warns and uses ``True``, as torch.
+        use_reentrant: as for ``checkpoint``; omitted warns and uses ``True``, as torch. With
+            another strategy or our keywords it must be a bool.
         strategy: ``"torch"`` (torch's cut: the remainder runs un-checkpointed at the end),
             ``"balanced"`` (sizes differ by at most one), ``"sqrt"`` (round(sqrt(n)) balanced
             segments), ``"log"`` (recursive bisection: O(log n) activations kept, each layer
@@ -177,9 +197,9 @@ def checkpoint_sequential(
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs:
         raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
-    if use_reentrant and (not is_noop_context_fn(context_fn) or debug is not False):
-        what = "context_fn" if not is_noop_context_fn(context_fn) else "debug=True"
-        raise ValueError(_MSG_REENTRANT_OPTIONS.format(what=what))
+    extension = _extension_in_use(strategy, context_fn, determinism_check, debug, early_stop)
+    if extension is not None:  # See NOTE [Torch's path], Rules 1 and 2
+        _check_use_reentrant(extension, use_reentrant, context_fn, debug)
     chain = _as_list(functions)
     if isinstance(strategy, SequentialSchedule):
         if strategy.n_layers != len(chain) or (segments, budget, costs) != (None, None, None):
@@ -248,6 +268,45 @@ def _as_list(functions: torch.nn.Sequential | Sequence[Callable[..., Any]]) -> l
     if isinstance(functions, torch.nn.Sequential):
         return list(functions.children())
     return list(functions)
+
+
+def _extension_in_use(
+    strategy: StrategyName | SequentialSchedule,
+    context_fn: ContextFn,
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+) -> str | None:
+    """The first of our own options the call uses, as passed; ``None`` for torch's own call."""
+    if isinstance(strategy, SequentialSchedule):
+        return "strategy=<SequentialSchedule>"
+    if strategy != "torch":
+        return f"strategy={strategy!r}"
+    if not is_noop_context_fn(context_fn):
+        return "context_fn"
+    if determinism_check != "default":
+        return f"determinism_check={determinism_check!r}"
+    if debug is not False:
+        return f"debug={debug!r}"
+    if early_stop is not True:
+        return f"early_stop={early_stop!r}"
+    return None
+
+
+def _check_use_reentrant(
+    extension: str, use_reentrant: object, context_fn: ContextFn, debug: bool
+) -> None:
+    """See NOTE [Torch's path], Rule 2: a bool, and False where our options need it."""
+    if not isinstance(use_reentrant, bool):
+        observed = (
+            f"a Tensor of shape {tuple(use_reentrant.shape)}"
+            if isinstance(use_reentrant, torch.Tensor)
+            else f"{use_reentrant!r} of type {type(use_reentrant).__name__}"
+        )
+        raise TypeError(_MSG_USE_REENTRANT_TYPE.format(extension=extension, observed=observed))
+    if use_reentrant and (not is_noop_context_fn(context_fn) or debug is not False):
+        what = "context_fn" if not is_noop_context_fn(context_fn) else "debug=True"
+        raise ValueError(_MSG_REENTRANT_OPTIONS.format(what=what))
 
 
 def _schedule_for(
@@ -449,7 +508,8 @@ class _Runner:
 
     def _checkpoints(self, nested: bool) -> bool:
         # A reentrant checkpoint's forward runs under no_grad, where a nested one has nothing
-        # to save (and would warn that no input requires grad): run it plainly there.
+        # to save (and would warn that no input requires grad): run it plainly there. Nesting
+        # comes only from our strategies, so use_reentrant is a bool (NOTE [Torch's path], Rule 2).
         return not nested or not self.options["use_reentrant"] or torch.is_grad_enabled()
 
     def _segment_function(self, segment: Segment) -> Callable[..., Any]:

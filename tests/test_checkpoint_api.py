@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import releases
 import torch
 import torch.utils.checkpoint as tc
 from frame_support import error_of, outcome
@@ -38,16 +39,36 @@ def _plain(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 # --- the signature ---------------------------------------------------------------------------
 
 
-def test_signature_matches_torch() -> None:
-    """Parameter names, kinds and defaults are torch's (context_fn defaults to a no-op)."""
+def _described(parameters: Any, noop: object) -> list[tuple[str, str, Any]]:
+    """(name, kind, default) per parameter, in the form of ``releases.CHECKPOINT_PARAMETERS``."""
+    out = []
+    for name, param in parameters.items():
+        default = param.default
+        if default is inspect.Parameter.empty:
+            default = "<empty>"
+        elif default is noop:
+            default = "<noop>"
+        out.append((name, param.kind.name, default))
+    return out
+
+
+def test_signature_is_torch_2_15s() -> None:
+    """Parameter names, kinds and defaults are torch 2.15's on every release (context_fn
+    defaults to our no-op, which torch's code also accepts)."""
+    ours = inspect.signature(checkpointing.checkpoint).parameters
+    assert _described(ours, checkpointing.noop_context_fn) == list(
+        releases.CHECKPOINT_PARAMETERS
+    )
+
+
+@releases.needs_torch(releases.RESPECT_HOOKS, "the decorator form and its parameters")
+def test_signature_matches_installed_torch() -> None:
+    """Where torch has the newest signature, ours is the very same."""
     ours = inspect.signature(checkpointing.checkpoint).parameters
     theirs = inspect.signature(tc.checkpoint).parameters
-    assert list(ours) == list(theirs)
-    for name, param in ours.items():
-        assert param.kind == theirs[name].kind, name
-        if name != "context_fn":
-            assert param.default == theirs[name].default, name
-    assert ours["context_fn"].default is checkpointing.noop_context_fn
+    assert _described(ours, checkpointing.noop_context_fn) == _described(
+        theirs, tc.noop_context_fn
+    )
 
 
 # --- use_reentrant omitted -------------------------------------------------------------------
@@ -58,8 +79,11 @@ def test_omitted_use_reentrant_warns_like_torch() -> None:
     x = torch.randn(3, requires_grad=True)
     mine = outcome(lambda: checkpointing.checkpoint(torch.sin, x))
     theirs = outcome(lambda: tc.checkpoint(torch.sin, x))
-    assert mine[1] == theirs[1]
-    assert [category for category, _ in mine[1]] == [UserWarning]
+    assert mine[1] == [(UserWarning, releases.USE_REENTRANT_WARNING)]  # torch 2.15's words
+    if releases.has(releases.REWORDED_WARNING):
+        assert mine[1] == theirs[1]
+    else:  # older releases word it "Starting in PyTorch 2.9, ..."; the category is the same
+        assert [c for c, _ in theirs[1]] == [UserWarning]
     assert "use_reentrant parameter should be passed explicitly" in mine[1][0][1]
     assert isinstance(mine[0], torch.Tensor)
     assert isinstance(theirs[0], torch.Tensor)
@@ -112,7 +136,10 @@ def test_reentrant_rejects_extra_kwargs_like_torch(use_reentrant: bool | None) -
         lambda: checkpointing.checkpoint(torch.sin, x, use_reentrant=use_reentrant, a=1, bb=2)
     )
     theirs = outcome(lambda: tc.checkpoint(torch.sin, x, use_reentrant=use_reentrant, a=1, bb=2))
-    assert mine[1] == theirs[1]
+    if releases.has(releases.REWORDED_WARNING):
+        assert mine[1] == theirs[1]
+    assert [c for c, _ in mine[1]] == [c for c, _ in theirs[1]]
+    assert all(message == releases.USE_REENTRANT_WARNING for _, message in mine[1])
     my_type, my_message = error_of(mine)
     their_type, their_message = error_of(theirs)
     assert my_type is their_type is ValueError
@@ -125,11 +152,20 @@ def test_reentrant_rejects_extra_kwargs_like_torch(use_reentrant: bool | None) -
     [
         {"context_fn": lambda: (contextlib.nullcontext(), contextlib.nullcontext())},
         {"debug": True},
+        pytest.param(
+            {"respect_saved_tensors_hooks": True},
+            marks=releases.needs_torch(releases.RESPECT_HOOKS, "respect_saved_tensors_hooks"),
+        ),
+        pytest.param(
+            {"respect_saved_tensors_hooks": False},
+            marks=releases.needs_torch(releases.RESPECT_HOOKS, "respect_saved_tensors_hooks"),
+        ),
     ],
-    ids=["context_fn", "debug"],
+    ids=["context_fn", "debug", "respect_true", "respect_false"],
 )
 def test_reentrant_rejects_context_fn_and_debug_like_torch(extra: dict[str, Any]) -> None:
-    """context_fn or debug with the reentrant variant: torch's ValueError, its key phrase first."""
+    """context_fn, debug or respect_saved_tensors_hooks with the reentrant variant: torch's
+    ValueError, its key phrase first."""
     x = torch.randn(3, requires_grad=True)
     ours = checkpointing.checkpoint
     mine = outcome(lambda: ours(torch.sin, x, use_reentrant=True, **extra))
@@ -137,8 +173,22 @@ def test_reentrant_rejects_context_fn_and_debug_like_torch(extra: dict[str, Any]
     my_type, my_message = error_of(mine)
     their_type, their_message = error_of(theirs)
     assert my_type is their_type is ValueError
-    assert my_message.startswith(their_message)
+    assert my_message.startswith(releases.REENTRANT_ONLY_DEFAULTS)
+    if releases.has(releases.RESPECT_HOOKS):
+        assert my_message.startswith(their_message)
     assert "use_reentrant=False" in my_message
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_reentrant_rejects_respect_saved_tensors_hooks(value: bool) -> None:
+    """respect_saved_tensors_hooks with use_reentrant=True is torch 2.14's ValueError, on
+    every release."""
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="respect_saved_tensors_hooks") as info:
+        checkpointing.checkpoint(
+            torch.sin, x, use_reentrant=True, respect_saved_tensors_hooks=value
+        )
+    assert str(info.value).startswith(releases.REENTRANT_ONLY_DEFAULTS)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

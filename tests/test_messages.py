@@ -306,6 +306,16 @@ MISTAKES: dict[str, Mistake] = {
         ValueError,
         ("checkpoint_sequential", "debug=True", "use_reentrant=False"),
     ),
+    "checkpoint_sequential: a second input where use_reentrant goes, with a strategy": Mistake(
+        lambda m: m.checkpoint_sequential(_seq(), None, _x(), _x(), strategy="sqrt"),
+        TypeError,
+        (
+            "checkpoint_sequential",
+            "use_reentrant must be True or False with strategy='sqrt'",
+            "got a Tensor of shape (3, 3)",
+            "input=(a, b)",
+        ),
+    ),
     "unknown kwargs, reentrant": Mistake(
         lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=True, scale=2),
         ValueError,

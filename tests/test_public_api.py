@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import releases
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import checkpointing
@@ -188,16 +190,49 @@ def test_parity_class_matches_torch(name: str) -> None:
 
 
 def test_sac_ignored_ops_match_torch() -> None:
-    """``SAC_IGNORED_OPS`` holds exactly torch's ops (they are never cached)."""
+    """``SAC_IGNORED_OPS`` holds exactly torch 2.15's ops on every release (they are never
+    cached); older releases lack ``prim.layout.default``, which 2.15 added."""
     ours = getattr(checkpointing, "SAC_IGNORED_OPS", None)
     if ours is None:
         pytest.fail("checkpointing.SAC_IGNORED_OPS is not exported")
-    assert set(ours) == set(torch_checkpoint.SAC_IGNORED_OPS)
+    theirs = set(torch_checkpoint.SAC_IGNORED_OPS)
+    if not releases.has(releases.LAYOUT_IGNORED):
+        assert torch.ops.prim.layout.default not in theirs
+        theirs.add(torch.ops.prim.layout.default)
+    assert set(ours) == theirs
 
 
 def test_generator_has_torchs_positional_signature() -> None:
-    """``_checkpoint_without_reentrant_generator`` takes torch's arguments in torch's order."""
-    ours = checkpointing._checkpoint_without_reentrant_generator
-    theirs = torch_checkpoint._checkpoint_without_reentrant_generator
-    assert _parameters(ours) == _parameters(theirs)
+    """``_checkpoint_without_reentrant_generator`` takes torch 2.14's arguments in its order:
+    torch 2.13's positional form plus a keyword-only ``respect_saved_tensors_hooks``."""
+    ours = _parameters(checkpointing._checkpoint_without_reentrant_generator)
+    theirs = _parameters(torch_checkpoint._checkpoint_without_reentrant_generator)
+    respect = ("respect_saved_tensors_hooks", inspect.Parameter.KEYWORD_ONLY, None)
+    if releases.has(releases.GENERATOR_IMPL):
+        assert ours == theirs
+    else:
+        assert [p for p in ours if p != respect] == theirs
+    assert respect in ours
+
+
+def test_generator_impl_has_torchs_signature() -> None:
+    """``_checkpoint_without_reentrant_generator_impl`` (torch 2.14) takes ``fn, args, kwargs``
+    then keyword-only options, on every release."""
+    ours = _parameters(checkpointing._checkpoint_without_reentrant_generator_impl)
+    names = [name for name, _, _ in ours]
+    assert names == [
+        "fn",
+        "args",
+        "kwargs",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "respect_saved_tensors_hooks",
+    ]
+    assert "_checkpoint_without_reentrant_generator_impl" not in checkpointing.__all__
+    if releases.has(releases.GENERATOR_IMPL):
+        theirs = _parameters(torch_checkpoint._checkpoint_without_reentrant_generator_impl)
+        assert ours == theirs
     assert "_checkpoint_without_reentrant_generator" not in checkpointing.__all__

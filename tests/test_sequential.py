@@ -7,12 +7,14 @@ pair; gradients equal the un-checkpointed run on random layer stacks with random
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+import releases
 import torch
 import torch.utils.checkpoint as tc
 from frame_support import error_of, outcome
@@ -31,8 +33,6 @@ from checkpointing._sequential import segment_bounds
 
 VARIANTS = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "frame"])
 IMPLEMENTATIONS = {"ours": checkpointing.checkpoint_sequential, "torch": tc.checkpoint_sequential}
-
-
 
 
 class Counted(nn.Module):
@@ -257,9 +257,11 @@ def test_omitted_use_reentrant_warns_once_like_torch() -> None:
         assert isinstance(out, torch.Tensor)
         with pytest.raises(RuntimeError, match="use_reentrant=False"):
             torch.autograd.grad(out.sum(), x)
-    assert outcomes["ours"][1] == outcomes["torch"][1]
-    assert [category for category, _ in outcomes["ours"][1]] == [UserWarning]
-    assert "checkpoint_sequential" in outcomes["ours"][1][0][1]
+    assert outcomes["ours"][1] == [(UserWarning, releases.SEQUENTIAL_USE_REENTRANT_WARNING)]
+    if releases.has(releases.REWORDED_WARNING):
+        assert outcomes["ours"][1] == outcomes["torch"][1]
+    else:  # older releases word it "In version 2.9 ..."; the category is the same
+        assert [category for category, _ in outcomes["torch"][1]] == [UserWarning]
 
 
 @pytest.mark.parametrize(
@@ -279,7 +281,10 @@ def test_unexpected_kwargs_raise_like_torch(use_reentrant: bool | None) -> None:
             layers, 2, x, use_reentrant=use_reentrant, foo=1, context_fns=None
         )
     )
-    assert mine[1] == theirs[1]
+    assert [c for c, _ in mine[1]] == [c for c, _ in theirs[1]]
+    if releases.has(releases.REWORDED_WARNING):
+        assert mine[1] == theirs[1]
+    assert all(m == releases.SEQUENTIAL_USE_REENTRANT_WARNING for _, m in mine[1])
     my_type, my_message = error_of(mine)
     their_type, their_message = error_of(theirs)
     assert my_type is their_type is ValueError
@@ -348,3 +353,140 @@ def test_one_segment_checkpoints_nothing(spec: StackSpec) -> None:
         lambda model, x: checkpointing.checkpoint_sequential(model, 1, x, use_reentrant=True)
     )
     got.assert_equal(expected)
+
+
+# --- an extra positional input lands in use_reentrant (NOTE [Torch's path], Rules 1 and 2) ----
+
+
+class TwoInputs(nn.Module):
+    """``a * w + b``: a first layer that needs two inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * self.w + b
+
+
+class Truthy:
+    """A non-bool ``use_reentrant`` that counts how often it is asked for its truth value."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+        self.asked = 0
+
+    def __bool__(self) -> bool:
+        self.asked += 1
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"Truthy({self.value})"
+
+
+Ran = tuple[object, list[type[Warning]], list[torch.Tensor | None]]
+
+
+def _side_by_side(
+    build: Callable[[], nn.Sequential], segments: int, use_reentrant: Callable[[], object]
+) -> list[Ran]:
+    """Run ours and torch's as ``(model, segments, x, use_reentrant())`` on equal fresh models;
+    assert the same outcome (exception type, or output and gradients) and warning categories."""
+    results = []
+    for run in IMPLEMENTATIONS.values():
+        torch.manual_seed(15)
+        model = build()
+        x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+        flag = use_reentrant()
+        result, caught = outcome(
+            lambda run=run, model=model, x=x, flag=flag: run(model, segments, x, flag)
+        )
+        grads: list[torch.Tensor | None] = []
+        if isinstance(result, torch.Tensor):
+            result.sum().backward()
+            grads = [x.grad, *(p.grad for p in model.parameters())]
+            result = result.detach()
+        results.append((result, [category for category, _ in caught], grads))
+    (mine, my_warnings, my_grads), (theirs, their_warnings, their_grads) = results
+    assert my_warnings == their_warnings
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(mine, torch.Tensor), mine
+        assert torch.equal(mine, theirs)
+        for a, b in zip(my_grads, their_grads, strict=True):
+            assert a is not None
+            assert b is not None
+            assert torch.equal(a, b)
+    else:
+        assert error_of((mine, []))[0] is error_of((theirs, []))[0]
+    return results
+
+
+def _one_input_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 3, dtype=torch.float64), nn.Tanh())
+
+
+def _deeper_one_input_model() -> nn.Sequential:
+    return nn.Sequential(*_one_input_model(), *_one_input_model())
+
+
+def test_two_input_first_layer_with_second_input_in_use_reentrant_like_torch() -> None:
+    """(model, 1, a, b) with a two-input first layer: the layer's TypeError, as torch."""
+    b = torch.randn(2, 3, dtype=torch.float64)
+    results = _side_by_side(lambda: nn.Sequential(TwoInputs(), nn.Tanh()), 1, lambda: b)
+    assert all(error_of((result, []))[0] is TypeError for result, _, _ in results)
+
+
+def test_extra_positional_tensor_with_one_segment_runs_like_torch() -> None:
+    """An extra tensor, one segment: nothing checkpointed, so both run with equal outputs."""
+    extra = torch.randn(2, 3)
+    results = _side_by_side(_one_input_model, 1, lambda: extra)
+    assert all(isinstance(result, torch.Tensor) for result, _, _ in results)
+
+
+@pytest.mark.parametrize(
+    "extra", [torch.randn(2, 3), torch.tensor(0.0), torch.tensor(1.0)], ids=["many", "0", "1"]
+)
+def test_extra_positional_tensor_with_two_segments_like_torch(extra: torch.Tensor) -> None:
+    """An extra tensor, two segments: the checkpoint reads it as use_reentrant, as torch's."""
+    _side_by_side(_one_input_model, 2, lambda: extra)
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3])
+@pytest.mark.parametrize("value", [True, False])
+def test_non_bool_use_reentrant_by_position_like_torch(segments: int, value: bool) -> None:
+    """A non-bool use_reentrant by position is asked for its truth only where torch asks."""
+    flags: list[Truthy] = []
+
+    def fresh() -> Truthy:
+        flags.append(Truthy(value))
+        return flags[-1]
+
+    _side_by_side(_deeper_one_input_model, segments, fresh)
+    mine, theirs = flags
+    assert mine.asked == theirs.asked == segments - 1  # once per checkpointed segment
+
+
+@pytest.mark.parametrize(
+    ("segments", "options"),
+    [
+        (2, {"strategy": "balanced"}),
+        (None, {"strategy": "sqrt"}),
+        (None, {"strategy": "log"}),
+        (2, {"debug": True}),
+        (2, {"context_fn": lambda: (contextlib.nullcontext(), contextlib.nullcontext())}),
+        (2, {"determinism_check": "none"}),
+    ],
+    ids=["balanced", "sqrt", "log", "debug", "context_fn", "determinism_check"],
+)
+@pytest.mark.parametrize("flag", [torch.ones(2), "yes"], ids=["tensor", "str"])
+def test_non_bool_use_reentrant_with_our_options_is_a_clear_type_error(
+    segments: int | None, options: dict[str, Any], flag: object
+) -> None:
+    """Our strategies and keywords need a bool use_reentrant: a TypeError naming the fix."""
+    layers = [Counted(3, seed=i) for i in range(4)]
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match="checkpoint_sequential") as info:
+        checkpointing.checkpoint_sequential(layers, segments, x, flag, **options)
+    assert type(flag).__name__ in str(info.value)
+    assert "input=(" in str(info.value)
+    assert all(layer.calls == 0 for layer in layers)

@@ -1,0 +1,85 @@
+"""Which torch release the suite runs on, and what each release added (SPEC §12).
+
+Parity tests compare with the installed ``torch.utils.checkpoint`` wherever it has the behaviour.
+Where the installed release predates it, the test checks the newest behaviour on ours alone
+(against the values below, read from torch 2.15's ``torch/utils/checkpoint.py``), and the part
+that needs torch is skipped with a reason naming the release that added it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from checkpointing import _compat
+
+TORCH: tuple[int, int] = _compat.TORCH_VERSION
+
+# What each release added to torch.utils.checkpoint that we offer on every release.
+DECORATOR = (2, 14)  # checkpoint(**options) returns a decorator; ``function`` defaults to None
+PRESERVE_RNG_PARAMETER = (2, 14)  # preserve_rng_state is a named parameter
+RESPECT_HOOKS = (2, 14)  # respect_saved_tensors_hooks, the FutureWarning, internal-hook marks
+GENERATOR_IMPL = (2, 14)  # _checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, ...)
+REWORDED_WARNING = (2, 15)  # "In a future release, ..." instead of "Starting in PyTorch 2.9, ..."
+ORDERED_EFFECTS_KEPT = (2, 15)  # SAC keeps ops with an ordered side effect (MUST_SAVE)
+LAYOUT_IGNORED = (2, 15)  # prim.layout.default in SAC_IGNORED_OPS
+OP_OUTPUT = (2, 12)  # SelectiveCheckpointContext.op_output; the policy is not asked at recompute
+
+# torch 2.15's parameters of ``checkpoint``, in order: (name, kind, default).
+_P = Any
+CHECKPOINT_PARAMETERS: tuple[tuple[str, str, _P], ...] = (
+    ("function", "POSITIONAL_OR_KEYWORD", None),
+    ("args", "VAR_POSITIONAL", "<empty>"),
+    ("use_reentrant", "KEYWORD_ONLY", None),
+    ("preserve_rng_state", "KEYWORD_ONLY", True),
+    ("context_fn", "KEYWORD_ONLY", "<noop>"),
+    ("determinism_check", "KEYWORD_ONLY", "default"),
+    ("debug", "KEYWORD_ONLY", False),
+    ("early_stop", "KEYWORD_ONLY", True),
+    ("respect_saved_tensors_hooks", "KEYWORD_ONLY", None),
+    ("kwargs", "VAR_KEYWORD", "<empty>"),
+)
+
+USE_REENTRANT_WARNING = (
+    "torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly. In a "
+    "future release, calling checkpoint without use_reentrant will raise an exception. "
+    "use_reentrant=False is recommended, but if you need to preserve the current default "
+    "behavior, you can pass use_reentrant=True. Refer to docs for more details on the "
+    "differences between the two variants."
+)
+SEQUENTIAL_USE_REENTRANT_WARNING = (
+    "torch.utils.checkpoint.checkpoint_sequential: the use_reentrant parameter should be "
+    "passed explicitly. In a future release, we will raise an exception if use_reentrant is not "
+    "passed. use_reentrant=False is recommended, but if you need to preserve the current "
+    "default behavior, you can pass use_reentrant=True. Refer to docs for more details on the "
+    "differences between the two variants."
+)
+REENTRANT_ONLY_DEFAULTS = (
+    "Passing `context_fn`, `debug`, or `respect_saved_tensors_hooks` is only supported when "
+    "use_reentrant=False."
+)
+
+
+def has(release: tuple[int, int]) -> bool:
+    """Whether the installed torch is ``release`` or newer."""
+    return release <= TORCH
+
+
+def name(release: tuple[int, int]) -> str:
+    """``(2, 14)`` as ``"2.14"``."""
+    return f"{release[0]}.{release[1]}"
+
+
+def predates(release: tuple[int, int], what: str) -> str:
+    """The reason for skipping the torch side of a parity test on an older release."""
+    return (
+        f"torch {name(release)} added {what}; the installed torch {torch.__version__} predates "
+        "it, so only ours is checked (against torch 2.15's behaviour)"
+    )
+
+
+def needs_torch(release: tuple[int, int], what: str) -> pytest.MarkDecorator:
+    """Skip a test (or a parameter) that needs torch's own ``what``, added in ``release``."""
+    return pytest.mark.skipif(not has(release), reason=predates(release, what))
