@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -163,6 +163,14 @@ class _Watcher:
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    # The watcher itself is the outer pack hook, marked checkpoint-internal (NOTE [Nestable
+    # checkpoint], Rule 10) so that selective checkpointing in the block never takes it for a
+    # user's hook. It shadows every hook below it (what it packs stays with it), so it names no
+    # user hooks either.
+    __call__ = pack
+    _checkpoint_internal: Final = True
+    _user_hooks: Final = None
+
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, torch.device] | None:
     """Where ``tensor``'s memory lives; None for tensors without memory (meta, sparse)."""
@@ -219,7 +227,7 @@ def saved_tensors_report() -> Iterator[SavedTensorsReport]:
     report = SavedTensorsReport()
     watcher = _Watcher(report)
     token = listener.set(watcher)
-    _compat.push_saved_tensors_hooks(watcher.pack, watcher.unpack)
+    _compat.push_saved_tensors_hooks(watcher, watcher.unpack)
     try:
         with _ProducerMode(watcher):
             yield report

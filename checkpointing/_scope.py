@@ -95,6 +95,7 @@ from typing import Any, Final, Literal, Self
 import torch
 
 from ._compat import (
+    HookPair,
     OpOverload,
     TorchDispatchMode,
     current_graph_task_id,
@@ -103,6 +104,7 @@ from ._compat import (
     op_runner,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
+    resolve_user_hooks,
     returns_alias,
     skip_dynamo_in_code,
     tensor_version,
@@ -1060,7 +1062,7 @@ class _ThreadHooks:
         with self.lock:
             if not self.on_stack:
                 below = top_saved_tensors_hooks()
-                push_saved_tensors_hooks(self.pack, self.unpack)  # raises if hooks are disabled
+                push_saved_tensors_hooks(self, self.unpack)  # raises if hooks are disabled
                 self.below, self.on_stack = below, True
             self.claims += 1  # only once the hook is there: a failed push leaves no claim
         return _Claim(self)
@@ -1077,7 +1079,7 @@ class _ThreadHooks:
                 self.pending = False
                 if self.on_stack and self.claims == 0:
                     top = top_saved_tensors_hooks()
-                    if top is not None and getattr(top[0], "__self__", None) is self:
+                    if top is not None and top[0] is self:
                         pop_saved_tensors_hooks()
                         self.on_stack, self.below = False, None
                     else:
@@ -1111,6 +1113,17 @@ class _ThreadHooks:
         if self.pending:
             self.settle()
         return packed
+
+    # The router itself is the pack hook, so that it can carry the checkpoint-internal marks
+    # (NOTE [Nestable checkpoint], Rule 10): selective checkpointing inside a scope or session
+    # never takes it for a user's hook, and finds the user's below it.
+    __call__ = pack
+    _checkpoint_internal: Final = True
+
+    @property
+    def _user_hooks(self) -> HookPair | None:
+        """The user's saved-tensors hooks ours sits on (those it hands other tensors to)."""
+        return resolve_user_hooks(self.below)
 
     def _pack_other(self, tensor: torch.Tensor) -> Any:
         """``pack`` for all but its common case: a view of a scope tensor, a scope tensor seen

@@ -431,3 +431,35 @@ def test_ordered_effect_kept_under_an_op_only_policy(capfd: pytest.CaptureFixtur
         _printing, x, use_reentrant=False, context_fn=context_fn
     ).sum().backward()
     assert _printed(capfd) == 1
+
+
+@pytest.mark.parametrize("lib", [checkpointing, tc], ids=["our_sac", "torch_sac"])
+def test_our_report_and_scope_hooks_are_not_user_hooks(lib: Any) -> None:
+    """Our report's and scope session's saved-tensors hooks are checkpoint-internal: a SAC
+    region inside them (ours, or torch's from 2.14) does not warn about user hooks."""
+    with checkpointing.saved_tensors_report():
+        assert _equal(_sac_step(checkpointing, lib, None, None), _grads(_block))
+    with checkpointing.gradient_checkpoint_session():
+        assert _equal(_sac_step(checkpointing, lib, None, None), _grads(_block))
+
+
+def test_scope_session_hands_sac_saves_to_user_hooks_below_it() -> None:
+    """Under a scope session that sits on a user's hooks, respect_saved_tensors_hooks=True finds
+    those hooks through the session's router, as the router itself hands them other tensors."""
+    hooks = _Counting()
+    context_fn = functools.partial(checkpointing.create_selective_checkpoint_contexts, _save_mm)
+    x, w = _inputs()
+    with hooks.active(), checkpointing.gradient_checkpoint_session():
+        out = checkpointing.checkpoint(
+            _block,
+            x,
+            w,
+            use_reentrant=False,
+            context_fn=context_fn,
+            respect_saved_tensors_hooks=True,
+        )
+    out.sum().backward()
+    assert x.grad is not None
+    assert w.grad is not None
+    assert _equal([x.grad, w.grad], _grads(_block))
+    assert (hooks.packed, hooks.unpacked) == (4, 3)  # as without the session

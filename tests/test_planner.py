@@ -36,7 +36,7 @@ from checkpointing._planning.solver import (
     recompute_seconds,
     solve,
 )
-from tests.strategies import planner_problems
+from strategies import planner_problems
 
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

@@ -28,7 +28,7 @@ from checkpointing._scope import gradient_checkpoint_scope, gradient_checkpoint_
 
 def _ours_on_top() -> bool:
     top = _compat.top_saved_tensors_hooks()
-    return top is not None and type(getattr(top[0], "__self__", None)).__name__ == "_ThreadHooks"
+    return top is not None and type(top[0]).__name__ == "_ThreadHooks"
 
 
 class _OpCounter(TorchDispatchMode):  # type: ignore[misc]
