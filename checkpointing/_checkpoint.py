@@ -19,7 +19,7 @@ from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
 from ._reentrant import CheckpointFunction
 from ._state import ContextFn, is_noop_context_fn, noop_context_fn
 
-__all__ = ["CHECKPOINT_OPTIONS", "checkpoint"]
+__all__ = ["CHECKPOINT_OPTIONS", "CheckpointedFunction", "checkpoint"]
 
 # The keyword arguments of ``checkpoint`` that wrappers and integrations pass through to it.
 CHECKPOINT_OPTIONS: Final = frozenset(

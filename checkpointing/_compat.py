@@ -48,6 +48,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext as DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_leaves as tree_leaves
 from torch.utils._pytree import tree_map as tree_map
@@ -86,18 +87,18 @@ else:  # 2.11: no way to make a SavedTensor from Python
         """Saves its tensor arguments for a backward that never runs: autograd then holds
         them as saved inputs (hooks and version check included), as torch 2.11's own
         checkpoint does. The first argument is an anchor that requires grad, so that a node
-        exists to hold them."""
+        exists to hold them. It runs below the dispatch modes (``save_inputs``): as on newer
+        releases, a mode sees only the region's own ops (torch 2.11's checkpoint shows it two
+        ``aten.empty`` per region)."""
 
         @staticmethod
         def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
             ctx.save_for_backward(*tensors)
-            return anchor.new_empty(0)
+            return torch.empty((0,))
 
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor) -> Any:
             raise RuntimeError("checkpointing: the node that keeps a region's inputs ran")
-
-    _ANCHOR = torch.empty(0, requires_grad=True)
 
     class _InputSlot:
         """Where a saved input sits: the node's output that keeps it alive, and its index."""
@@ -114,7 +115,9 @@ else:  # 2.11: no way to make a SavedTensor from Python
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not tensors:
             return list(args)
-        keeper = _KeepInputs.apply(_ANCHOR, *tensors)  # type: ignore[no-untyped-call]  # untyped
+        with _disable_current_modes():
+            anchor = torch.empty((0,), requires_grad=True)
+            keeper = _KeepInputs.apply(anchor, *tensors)  # type: ignore[no-untyped-call]  # untyped
         saved: list[Any] = []
         count = 0
         for a in args:
@@ -269,10 +272,19 @@ def resolve_user_hooks(hooks: HookPair | None) -> HookPair | None:
     return None
 
 
+_top_default_hooks: Callable[[bool], HookPair | None] = (
+    torch._C._autograd._top_saved_tensors_default_hooks
+)
+
+
 def user_saved_tensors_hooks() -> HookPair | None:
     """The user's saved-tensors hook pair a tensor saved now would meet if checkpoint
-    machinery were not in the way, or None."""
-    return resolve_user_hooks(top_saved_tensors_hooks())
+    machinery were not in the way, or None. Runs per checkpoint call: the empty stack, the
+    common case, costs one C call."""
+    hooks = _top_default_hooks(False)
+    if hooks is None:
+        return None
+    return resolve_user_hooks(hooks)
 
 
 dispatch_mode_depth: Callable[[], int] = torch._C._len_torch_dispatch_stack

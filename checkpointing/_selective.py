@@ -464,8 +464,7 @@ _MSG_HOOKS_BYPASSED = (
     "checkpoint region. Tensors that SAC saves currently bypass these hooks, but a future "
     "release will route them through the hooks like any other saved tensor. Silence this "
     "warning and choose the behavior explicitly by passing respect_saved_tensors_hooks=True|False "
-    "to checkpointing.checkpoint (or checkpoint_module, checkpoint_wrapper, "
-    "checkpoint_sequential's segments through their options)."
+    "to checkpointing.checkpoint (or checkpointing.checkpoint_module / checkpoint_wrapper)."
 )
 
 

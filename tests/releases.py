@@ -83,3 +83,12 @@ def predates(release: tuple[int, int], what: str) -> str:
 def needs_torch(release: tuple[int, int], what: str) -> pytest.MarkDecorator:
     """Skip a test (or a parameter) that needs torch's own ``what``, added in ``release``."""
     return pytest.mark.skipif(not has(release), reason=predates(release, what))
+
+
+def newest_sac_ignored_ops(torch_set: set[Any]) -> set[Any]:
+    """torch 2.15's ``SAC_IGNORED_OPS`` as the installed torch would have it: its own set, plus
+    ``prim.layout.default`` where it predates 2.15."""
+    expected = set(torch_set)
+    if not has(LAYOUT_IGNORED):
+        expected.add(torch.ops.prim.layout.default)
+    return expected

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import releases
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 import transformers
@@ -321,6 +322,20 @@ MISTAKES: dict[str, Mistake] = {
         ValueError,
         ("Unexpected keyword arguments: scale", "use_reentrant=False"),
         torch_too=True,
+    ),
+    "unknown options to the checkpoint decorator": Mistake(
+        lambda m: m.checkpoint(use_reentrant=False, scale=2),
+        ValueError,
+        ("Unexpected keyword arguments: scale", "decorator", "Fix"),
+        torch_too=releases.has(releases.DECORATOR),
+    ),
+    "respect_saved_tensors_hooks with the reentrant variant": Mistake(
+        lambda m: m.checkpoint(
+            torch.sin, _x(), use_reentrant=True, respect_saved_tensors_hooks=True
+        ),
+        ValueError,
+        ("respect_saved_tensors_hooks", "only supported when use_reentrant=False", "Fix"),
+        torch_too=releases.has(releases.RESPECT_HOOKS),
     ),
     "unknown kwargs, non-reentrant (they go to the function)": Mistake(
         lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=False, scale=2),

@@ -8,6 +8,8 @@ import enum
 import importlib
 import importlib.util
 import inspect
+import subprocess
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -236,3 +238,22 @@ def test_generator_impl_has_torchs_signature() -> None:
         theirs = _parameters(torch_checkpoint._checkpoint_without_reentrant_generator_impl)
         assert ours == theirs
     assert "_checkpoint_without_reentrant_generator" not in checkpointing.__all__
+
+
+def test_a_torch_below_the_supported_range_is_refused_with_our_message() -> None:
+    """Under torch 2.10 (simulated in a fresh interpreter), ``import checkpointing`` fails with
+    our ImportError naming the supported range and the fix, before any private torch import."""
+    code = (
+        "import torch\n"
+        "torch.__version__ = '2.10.0+cpu'\n"
+        "try:\n"
+        "    import checkpointing\n"
+        "except ImportError as error:\n"
+        "    print('REFUSED', error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.startswith("REFUSED checkpointing supports torch 2.11 to 2.15")
+    assert "torch 2.10.0+cpu is installed" in done.stdout
+    assert "pip install --upgrade 'torch>=2.11'" in done.stdout
