@@ -235,9 +235,13 @@ class OpLogger:
 
     def lines(self) -> str:
         """The log as numbered lines."""
-        return "\n".join(
-            f"  {i + 1:>4}. {op.signature}\n        at {op.where}" for i, op in enumerate(self.ops)
-        ) or "  (no ops recorded)"
+        return (
+            "\n".join(
+                f"  {i + 1:>4}. {op.signature}\n        at {op.where}"
+                for i, op in enumerate(self.ops)
+            )
+            or "  (no ops recorded)"
+        )
 
     def significant(self) -> list[_LoggedOp]:
         """The ops that take part in the comparison (detaches are ours, not the user's)."""

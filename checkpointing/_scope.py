@@ -984,6 +984,7 @@ def _scope_slot(tensor: torch.Tensor) -> tuple[_Tape, int, _View | None] | None:
     view = (tensor.shape, tensor.stride(), int(tensor.storage_offset()))  # Rule 8
     return entry.tape, entry.slot, view
 
+
 # -------------------------------------------------------------------------------------------
 # The router: one hook of ours per thread, and its lifetime (Rules 2, 4, 5, 9)
 # -------------------------------------------------------------------------------------------

@@ -995,7 +995,8 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
 
     def _dispatch_traced(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Rule 9: what torch does under AOTAutograd tracing, so the partitioner decides."""
-        _compat.set_traced_node_meta("ac_graph_id", self.ac_graph_id)
+        if self.ac_graph_id is not None:  # torch 2.11 sets the id itself and gives us none
+            _compat.set_traced_node_meta("ac_graph_id", self.ac_graph_id)
         _compat.set_traced_node_meta("recompute", _TorchCheckpointPolicy.PREFER_RECOMPUTE)
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)

@@ -208,9 +208,7 @@ def checkpoint_wrapper(
     if unknown:
         hint = _HINT_CHECKPOINT_IMPL if "checkpoint_impl" in unknown else ""
         raise TypeError(
-            _MSG_UNKNOWN_OPTION.format(
-                names=unknown, allowed=sorted(CHECKPOINT_OPTIONS), hint=hint
-            )
+            _MSG_UNKNOWN_OPTION.format(names=unknown, allowed=sorted(CHECKPOINT_OPTIONS), hint=hint)
         )
     return CheckpointWrapper(module, hooks_during_recompute, checkpoint_options)
 

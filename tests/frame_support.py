@@ -9,6 +9,7 @@ Names are looked up when called, so this module imports even while the API is be
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import releases
 import torch
 import torch.utils.checkpoint as torch_checkpoint_module
 
@@ -76,19 +78,47 @@ PLAIN = Variant("plain", None)
 BOTH = (TORCH, OURS)
 
 
+# torch 2.12 saves a region's inputs as SavedTensors, which dispatch nothing. torch 2.11 saves
+# them through a no-op autograd Function (``_NoopSaveInputs``) together with a (0,)-shaped dummy
+# tensor, once per checkpoint call (nested ones in recompute included): a dispatch mode sees two
+# ``aten.empty.memory_format`` (the dummy and the Function's output), an outer saved-tensors hook
+# sees the dummy, and a byte census sees its 0-byte storage. Ours saves inputs without any of
+# these on every release.
+INPUTS_SAVED_WITHOUT_A_DUMMY = (2, 12)
+
+
+def is_torch_2_11_input_saver_op(func: Any) -> bool:
+    """Whether ``func``, being dispatched now, is one of the two ``aten.empty`` that torch 2.11's
+    checkpoint runs to save a region's inputs: the nearest caller in ``torch.utils.checkpoint``
+    is its frame generator or ``_NoopSaveInputs.forward``."""
+    if releases.has(INPUTS_SAVED_WITHOUT_A_DUMMY) or func is not torch.ops.aten.empty.memory_format:
+        return False
+    savers = (
+        torch_checkpoint_module._checkpoint_without_reentrant_generator.__code__,
+        torch_checkpoint_module._NoopSaveInputs.forward.__code__,
+    )
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename != savers[0].co_filename:
+        frame = frame.f_back
+    return frame is not None and frame.f_code in savers
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops run while active, by name.
 
     ``detach`` is left out: each implementation detaches recomputed tensors its own way, and a
     detach computes nothing. It is counted apart, in ``detaches``. ``passes_detach_through``
     marks the counter as a recompute mode that lets the frame detach below it (NOTE [Nestable
-    checkpoint], Rule 9).
+    checkpoint], Rule 9). On torch 2.11 only, the two ``aten.empty`` per checkpoint call with
+    which torch's own checkpoint saves inputs (``INPUTS_SAVED_WITHOUT_A_DUMMY``) are left out
+    too, counted apart in ``input_savers``; newer torch and ours dispatch nothing there.
     """
 
     def __init__(self, passes_detach_through: bool = False) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.detaches = 0
+        self.input_savers = 0
         self.passes_detach_through = passes_detach_through
 
     def __torch_dispatch__(
@@ -100,6 +130,8 @@ class OpCounter(TorchDispatchMode):
     ) -> Any:
         if func is torch.ops.aten.detach.default:
             self.detaches += 1
+        elif is_torch_2_11_input_saver_op(func):
+            self.input_savers += 1
         else:
             self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
@@ -112,7 +144,8 @@ class OpCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def counting_ops() -> Iterator[Counter[str]]:
-    """Count the aten ops (detach left out) run in the body; yields the live counter."""
+    """Count the aten ops (detach, and torch 2.11's input savers, left out) run in the body;
+    yields the live counter."""
     counter = OpCounter()
     with counter:
         yield counter.counts

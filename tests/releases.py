@@ -25,7 +25,11 @@ GENERATOR_IMPL = (2, 14)  # _checkpoint_without_reentrant_generator_impl(fn, arg
 REWORDED_WARNING = (2, 15)  # "In a future release, ..." instead of "Starting in PyTorch 2.9, ..."
 ORDERED_EFFECTS_KEPT = (2, 15)  # SAC keeps ops with an ordered side effect (MUST_SAVE)
 LAYOUT_IGNORED = (2, 15)  # prim.layout.default in SAC_IGNORED_OPS
-OP_OUTPUT = (2, 12)  # SelectiveCheckpointContext.op_output; the policy is not asked at recompute
+OP_OUTPUT = (2, 12)  # SelectiveCheckpointContext.op_output
+FORWARD_ONLY_POLICY = (2, 13)  # the SAC policy is asked in forward only, never at recompute
+CALL_INDEXED_CACHE = (2, 13)  # SAC's cache indexed per op call: a diverging recompute raises
+# checkpoint throws fn's exception into its generator (its hooks are popped at once)
+THROWS_INTO_GENERATOR = (2, 13)
 
 # torch 2.15's parameters of ``checkpoint``, in order: (name, kind, default).
 _P = Any

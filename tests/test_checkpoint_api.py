@@ -30,8 +30,6 @@ IMPLEMENTATIONS = pytest.mark.parametrize(
 VARIANTS = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "frame"])
 
 
-
-
 def _plain(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     return model(x)  # type: ignore[no-any-return]
 
@@ -56,9 +54,7 @@ def test_signature_is_torch_2_15s() -> None:
     """Parameter names, kinds and defaults are torch 2.15's on every release (context_fn
     defaults to our no-op, which torch's code also accepts)."""
     ours = inspect.signature(checkpointing.checkpoint).parameters
-    assert _described(ours, checkpointing.noop_context_fn) == list(
-        releases.CHECKPOINT_PARAMETERS
-    )
+    assert _described(ours, checkpointing.noop_context_fn) == list(releases.CHECKPOINT_PARAMETERS)
 
 
 @releases.needs_torch(releases.RESPECT_HOOKS, "the decorator form and its parameters")
@@ -66,9 +62,7 @@ def test_signature_matches_installed_torch() -> None:
     """Where torch has the newest signature, ours is the very same."""
     ours = inspect.signature(checkpointing.checkpoint).parameters
     theirs = inspect.signature(tc.checkpoint).parameters
-    assert _described(ours, checkpointing.noop_context_fn) == _described(
-        theirs, tc.noop_context_fn
-    )
+    assert _described(ours, checkpointing.noop_context_fn) == _described(theirs, tc.noop_context_fn)
 
 
 # --- use_reentrant omitted -------------------------------------------------------------------

@@ -76,9 +76,7 @@ class Model(torch.nn.Module):
             h = checkpointing.checkpoint(self.blocks, x, use_reentrant=True)
         elif m == "sac":
             context_fn = _save_matmuls_context(require("create_selective_checkpoint_contexts"))
-            h = checkpointing.checkpoint(
-                self.blocks, x, use_reentrant=False, context_fn=context_fn
-            )
+            h = checkpointing.checkpoint(self.blocks, x, use_reentrant=False, context_fn=context_fn)
         elif m == "scope":
             with require("gradient_checkpoint_scope")():
                 h = self.blocks[1](self.blocks[0](x))
@@ -116,9 +114,7 @@ def _worker(rank: int, port: int, mechanisms: list[str], out_dir: str) -> None:
     the final parameters."""
     with gloo_group(rank, port):
         for mechanism in mechanisms:
-            model = torch.nn.parallel.DistributedDataParallel(
-                Model(mechanism), **SETUPS[mechanism]
-            )
+            model = torch.nn.parallel.DistributedDataParallel(Model(mechanism), **SETUPS[mechanism])
             xs, ys = _data()
             if mechanism == "reentrant_static_graph":
                 xs.requires_grad_()  # reentrant: an input must require grad (README)

@@ -146,7 +146,9 @@ def test_determinism_check_none_skips_metadata_but_not_counts() -> None:
     for v in BOTH:
         assert _diverging_backward(v, changes_dtype, determinism_check="none") is None
         _assert_checkpoint_error(
-            v, _diverging_backward(v, changes_dtype), "have different metadata",
+            v,
+            _diverging_backward(v, changes_dtype),
+            "have different metadata",
             "tensor at position 1:",
         )
         _assert_checkpoint_error(
@@ -206,7 +208,9 @@ def test_unpacking_a_saved_tensor_twice_is_an_error() -> None:
         x = leaf(3)
         out = v.checkpoint(lambda t: _ReadsSavedTwice.apply(t.sin()), x)
         message = _assert_checkpoint_error(
-            v, raised(lambda out=out: out.sum().backward()), "already unpacked once",
+            v,
+            raised(lambda out=out: out.sum().backward()),
+            "already unpacked once",
             "ctx.saved_tensors",
         )
         assert "GraphExecGroup" not in message
@@ -275,8 +279,8 @@ def test_debug_report_lists_forward_and_recompute_ops_with_source_lines(way: str
         assert recompute_part.count("aten.sin.default") >= 2, v.name
         if v is OURS:
             # Our log keeps the forward's ops in execution order, each with its source line.
-            assert forward_part.index(first) < forward_part.index(second) < forward_part.index(
-                third
+            assert (
+                forward_part.index(first) < forward_part.index(second) < forward_part.index(third)
             )
             recompute_log = recompute_part.split("First divergence")[0]
             assert second not in recompute_log

@@ -65,9 +65,7 @@ def _counts() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("mechanism", CHECKPOINTED)
-def test_objects_and_tensors_do_not_grow_over_1000_steps(
-    mechanism: str, gc_disabled: None
-) -> None:
+def test_objects_and_tensors_do_not_grow_over_1000_steps(mechanism: str, gc_disabled: None) -> None:
     """After warm-up, 1,000 steps leave the numbers of live objects and tensors as they were."""
     params = make_params()
     x = torch.randn(4, 8, dtype=torch.float64)

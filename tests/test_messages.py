@@ -415,9 +415,13 @@ MISTAKES: dict[str, Mistake] = {
     ),
     "debug=True with a context_fn": Mistake(
         lambda m: m.checkpoint(
-            torch.sin, _x(), use_reentrant=False, debug=True, context_fn=m.noop_context_fn
+            torch.sin,
+            _x(),
+            use_reentrant=False,
+            debug=True,
+            context_fn=m.noop_context_fn
             if m is torch_checkpoint
-            else (lambda: (_Swallow(), _Swallow()))
+            else (lambda: (_Swallow(), _Swallow())),
         ),
         ValueError,
         ("debug=True is incompatible with non-default context_fn", "Fix"),

@@ -13,9 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import releases
 import torch
 from frame_support import (
     BOTH,
+    INPUTS_SAVED_WITHOUT_A_DUMMY,
     PLAIN,
     Variant,
     assert_tensors_equal,
@@ -101,6 +103,10 @@ def test_rule_1_outer_hook_sees_only_the_outermost_inputs() -> None:
         return seen
 
     theirs, ours = (scenario(v) for v in BOTH)
+    if not releases.has(INPUTS_SAVED_WITHOUT_A_DUMMY):
+        # torch 2.11 also saves a (0,)-shaped dummy, before the outer region's inputs
+        assert theirs[:1] == [(0,)]
+        theirs = theirs[1:]
     assert ours == theirs == [(4,)]
 
 
@@ -310,9 +316,7 @@ def test_sibling_regions_inside_a_region() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _program_step(
-    program: OpProgram, checkpoint: Callable[..., torch.Tensor]
-) -> tuple[Grads, Any]:
+def _program_step(program: OpProgram, checkpoint: Callable[..., torch.Tensor]) -> tuple[Grads, Any]:
     """Run the program, take first-order gradients with create_graph, then a double backward."""
     n = program.n
     x, w = leaf(n, n, seed=program.seed), leaf(n, n, seed=program.seed + 1)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import planner_problems
 from torch import nn
 
 import checkpointing
@@ -36,7 +37,6 @@ from checkpointing._planning.solver import (
     recompute_seconds,
     solve,
 )
-from strategies import planner_problems
 
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

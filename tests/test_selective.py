@@ -14,11 +14,12 @@ import contextlib
 import doctest
 import functools
 import weakref
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import releases
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from frame_support import assert_tensors_equal, counting_ops, leaf, raised
@@ -56,6 +57,11 @@ aten = torch.ops.aten
 Grads = tuple[torch.Tensor | None, ...]
 Policy = Callable[..., Any]
 
+# torch 2.13 indexed SAC's cache per op call (``releases.CALL_INDEXED_CACHE``): a recompute that
+# runs other ops, or an op more often, than the forward raises "... not found in storage".
+# Before, the cache was a queue per op and the policy was asked again, so such a recompute ran on.
+CALL_INDEXED_CACHE = releases.CALL_INDEXED_CACHE
+
 
 # --- Helpers ---------------------------------------------------------------------------------
 
@@ -74,8 +80,42 @@ def _inputs(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return leaf(n, n, seed=1), leaf(n, n, seed=2)
 
 
+class _AskedInForwardOnly:
+    """torch 2.13+'s way to ask a policy, on torch's SAC before 2.13
+    (``releases.FORWARD_ONLY_POLICY``).
+
+    Before 2.13 torch asks the policy again at recompute (``is_recompute=True``); 2.11 also has
+    no ``op_output`` (it asks before running the op). This asks the wrapped policy in the
+    forward only, with torch's context, and replays its answers at recompute per op in order,
+    as torch's per-op queue hands out what it kept; so a stateful policy (scripted answers,
+    "keep the first draw") makes the same decisions for both passes, as on 2.13+. One per
+    region.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.answers: defaultdict[Any, deque[Any]] = defaultdict(deque)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if ctx.is_recompute:
+            return self.answers[op].popleft()
+        if not hasattr(ctx, "op_output"):  # 2.11: a context without it, as 2.12+ would give
+            ctx = SelectiveCheckpointContext(is_recompute=False)
+        answer = self.policy(ctx, op, *args, **kwargs)
+        self.answers[op].append(answer)
+        return answer
+
+
 def _torch_context(policy: Any, allow: bool = False) -> Callable[[], Any]:
-    return functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, policy, allow)
+    """torch's ``create_selective_checkpoint_contexts`` for ``context_fn``; before 2.13 a policy
+    function is asked as torch 2.13+ asks it (``_AskedInForwardOnly``, a fresh one per region)."""
+    if releases.has(releases.FORWARD_ONLY_POLICY) or not callable(policy):
+        return functools.partial(
+            torch_checkpoint.create_selective_checkpoint_contexts, policy, allow
+        )
+    return lambda: torch_checkpoint.create_selective_checkpoint_contexts(
+        _AskedInForwardOnly(policy), allow
+    )
 
 
 def _our_context(policy: Any, allow: bool = False, **kwargs: Any) -> Callable[[], Any]:
@@ -189,9 +229,10 @@ PARITY_POLICIES: dict[str, Any] = {
 
 
 def test_sac_ignored_ops_equal_torch() -> None:
-    """``SAC_IGNORED_OPS`` is exactly torch 2.13's set (and a set, like torch's)."""
+    """``SAC_IGNORED_OPS`` is exactly torch 2.15's set (and a set, like torch's): the installed
+    torch's, plus ``prim.layout.default`` on releases before 2.15."""
     assert isinstance(SAC_IGNORED_OPS, set)
-    assert SAC_IGNORED_OPS == torch_checkpoint.SAC_IGNORED_OPS
+    assert releases.newest_sac_ignored_ops(torch_checkpoint.SAC_IGNORED_OPS) == SAC_IGNORED_OPS
 
 
 @pytest.mark.parametrize(
@@ -222,7 +263,7 @@ def test_rule4_ignored_op_ids_follow_every_change_to_the_set(method: str, argume
     finally:
         SAC_IGNORED_OPS.clear()
         SAC_IGNORED_OPS.update(before)
-    assert SAC_IGNORED_OPS == torch_checkpoint.SAC_IGNORED_OPS
+    assert releases.newest_sac_ignored_ops(torch_checkpoint.SAC_IGNORED_OPS) == SAC_IGNORED_OPS
 
 
 def test_rule4_an_op_added_to_the_ignored_set_is_neither_counted_nor_cached_like_torch() -> None:
@@ -297,7 +338,20 @@ def test_contexts_are_dispatch_modes_sharing_offload_stats() -> None:
 # --- Parity: recompute counts, gradients, policy calls ----------------------------------------
 
 
-@pytest.mark.parametrize("name", list(PARITY_POLICIES))
+def _parity_policy_names() -> list[Any]:
+    """The names of ``PARITY_POLICIES``; those that read ``ctx.op_output`` need torch 2.12."""
+    return [
+        pytest.param(
+            name,
+            marks=releases.needs_torch(releases.OP_OUTPUT, "SelectiveCheckpointContext.op_output"),
+        )
+        if name == "by_output_size"
+        else name
+        for name in PARITY_POLICIES
+    ]
+
+
+@pytest.mark.parametrize("name", _parity_policy_names())
 def test_recompute_counts_and_gradients_equal_torch(name: str) -> None:
     """Per policy, backward runs the same ops as torch's SAC, and gradients equal plain's."""
     policy = PARITY_POLICIES[name]
@@ -307,6 +361,37 @@ def test_recompute_counts_and_gradients_equal_torch(name: str) -> None:
     assert our_counts == torch_counts
     assert_tensors_equal(torch_grads, expected, "torch")
     assert_tensors_equal(our_grads, expected, "ours")
+
+
+# The ops of ``_block`` (4x4 inputs) whose output is one tensor of more than 4 elements: what
+# the "by_output_size" policy saves, read from ``op_output``.
+OUTPUTS_OVER_4_ELEMENTS = [
+    aten.mm.default,
+    aten.relu.default,
+    aten.sigmoid.default,
+    aten.sin.default,
+    aten.cat.default,
+    aten.unsqueeze.default,
+    aten.t.default,
+    aten.bmm.default,
+    aten.squeeze.dim,
+    aten.add.Tensor,
+]
+
+
+def test_policy_reading_op_output_saves_what_it_reads() -> None:
+    """A policy deciding on ``ctx.op_output`` (torch 2.12+) saves exactly the ops whose output
+    it accepts: ours runs the backward ops of torch's SAC given that op list, on every release
+    (and on 2.12+ the same as torch's SAC given the policy itself)."""
+    policy = PARITY_POLICIES["by_output_size"]
+    our_grads, our_counts = _step_ours(_block, policy, *_inputs())
+    _, listed_counts = _step_torch(_block, OUTPUTS_OVER_4_ELEMENTS, *_inputs())
+    _, nothing_counts = _step_ours(_block, [], *_inputs())
+    assert our_counts == listed_counts
+    assert our_counts != nothing_counts  # the list is not one that saves nothing
+    assert_tensors_equal(our_grads, _plain_grads(_block, *_inputs()))
+    if releases.has(releases.OP_OUTPUT):
+        assert _step_torch(_block, policy, *_inputs())[1] == listed_counts
 
 
 def test_saving_matmuls_recomputes_fewer_ops_than_saving_nothing() -> None:
@@ -330,24 +415,62 @@ def test_contexts_work_with_torch_checkpoint_too() -> None:
     assert_tensors_equal(grads, _plain_grads(_block, *_inputs()))
 
 
-def test_rule1_policy_asked_once_per_forward_op_like_torch() -> None:
-    """The policy sees the same (op, is_recompute, output type) calls as torch's, none later."""
-    torch_policy, our_policy = ScriptedPolicy((False,)), ScriptedPolicy((False,))
+# The (op, is_recompute, output type) calls a policy gets over ``_block``: torch 2.12+'s.
+BLOCK_POLICY_CALLS = [
+    (str(op), False, output)
+    for op, output in [
+        (aten.mm.default, "Tensor"),
+        (aten.relu.default, "Tensor"),
+        (aten.split.Tensor, "list"),
+        (aten.sigmoid.default, "Tensor"),
+        (aten.sin.default, "Tensor"),
+        (aten.cat.default, "Tensor"),
+        (aten.unsqueeze.default, "Tensor"),
+        (aten.t.default, "Tensor"),
+        (aten.unsqueeze.default, "Tensor"),
+        (aten.bmm.default, "Tensor"),
+        (aten.squeeze.dim, "Tensor"),
+        (aten.mean.default, "Tensor"),
+        (aten.add.Tensor, "Tensor"),
+        (aten.max.dim, "tuple"),
+        (aten.sum.dim_IntList, "Tensor"),
+        (aten.mul.Tensor, "Tensor"),
+        (aten.tanh.default, "Tensor"),
+    ]
+]
+
+
+@pytest.mark.parametrize(
+    "lib",
+    [
+        pytest.param("ours"),
+        pytest.param(
+            "torch",
+            marks=releases.needs_torch(
+                releases.FORWARD_ONLY_POLICY, "asking the policy in forward only"
+            ),
+        ),
+    ],
+)
+def test_rule1_policy_asked_once_per_forward_op_like_torch(lib: str) -> None:
+    """The policy sees torch 2.12+'s (op, is_recompute, output type) calls, none later."""
+    policy = ScriptedPolicy((False,))
+    checkpoint, context_fn = {
+        # torch's own contexts here (not ``_torch_context``): how torch asks is what is tested
+        "torch": (
+            torch_checkpoint.checkpoint,
+            torch_checkpoint.create_selective_checkpoint_contexts,
+        ),
+        "ours": (checkpointing.checkpoint, create_selective_checkpoint_contexts),
+    }[lib]
     x, w = _inputs()
-    out = torch_checkpoint.checkpoint(
-        _block, x, w, use_reentrant=False, context_fn=_torch_context(torch_policy)
+    out = checkpoint(
+        _block, x, w, use_reentrant=False, context_fn=functools.partial(context_fn, policy)
     )
+    calls_after_forward = len(policy.calls)
     out.sum().backward()
-    x, w = _inputs()
-    out = checkpointing.checkpoint(
-        _block, x, w, use_reentrant=False, context_fn=_our_context(our_policy)
-    )
-    calls_after_forward = len(our_policy.calls)
-    out.sum().backward()
-    assert len(our_policy.calls) == calls_after_forward, "the policy was asked during recompute"
-    assert our_policy.calls == torch_policy.calls
-    assert all(not is_recompute for _, is_recompute, _ in our_policy.calls)
-    assert ("aten.max.dim", False, "tuple") in our_policy.calls
+    assert len(policy.calls) == calls_after_forward, "the policy was asked during recompute"
+    assert policy.calls == BLOCK_POLICY_CALLS
 
 
 def test_rule2_bad_answer_is_an_error_naming_policy_op_and_value() -> None:
@@ -419,38 +542,53 @@ def test_offload_stats_of_wrong_type_is_type_error() -> None:
 # --- Rules 3-6: the cache ---------------------------------------------------------------------
 
 
-def test_rule3_recompute_running_other_ops_names_op_and_index_like_torch() -> None:
+# The two SAC steps; torch's raises the "not found in storage" errors of Rule 3 from 2.12 on.
+RULE3_STEPS = [
+    pytest.param(_step_ours, id="ours"),
+    pytest.param(
+        _step_torch,
+        id="torch",
+        marks=releases.needs_torch(CALL_INDEXED_CACHE, "a SAC cache indexed per op call"),
+    ),
+]
+
+
+@pytest.mark.parametrize("step", RULE3_STEPS)
+def test_rule3_recompute_running_other_ops_names_op_and_index_like_torch(step: Any) -> None:
     """A recompute whose op sequence differs raises ``RuntimeError`` naming op and index."""
-    for step in (_step_torch, _step_ours):
-        flag = {"sin": True}
+    flag = {"sin": True}
 
-        def region(x: torch.Tensor, w: torch.Tensor, flag: dict[str, bool] = flag) -> torch.Tensor:
-            h = x @ w
-            h = h.sin() if flag["sin"] else h.cos()
-            flag["sin"] = False
-            return h.exp()
+    def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        h = h.sin() if flag["sin"] else h.cos()
+        flag["sin"] = False
+        return h.exp()
 
-        exc = raised(lambda region=region, step=step: step(region, [aten.mm.default], *_inputs()))
-        assert type(exc) is RuntimeError, step
-        assert "encountered during backward but not found in storage" in str(exc)
-        if step is _step_ours:
-            assert "aten.cos.default invocation index 0" in str(exc)
+    exc = raised(lambda: step(region, [aten.mm.default], *_inputs()))
+    assert type(exc) is RuntimeError
+    assert "encountered during backward but not found in storage" in str(exc)
+    assert "aten.cos.default" in str(exc)
+    if step is _step_ours:  # torch names no index for an op the forward never ran
+        assert "aten.cos.default invocation index 0" in str(exc)
 
 
-def test_rule3_divergence_raises_even_when_the_forward_kept_nothing_like_torch() -> None:
+@pytest.mark.parametrize("step", RULE3_STEPS)
+def test_rule3_divergence_raises_even_when_the_forward_kept_nothing_like_torch(step: Any) -> None:
     """A region whose every op was recomputed still checks the recompute's op sequence."""
-    for step in (_step_torch, _step_ours):
-        flag = {"sin": True}
+    flag = {"sin": True}
 
-        def region(x: torch.Tensor, w: torch.Tensor, flag: dict[str, bool] = flag) -> torch.Tensor:
-            h = x * w
-            h = h.sin() if flag["sin"] else h.cos()
-            flag["sin"] = False
-            return h.exp()
+    def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x * w
+        h = h.sin() if flag["sin"] else h.cos()
+        flag["sin"] = False
+        return h.exp()
 
-        exc = raised(lambda region=region, step=step: step(region, [], *_inputs()))
-        assert type(exc) is RuntimeError, step
-        assert "encountered during backward but not found in storage" in str(exc)
+    exc = raised(lambda: step(region, [], *_inputs()))
+    assert type(exc) is RuntimeError
+    assert "encountered during backward but not found in storage" in str(exc)
+    assert "aten.cos.default" in str(exc)
+    if step is _step_ours:  # torch names no index for an op the forward never ran
+        assert "aten.cos.default invocation index 0" in str(exc)
 
 
 def test_rule4_ignored_ops_never_reach_the_policy_or_the_cache() -> None:
@@ -832,6 +970,10 @@ def test_rule10_random_ops_are_recomputed_whatever_the_policy_says() -> None:
     assert_tensors_equal(ours, expected)
     assert counts[str(aten.rand_like.default)] == 2
     assert counts[str(aten.mm.default)] == 2  # kept: only the two gradient mms run
+    # torch keeps the first draw, so its recompute draws the second from the first's RNG state.
+    # Before 2.12 torch would ask this stateful policy again at recompute, get "recompute" for
+    # both draws and so get the plain gradients by accident, leaving the kept draw unused;
+    # ``_torch_context`` asks it in the forward only, as 2.12+ does, so the check holds there.
     assert not torch.equal(theirs[0], expected[0]), "torch fixed this: revisit Rule 10"
 
 
@@ -1047,20 +1189,21 @@ def test_rule1_name_based_and_stateful_policies_are_asked_per_call() -> None:
     assert counts[str(aten.mm.default)] == 2 * 3 + 2  # two per mm's backward, two recomputed
 
 
-def test_rule3_recompute_running_an_op_more_often_than_the_forward_raises_like_torch() -> None:
+@pytest.mark.parametrize("step", RULE3_STEPS)
+def test_rule3_recompute_running_an_op_more_often_than_the_forward_raises_like_torch(
+    step: Any,
+) -> None:
     """A recomputed-only op that runs once more in recompute is "not found", at its index."""
-    for step in (_step_torch, _step_ours):
-        flag = {"again": False}
+    flag = {"again": False}
 
-        def region(x: torch.Tensor, w: torch.Tensor, flag: dict[str, bool] = flag) -> torch.Tensor:
-            h = x.sin()
-            if flag["again"]:  # early in the region, so that early stop does not end it first
-                h = h.sin()
-            flag["again"] = True
-            return (h * w).exp()
+    def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        if flag["again"]:  # early in the region, so that early stop does not end it first
+            h = h.sin()
+        flag["again"] = True
+        return (h * w).exp()
 
-        exc = raised(lambda region=region, step=step: step(region, [], *_inputs()))
-        assert type(exc) is RuntimeError, step
-        assert "encountered during backward but not found in storage" in str(exc)
-        if step is _step_ours:
-            assert "aten.sin.default invocation index 1" in str(exc)
+    exc = raised(lambda: step(region, [], *_inputs()))
+    assert type(exc) is RuntimeError
+    assert "encountered during backward but not found in storage" in str(exc)
+    assert "aten.sin.default invocation index 1" in str(exc)

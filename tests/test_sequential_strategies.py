@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,11 +105,17 @@ def _kept_bytes(forward: Callable[[], torch.Tensor], leave_out: Sequence[torch.T
 
 def _allocator_peak(forward: Callable[[], torch.Tensor]) -> int:
     """Peak of the CPU allocator's running sum over forward and backward (profiler events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("forward"):
-            loss = forward()
-        loss.backward()
-        del loss
+    with warnings.catch_warnings():
+        # torch 2.11 and 2.12 warn, once per process, at a profiler's first cycle that events
+        # are cleared at the end of each cycle (2.13 warns from the second); this one has one.
+        warnings.filterwarnings(
+            "ignore", "Warning: Profiler clears events at the end of each cycle", UserWarning
+        )
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("forward"):
+                loss = forward()
+            loss.backward()
+            del loss
     events = prof.profiler.kineto_results.events()
     changes = sorted(
         (e.start_ns(), e.nbytes())

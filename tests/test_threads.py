@@ -88,9 +88,7 @@ def test_threads_match_single_threaded_gradients(mechanism: str) -> None:
 def test_threads_mixing_every_mechanism_at_once() -> None:
     """Each thread cycles through all mechanisms, so different ones overlap in time."""
     mechanisms = _available(CHECKPOINTED)
-    reference = {
-        (m, step): _grads(m, step) for m in mechanisms for step in range(STEPS)
-    }
+    reference = {(m, step): _grads(m, step) for m in mechanisms for step in range(STEPS)}
 
     def train(index: int) -> int:
         for step in range(STEPS):
