@@ -110,9 +110,7 @@ def allocator_bytes(forward: Callable[[], Tensor]) -> tuple[int, int]:
         del loss
     results = prof.profiler.kineto_results  # set once profiling has ended
     events = results.events()
-    forward_end = max(
-        e.start_ns() + e.duration_ns() for e in events if e.name() == _FORWARD_MARK
-    )
+    forward_end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == _FORWARD_MARK)
     changes = sorted(
         (e.start_ns(), e.nbytes())
         for e in events

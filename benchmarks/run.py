@@ -141,10 +141,14 @@ def configs_for(workload: Workload, ours: Library, theirs: Library) -> list[Conf
     """The baseline plus every (variant, library) pair that applies to ``workload``."""
     configs = []
     for variant in workload.variants:
-        sides = [("both", theirs, False)] if variant == "none" else [
-            ("ours", ours, True),
-            ("torch", theirs, False),
-        ]
+        sides = (
+            [("both", theirs, False)]
+            if variant == "none"
+            else [
+                ("ours", ours, True),
+                ("torch", theirs, False),
+            ]
+        )
         for side, lib, is_ours in sides:
             forward = workload.forward(variant, lib, is_ours)
             if forward is None:
@@ -429,8 +433,7 @@ def header(
         f"- python {platform.python_version()}, torch {torch.__version__}, "
         f"source: {source_state()}",
         f"- ours: {ours}; save-matmuls policy: {policy}",
-        f"- {mode}, {args.warmup} warm-up steps per configuration, times by the {args.clock} "
-        "clock",
+        f"- {mode}, {args.warmup} warm-up steps per configuration, times by the {args.clock} clock",
     ]
     for w in workloads:
         rounds, inner = inners.get(w.key, (0, 0))
