@@ -53,12 +53,14 @@ def tests(session: nox.Session, torch: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Run ``ruff check`` on the repository (arguments pass through, e.g. ``-- --fix``).
+    """Run ``ruff check`` (arguments pass through, e.g. ``-- --fix``) and ``ruff format --check``
+    on the repository, as ``.ci/run`` does.
 
     Ruff does not import the code, so this session installs neither torch nor the package.
     """
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", *session.posargs)
+    session.run("ruff", "format", "--check")
 
 
 @nox.session
