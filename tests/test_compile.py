@@ -124,7 +124,7 @@ def test_the_checkpointed_function_is_never_compiled(use_reentrant: bool) -> Non
 
 
 # --- Selective checkpointing: our dispatch modes stay out of dynamo (NOTE [Selective checkpoint
-# cache], Rule 11, in checkpointing/_selective.py) ----------------------------------------------
+# cache], Rule 11, in checkpointing/_selective/forward.py) --------------------------------------
 
 
 def _sac_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

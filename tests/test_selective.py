@@ -4,8 +4,8 @@ Parity tests run one scenario with ``torch.utils.checkpoint`` and torch's
 ``create_selective_checkpoint_contexts`` and with ours (``checkpointing.checkpoint`` and our
 contexts) in the same test, and compare the ops run in backward (counted with a dispatch mode),
 the gradients and the errors; correctness is proven against the run without checkpointing.
-Tests named ``test_ruleN_*`` prove NOTE [Selective checkpoint cache], Rule N, in
-``checkpointing/_selective.py``.
+Tests named ``test_ruleN_*`` prove NOTE [Selective checkpoint cache], Rule N, in the
+``checkpointing/_selective/`` module that owns it (the package docstring says which).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import doctest
 import functools
+import importlib
+import pkgutil
 import weakref
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -27,7 +29,7 @@ from hypothesis import given
 from strategies import SAC_STEPS, SacChain, op_only_policies, sac_answers, sac_chains
 
 import checkpointing
-from checkpointing import _compat, _events
+from checkpointing import _compat, _events, _selective
 from checkpointing._selective import (
     _CONSUMED,
     SAC_IGNORED_OPS,
@@ -36,9 +38,9 @@ from checkpointing._selective import (
     OffloadStats,
     OpPolicyBase,
     SelectiveCheckpointContext,
-    _draws_random,
     answers_by_op,
     create_selective_checkpoint_contexts,
+    draws_random,
 )
 from checkpointing.policies import (
     as_context_fn,
@@ -315,12 +317,24 @@ def test_selective_checkpoint_context_is_keyword_only() -> None:
 
 
 def test_module_examples_run() -> None:
-    """The docstring examples of the selective module run (they use the public names)."""
-    from checkpointing import _selective
+    """The docstring examples of the selective modules run (they use the public names)."""
+    attempted = 0
+    for info in pkgutil.iter_modules(_selective.__path__):
+        result = doctest.testmod(importlib.import_module(f"{_selective.__name__}.{info.name}"))
+        assert result.failed == 0, info.name
+        attempted += result.attempted
+    assert attempted >= 10
 
-    result = doctest.testmod(_selective)
-    assert result.attempted >= 10
-    assert result.failed == 0
+
+def test_op_state_exists_once_for_both_modes() -> None:
+    """Both modes read the one op state of ``_selective.ops`` (a copy would miss later changes)."""
+    ops = _selective.ops
+    for mode in (_selective.forward, _selective.recompute):
+        assert mode._IGNORED is ops._IGNORED is SAC_IGNORED_OPS
+        assert mode._runners is ops._runners
+        assert mode._runner is ops._runner
+        assert not hasattr(mode, "_op_facts")  # only ``ops._facts`` reads and fills it
+    assert _selective.forward._facts is ops._facts
 
 
 def test_contexts_are_dispatch_modes_sharing_offload_stats() -> None:
@@ -988,13 +1002,13 @@ def test_rule10_attention_kernels_draw_only_with_dropout() -> None:
         op = getattr(aten, name).default
         position = [a.name for a in op._schema.arguments].index("dropout_p")
         before = (q,) * position
-        assert not _draws_random(op, (q, q, q), {})
-        assert not _draws_random(op, (*before, 0.0), {})
-        assert _draws_random(op, (*before, 0.5), {})
-        assert _draws_random(op, (q, q, q), {"dropout_p": 0.1})
-    assert _draws_random(aten.rand_like.default, (q,), {})
-    assert _draws_random(aten.native_dropout.default, (q, 0.0, True), {})
-    assert not _draws_random(aten.mm.default, (q, q), {})
+        assert not draws_random(op, (q, q, q), {})
+        assert not draws_random(op, (*before, 0.0), {})
+        assert draws_random(op, (*before, 0.5), {})
+        assert draws_random(op, (q, q, q), {"dropout_p": 0.1})
+    assert draws_random(aten.rand_like.default, (q,), {})
+    assert draws_random(aten.native_dropout.default, (q, 0.0, True), {})
+    assert not draws_random(aten.mm.default, (q, q), {})
 
 
 def test_rule10_random_op_never_takes_a_tag_decision() -> None:

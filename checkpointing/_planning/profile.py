@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 from .. import _compat
-from .._selective import SAC_IGNORED_OPS, _draws_random
+from .._selective import SAC_IGNORED_OPS, draws_random
 from .solver import Problem, RegionChoices, Unit
 
 __all__ = ["OpCall", "RegionProfile", "StepProfile", "default_loss", "profile_step", "tensors"]
@@ -153,8 +153,8 @@ class _Step:
         _profile, counts, ops = self.stack[-1]
         index = counts.get(func, 0)
         counts[func] = index + 1
-        if _draws_random(func, args, kwargs) or _compat.op_mutates_inputs(func):
-            kind = "random" if _draws_random(func, args, kwargs) else "inplace"
+        if draws_random(func, args, kwargs) or _compat.op_mutates_inputs(func):
+            kind = "random" if draws_random(func, args, kwargs) else "inplace"
             fresh = [s for t in tensors(out) if (s := self.activation(t)) is not None]
         elif fresh:
             kind = "unit"

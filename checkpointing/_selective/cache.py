@@ -1,0 +1,326 @@
+"""What a selectively checkpointed region keeps: its cache, the entries in it, host copies.
+
+Owns ``OffloadStats``; the cache entries (``_Saved``, a detached alias; ``_Packed``, a saved
+output through the user's saved-tensors hooks; ``_HostAlias`` and ``_HostCopy`` for offload;
+``_Tree`` for an op that returned a container) and the consumed slot; a region's ``_Cache`` of
+per-key ``_OpRecord``s; and ``_keep``, which makes the entry for an output under an action.
+Deciding what to keep is ``forward``'s job, handing entries out ``recompute``'s.
+
+NOTE [Selective checkpoint cache] (Rules 3, 5, 7 and 13, on what the cache holds; the package
+docstring says where the others live)
+  Rule 3. Entries are keyed by op (an inductor-compiled region by its callable) and by that
+          key's call index within the region. Recompute walks the same (key, index) sequence;
+          a step it cannot find is an error naming the op and the index. Only kept calls have
+          an entry: a key's forward call count marks every other index below it "recompute",
+          so an op that is recomputed costs one counter, not an entry per call, and the check
+          is torch's (a key the forward never called, or called fewer times, is an error).
+  Rule 5. A saved entry is a detached alias sharing the output's version counter, plus the
+          version seen when it was cached; handing it out after an in-place change raises
+          unless ``allow_cache_entry_mutation=True``.
+  Rule 7. Offload (``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``; torch recomputes these in
+          eager mode): a device output is copied to host memory (pinned and non-blocking on
+          CUDA) and only the host copy is cached; recompute gets a fresh tensor on the original
+          device with the original dtype, layout and (dense) strides. The copy is a snapshot,
+          so it needs no version check. A host tensor is kept as an alias, like save; if it was
+          changed in place since, recompute runs the op instead (torch's own treatment of these
+          values), never raising. ``OffloadStats`` counts both directions.
+  Rule 13. What a policy saves is held by the cache, not by autograd, so the user's
+          saved-tensors hooks (``save_on_cpu`` and the like) never see it unless the checkpoint
+          says ``respect_saved_tensors_hooks=True``: then each saved output goes through the
+          user's pack hook in forward and its unpack hook at recompute (the user's hooks are
+          found past our frame's and torch's, NOTE [Nestable checkpoint], Rule 10). ``None``,
+          the default, keeps them out and warns (``FutureWarning``, torch 2.14's) when such
+          hooks are active; ``False`` keeps them out silently. Offloaded outputs are in host
+          memory already and never go through them.
+
+Rejected: wrapping every output through a pytree map like torch (a tree walk per op); single
+tensors, the common case, are wrapped directly and only containers are mapped. Keeping the
+device tensor next to its host copy to version-check it (it would keep the memory offload frees).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+import torch
+
+from .. import _compat
+from .._compat import tree_map
+from .._events import announce
+from .ops import _OpFacts
+from .policy import _Action, _OpPlan
+
+_REGION: Final = "sac"
+
+
+# --- Offload accounting -----------------------------------------------------------------------
+
+
+@dataclass
+class OffloadStats:
+    """Bytes selective checkpointing moved to host memory in forward and back for recompute.
+
+    Pass one to ``create_selective_checkpoint_contexts(..., offload_stats=stats)`` or
+    ``policies.as_context_fn(..., offload_stats=stats)`` to add up many regions and steps; each
+    pair of modes also exposes its own as ``.offload_stats``. A host (CPU) tensor under an
+    offload decision stays where it is (like save) and is still counted, so the numbers follow
+    the policy's decisions on any device. Safe to update from forward and backward threads.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, offload_ops
+        >>> stats = checkpointing.OffloadStats()
+        >>> ctx = as_context_fn(offload_ops(torch.ops.aten.mm.default), offload_stats=stats)
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> y = checkpointing.checkpoint(lambda t: (t @ t).relu(), x, use_reentrant=False,
+        ...                              context_fn=ctx)
+        >>> y.sum().backward()
+        >>> (stats.offloaded_bytes, stats.restored_bytes)
+        (256, 256)
+    """
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    restored_tensors: int = 0
+    restored_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def reset(self) -> None:
+        """Set every counter back to zero (e.g. between training steps)."""
+        with self._lock:
+            self.offloaded_tensors = self.offloaded_bytes = 0
+            self.restored_tensors = self.restored_bytes = 0
+
+    def _count_offload(self, nbytes: int) -> None:
+        with self._lock:
+            self.offloaded_tensors += 1
+            self.offloaded_bytes += nbytes
+
+    def _count_restore(self, nbytes: int) -> None:
+        with self._lock:
+            self.restored_tensors += 1
+            self.restored_bytes += nbytes
+
+
+# --- Cache entries ----------------------------------------------------------------------------
+
+
+class _CacheEntryMutated(Exception):
+    """A saved alias changed in place after it was cached (becomes the user-facing error)."""
+
+
+class _StaleHostAlias(Exception):
+    """A host tensor kept for offload changed in place; recompute runs the op (Rule 7)."""
+
+
+class _Saved:
+    """A saved output: a detached alias sharing the version counter, and that version (Rule 5)."""
+
+    __slots__ = ("alias", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.alias = _compat.detach_sharing_version(tensor)
+        self.version = tensor._version
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+        if not allow_mutation and self.alias._version != self.version:
+            raise _CacheEntryMutated
+        return self.alias
+
+
+class _Packed:
+    """A saved output routed through the user's saved-tensors hooks (Rule 13): what their pack
+    hook returned, their unpack hook, and the version check of Rule 5 when that is a tensor."""
+
+    __slots__ = ("packed", "unpack", "version")
+
+    def __init__(self, tensor: torch.Tensor, hooks: _compat.HookPair) -> None:
+        pack, self.unpack = hooks
+        self.packed = pack(_compat.detach_sharing_version(tensor))
+        packed = self.packed
+        self.version = packed._version if isinstance(packed, torch.Tensor) else None
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> Any:
+        version = self.version
+        if version is not None and not allow_mutation and self.packed._version != version:
+            raise _CacheEntryMutated
+        return self.unpack(self.packed)
+
+
+class _HostAlias:
+    """An offloaded output that already lives in host memory: kept in place (Rule 7)."""
+
+    __slots__ = ("alias", "nbytes", "version")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
+        self.alias = _compat.detach_sharing_version(tensor)
+        self.version = tensor._version
+        self.nbytes = nbytes
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+        if self.alias._version != self.version:
+            raise _StaleHostAlias
+        stats._count_restore(self.nbytes)
+        return self.alias
+
+
+class _HostCopy:
+    """An offloaded device output: only its host copy is kept (Rule 7)."""
+
+    __slots__ = ("device", "host", "nbytes", "ready")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
+        self.device = tensor.device
+        self.nbytes = nbytes
+        self.ready: torch.cuda.Event | None = None
+        host = _pinned_copy(tensor) if _can_pin(tensor) else None
+        if host is not None:
+            # The copy is queued on the current stream; recompute waits for this event.
+            self.ready = torch.cuda.current_stream(tensor.device).record_event()
+        else:
+            host = tensor.to("cpu")
+        self.host = host
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            restored = torch.empty_like(self.host, device=self.device)
+            restored.copy_(self.host, non_blocking=True)
+        else:
+            restored = self.host.to(self.device)
+        stats._count_restore(self.nbytes)
+        return restored
+
+
+def _can_pin(tensor: torch.Tensor) -> bool:
+    """Pinned, non-blocking copies for plain dense CUDA tensors; others copy the plain way."""
+    return (
+        tensor.device.type == "cuda"
+        and tensor.layout is torch.strided
+        and type(tensor) is torch.Tensor
+    )
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A pinned host tensor with ``tensor``'s strides, filled by a non-blocking copy; None where
+    pinned memory cannot be had (then the caller falls back to a plain copy)."""
+    try:
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    except RuntimeError:
+        return None
+    return host.copy_(tensor, non_blocking=True)
+
+
+class _Tree:
+    """Cached outputs of an op that returned a container: the container with each tensor
+    replaced by its entry (other leaves kept as they are)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def take(self, allow_mutation: bool, stats: OffloadStats) -> Any:
+        return tree_map(
+            lambda leaf: leaf.take(allow_mutation, stats) if isinstance(leaf, _LEAVES) else leaf,
+            self.value,
+        )
+
+
+_Leaf: TypeAlias = _Saved | _Packed | _HostAlias | _HostCopy
+_LEAVES: Final = (_Saved, _Packed, _HostAlias, _HostCopy)
+_Entry: TypeAlias = _Leaf | _Tree
+
+
+class _Consumed:
+    """The slot of an entry already handed out to a recompute (Rule 6)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<consumed>"
+
+
+_CONSUMED: Final = _Consumed()
+
+_Slot: TypeAlias = _Entry | _Consumed
+
+
+class _OpRecord:
+    """One cache key of a region (Rule 3): how often the forward called it and the entries
+    kept, by call index (kept calls only); with the op's plan and facts, so that later calls
+    in the region look nothing else up. Keys of the COUNT plan have a bare count instead."""
+
+    __slots__ = ("action", "calls", "draw_rule", "effect", "kept", "plan", "pure")
+
+    def __init__(self, op_plan: _OpPlan, facts: _OpFacts) -> None:
+        self.calls = 0
+        self.kept: dict[int, _Slot] | None = None
+        self.plan, self.action = op_plan  # the action of an op-only answer (unused by ASK)
+        _, self.draw_rule, self.pure, self.effect = facts
+
+    def keep(self, index: int, entry: _Entry) -> None:
+        kept = self.kept
+        if kept is None:
+            kept = self.kept = {}
+        kept[index] = entry
+
+
+class _Cache:
+    """A region's cache, shared by its two modes (Rule 3): by key, a record, or for keys of
+    the COUNT plan only the forward's call count; and the pair's ``OffloadStats``."""
+
+    __slots__ = ("_stats", "counts", "records")
+
+    def __init__(self, stats: OffloadStats | None) -> None:
+        self.records: dict[object, _OpRecord] = {}
+        self.counts: dict[object, int] = {}
+        self._stats = stats
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The stats given to the pair, or its own, made on first need (most pairs never
+        offload, and a pair is built for every checkpoint call)."""
+        stats = self._stats
+        if stats is None:
+            stats = self._stats = OffloadStats()
+        return stats
+
+
+def _keep_tensor(
+    tensor: torch.Tensor, action: _Action, stats: OffloadStats, hooks: _compat.HookPair | None
+) -> _Leaf:
+    """The entry for one output tensor under a save or offload decision, announced; a saved
+    one goes through the user's saved-tensors ``hooks`` when given (Rule 13)."""
+    if action is _Action.SAVE:
+        announce(tensor, _REGION, "saved")
+        return _Saved(tensor) if hooks is None else _Packed(tensor, hooks)
+    announce(tensor, _REGION, "offloaded")
+    nbytes = tensor.numel() * tensor.element_size()
+    stats._count_offload(nbytes)
+    if tensor.device.type in ("cpu", "meta"):
+        return _HostAlias(tensor, nbytes)
+    return _HostCopy(tensor, nbytes)
+
+
+def _keep(
+    out: Any, action: _Action, stats: OffloadStats, hooks: _compat.HookPair | None = None
+) -> _Entry:
+    """The entry for an op's output (a tensor, or a container of them) under ``action``."""
+    if isinstance(out, torch.Tensor):
+        return _keep_tensor(out, action, stats, hooks)
+    return _Tree(
+        tree_map(
+            lambda x: _keep_tensor(x, action, stats, hooks) if isinstance(x, torch.Tensor) else x,
+            out,
+        )
+    )
+
+
+def _save_traced(out: Any) -> _Entry:
+    """Under a tracing compiler every output is cached as saved, unannounced (Rule 9)."""
+    if isinstance(out, torch.Tensor):
+        return _Saved(out)
+    return _Tree(tree_map(lambda x: _Saved(x) if isinstance(x, torch.Tensor) else x, out))

@@ -1,0 +1,309 @@
+"""The forward mode of selective checkpointing: runs each op, asks the policy, fills the cache.
+
+Owns ``_CachingMode`` (the first context of ``create_selective_checkpoint_contexts``): per op it
+works out, or recalls, what the policy's answer means (``_plan_for``), keeps what the answer says
+(``cache._keep``), hands a kept tag's decision to the tensor's producer, and under a tracing
+compiler tags the traced nodes instead of deciding. What answers mean is ``policy``'s, the facts
+it reads per op ``ops``', the entries it makes ``cache``'s; replaying them is ``recompute``'s.
+
+NOTE [Selective checkpoint cache] (Rules 8, 9 and 11, on the forward mode; the package docstring
+says where the others live)
+  Rule 8. A kept ``tag(x, name)`` hands its decision to the op that produced ``x``: that op's
+          slot gets ``x`` (saved or offloaded, as the tag's answer says) and the tag itself is
+          recomputed, which is free. This needs the producer to have run out of place in this
+          region, returned ``x`` alone, been marked for recompute, not be random (Rule 10),
+          and ``x`` to be unchanged since; otherwise the tag keeps nothing and ``x`` follows
+          its producer's decision. Without the hand-over, eager recompute would re-run the
+          producer anyway, so a named tensor would cost its memory and its recompute both.
+  Rule 9. Under a tracing compiler (a proxy mode is active, as in AOTAutograd), every output is
+          cached and the traced nodes are tagged with the policy (as torch's enum) and
+          ``ac_graph_id``, as torch does, so that the partitioner decides; offload is its call.
+  Rule 11. Dynamo never traces the modes' ``__torch_dispatch__`` nor what it calls (a policy,
+          the op's own Python kernels). This matters when a ``torch.compile``d function runs
+          inside a region and breaks its graph: the eager ops between its graphs reach our
+          modes with dynamo's frame hook set, and dynamo would compile our dispatch code.
+          Torch keeps it out with a wrapper around every mode's ``__torch_dispatch__`` (a
+          Python call and two eval-frame switches per op); ours opt out of the wrapper and mark
+          the code objects once instead (``_compat.skip_dynamo_in_code``), same protection,
+          no cost per op. Under AOTAutograd tracing (Rule 9) dynamo's hook is already off.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any, Final, TypeAlias
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
+
+from .. import _compat
+from .._compat import TorchDispatchMode
+from .._errors import CheckpointError, internal_error
+from .cache import OffloadStats, _Cache, _Entry, _keep, _OpRecord, _save_traced
+from .ops import (
+    _ALWAYS,
+    _IGNORED,
+    _INDUCTOR_CODE,
+    SAC_IGNORED_OPS,
+    Op,
+    _draws_at,
+    _facts,
+    _region_key,
+    _runner,
+    _runners,
+)
+from .policy import (
+    _ACTION_OF_ID,
+    _ANSWER_TYPES,
+    TAG_OP,
+    CheckpointPolicy,
+    OpPolicy,
+    Policy,
+    SelectiveCheckpointContext,
+    _Action,
+    _action_of,
+    _as_torch_policy,
+    _bad_answer,
+    _OpPlan,
+    _Plan,
+    answers_by_op,
+)
+
+_proxy_mode: Final = _compat.proxy_mode
+
+_ASK: Final[_OpPlan] = (_Plan.ASK, _Action.RECOMPUTE)
+# Plan members as module constants for the per-op path: reading an ``Enum`` member through its
+# class costs ~50 ns, a global ~10 ns.
+_PLAN_COUNT: Final = _Plan.COUNT
+_PLAN_KEEP: Final = _Plan.KEEP
+_PLAN_ASK: Final = _Plan.ASK
+_dispatch_mode_depth: Final = _compat.dispatch_mode_depth
+
+# Rule 12: the answers that keep an op with an ordered effect all the same (every "recompute"
+# answer except MUST_RECOMPUTE), by identity; and, under a tracing compiler, torch's tags that
+# stay as they are.
+_PREFERS_RECOMPUTE: Final = frozenset(
+    {id(CheckpointPolicy.PREFER_RECOMPUTE), id(_TorchCheckpointPolicy.PREFER_RECOMPUTE), id(False)}
+)
+_SAVE_OR_REPLAY: Final = frozenset(
+    {
+        _TorchCheckpointPolicy.MUST_SAVE,
+        _TorchCheckpointPolicy.PREFER_SAVE,
+        _TorchCheckpointPolicy.MUST_RECOMPUTE,
+    }
+)
+_MSG_HOOKS_BYPASSED = (
+    "A saved_tensors_hooks context (e.g. save_on_cpu) is active around a selective activation "
+    "checkpoint region. Tensors that SAC saves currently bypass these hooks, but a future "
+    "release will route them through the hooks like any other saved tensor. Silence this "
+    "warning and choose the behavior explicitly by passing respect_saved_tensors_hooks=True|False "
+    "to checkpointing.checkpoint (or checkpointing.checkpoint_module / checkpoint_wrapper)."
+)
+
+
+# Where the output of a recompute-marked op sits in the cache, for a later tag (Rule 8): a weak
+# reference to the output, its record and call index, and its version then. A tuple, not a
+# class: one is made per recomputed op of every forward that may keep a tag.
+_Producer: TypeAlias = tuple[weakref.ref[torch.Tensor], _OpRecord, int, int]
+
+
+class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    """Forward: runs each op, asks the policy, caches what it keeps (Rules 1-5, 7-9)."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
+
+    def __init__(self, policy: Policy, cache: _Cache) -> None:
+        # No super().__init__(), like torch's own SAC modes: the base's __enter__ creates what
+        # it needs, and a pair of modes is built for every checkpoint call.
+        self.policy = policy
+        self.cache = cache
+        # Set by torch.compile's activation-checkpoint lowering (Rule 9).
+        self.ac_graph_id: int | None = None
+        # Set by the checkpoint that enters this mode (Rule 13).
+        self.respect_saved_tensors_hooks: bool | None = None
+        self._producers: dict[int, _Producer] = {}
+        # Rule 1: an op-only policy's plans by op id (kept on the policy when it is ours).
+        self._plans: dict[int, _OpPlan] | None = None
+        self._by_op: OpPolicy | None = None
+        if answers_by_op(policy):
+            self._by_op = policy
+            plans: dict[int, _OpPlan] | None = getattr(policy, "_op_plans", None)
+            self._plans = {} if plans is None else plans
+
+    @property
+    def offload_stats(self) -> OffloadStats:
+        return self.cache.stats
+
+    @_compat.skip_dynamo_in_code  # Rule 11
+    def __torch_dispatch__(
+        self,
+        func: Op,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        # The hot path: one call per op of every selectively checkpointed forward.
+        if kwargs is None:
+            kwargs = {}
+        # A tracer's mode would be below this one (active modes are counted without it).
+        if _dispatch_mode_depth() and _proxy_mode() is not None and _compat.proxy_tracing_active():
+            return self._dispatch_traced(func, args, kwargs)
+        op_id = id(func)
+        if op_id in _IGNORED.ids:
+            return func(*args, **kwargs)
+        out = (_runners.get(op_id) or _runner(func))(*args, **kwargs)
+        key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
+        plans = self._plans
+        if plans is not None:
+            op_plan = plans.get(op_id)
+            if op_plan is None:
+                op_plan = self._learn_plan(func, plans)
+            if op_plan[0] is _PLAN_COUNT:  # Rule 3: a count is all that recompute needs
+                counts = self.cache.counts
+                counts[key] = counts.get(key, 0) + 1
+                return out
+        else:
+            op_plan = _ASK
+        records = self.cache.records
+        record = records.get(key)
+        if record is None:
+            record = records[key] = _OpRecord(op_plan, _facts(func))
+        index = record.calls
+        record.calls = index + 1
+        if op_plan[0] is _PLAN_KEEP:
+            record.keep(index, self._entry(out, op_plan[1]))
+            return out
+        return self._decide(func, args, kwargs, out, record, index)
+
+    def _decide(
+        self,
+        func: Op,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        record: _OpRecord,
+        index: int,
+    ) -> Any:
+        """Rules 1, 2, 8 and 10 for one call: ask the policy (unless its answer for the op is
+        known), keep or hand over what it says, note producers for later tags."""
+        action = record.action
+        if record.plan is _PLAN_ASK:
+            ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+            answer = self.policy(ctx, func, *args, **kwargs)
+            # Rule 2, inline: answers are singletons (enum members, bools): identity finds them.
+            asked = _ACTION_OF_ID.get(id(answer)) if type(answer) in _ANSWER_TYPES else None
+            if asked is None:
+                raise _bad_answer(answer, self.policy, func)
+            action = asked
+            if record.effect and id(answer) in _PREFERS_RECOMPUTE:
+                action = _Action.SAVE  # Rule 12
+        draw_rule = record.draw_rule
+        random = draw_rule == _ALWAYS or (draw_rule >= 0 and _draws_at(draw_rule, args, kwargs))
+        if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
+            record.keep(index, self._entry(out, action))
+        elif func is TAG_OP:
+            if action is not _Action.RECOMPUTE:
+                self._hand_over(args[0] if args else kwargs["x"], action)
+        elif record.pure and not random and type(out) is torch.Tensor:
+            self._producers[id(out)] = (weakref.ref(out), record, index, out._version)
+        return out
+
+    def _learn_plan(self, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
+        """Rule 1: ask the op-only policy about ``func`` once, and remember its plan."""
+        policy = self._by_op
+        if policy is None:
+            internal_error("an op plan was asked for a policy that answers per call")
+        op_plan = plans[id(func)] = _plan_for(policy, func, plans)
+        return op_plan
+
+    def _hand_over(self, tensor: torch.Tensor, action: _Action) -> None:
+        """Rule 8: give a kept tag's decision to the op that produced ``tensor``, if allowed."""
+        producer = self._producers.pop(id(tensor), None)
+        if producer is None:
+            return
+        ref, record, index, version = producer
+        if ref() is not tensor or tensor._version != version:
+            return
+        record.keep(index, self._entry(tensor, action))
+
+    def _entry(self, out: Any, action: _Action) -> _Entry:
+        """The cache entry for ``out`` under a keep ``action`` (Rule 13 for saves)."""
+        hooks = self._user_hooks() if action is _Action.SAVE else None
+        return _keep(out, action, self.offload_stats, hooks)
+
+    def _user_hooks(self) -> _compat.HookPair | None:
+        """Rule 13: the user's saved-tensors hooks a save goes through, or None; warns when
+        they are active and the checkpoint did not say whether to respect them."""
+        hooks = _compat.user_saved_tensors_hooks()
+        if hooks is None:
+            return None
+        respect = self.respect_saved_tensors_hooks
+        if respect is None:
+            # stacklevel 4: past this method, _entry and __torch_dispatch__, to the op's caller
+            warnings.warn(_MSG_HOOKS_BYPASSED, FutureWarning, stacklevel=4)
+        return hooks if respect else None
+
+    def _dispatch_traced(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Rule 9: what torch does under AOTAutograd tracing, so the partitioner decides."""
+        if self.ac_graph_id is not None:  # torch 2.11 sets the id itself and gives us none
+            _compat.set_traced_node_meta("ac_graph_id", self.ac_graph_id)
+        _compat.set_traced_node_meta("recompute", _TorchCheckpointPolicy.PREFER_RECOMPUTE)
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        count_before = _compat.traced_node_count()
+        out = func(*args, **kwargs)
+        key = _region_key(func, args)
+        record = self.cache.records.get(key)
+        if record is None:
+            record = self.cache.records[key] = _OpRecord(_ASK, _facts(func))
+        index = record.calls
+        record.calls = index + 1
+        ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+        answer = self.policy(ctx, func, *args, **kwargs)
+        _action_of(answer, self.policy, func)
+        tag = _as_torch_policy(answer)
+        if record.effect and tag not in _SAVE_OR_REPLAY:  # Rule 12, as torch 2.15 tags it
+            tag = _TorchCheckpointPolicy.MUST_SAVE
+        _compat.tag_traced_nodes(count_before, "recompute", tag)
+        record.keep(index, _save_traced(out))
+        return out
+
+
+def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
+    """Rule 1: what an op-only policy's answer for ``func`` means for every call of it."""
+    answer = policy.answer_for_op(func)
+    action = _action_of(answer, policy, func)
+    _, draw_rule, pure, effect = _facts(func)
+    if effect and id(answer) in _PREFERS_RECOMPUTE:
+        action = _Action.SAVE  # Rule 12
+    if draw_rule == _ALWAYS:
+        return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
+    if func is TAG_OP or draw_rule >= 0:
+        return _Plan.CHECK, action  # Rules 8 and 10: the call decides
+    if action is not _Action.RECOMPUTE:
+        return _Plan.KEEP, action
+    if pure and _tags_may_keep(policy, plans):
+        return _Plan.NOTE, action  # Rule 8: its output may take a later tag's decision
+    return _Plan.COUNT, action
+
+
+def _tags_may_keep(policy: OpPolicy, plans: dict[int, _OpPlan]) -> bool:
+    """Whether an op-only policy keeps tags (else no output needs a producer note, Rule 8).
+    An invalid answer for the tag op is left for a tag's first call to report (Rule 2)."""
+    op_plan = plans.get(id(TAG_OP))
+    if op_plan is None:
+        try:
+            op_plan = plans[id(TAG_OP)] = _plan_for(policy, TAG_OP, plans)
+        except CheckpointError:
+            return True
+    return op_plan[1] is not _Action.RECOMPUTE

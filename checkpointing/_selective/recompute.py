@@ -1,0 +1,121 @@
+"""The recompute mode of selective checkpointing: replays the forward's decisions from the cache.
+
+Owns ``_CachedMode`` (the second context of ``create_selective_checkpoint_contexts``) and the
+errors of a recompute that does not match its forward: per op it finds the forward's entry by
+(key, call index), hands it out once, or runs the op again where the forward kept nothing. The
+keys and runners are ``ops``', the entries and their checks ``cache``'s.
+
+NOTE [Selective checkpoint cache] (Rule 6, on handing entries out; the package docstring says
+where the others live)
+  Rule 6. A cached entry is handed out once, then its slot reads "consumed": the cache holds
+          nothing after recompute, and a second backward through the region raises "backward an
+          extra time". Recompute slots are never consumed. The recompute mode restarts its
+          counters on every ``__enter__``, so a retained graph meets that error, not a "not
+          found" one.
+
+Rejected: entering the recompute mode only when the forward kept something: on the benchmark's
+W3/W4 (nothing kept there) SAC's overhead would fall from about 0.52/0.57 of torch's to
+0.34/0.43, but a region that kept nothing would lose torch's op-sequence check (Rule 3). The two
+modes themselves are the floor there: a pair of do-nothing Python modes costs 0.49/0.52 of
+torch's SAC overhead, and ours add 0.03-0.05 to that (2026-11-23, CPU time, interleaved).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from .. import _compat
+from .._compat import TorchDispatchMode
+from .cache import _CONSUMED, OffloadStats, _Cache, _CacheEntryMutated, _Consumed, _StaleHostAlias
+from .ops import _IGNORED, _INDUCTOR_CODE, Op, _region_key, _runner, _runners
+
+_MSG_NOT_CACHED = (
+    "{op} invocation index {index} encountered during backward but not found in storage "
+    "(selective checkpoint: the recompute ran an op the forward did not run at this point). "
+    "This can happen if the operations in the checkpointed region are nondeterministic or "
+    "depend on global state that changed between forward and backward. Fix: make the region's "
+    "op sequence depend only on its inputs (e.g. no branching on a global flag or on time)."
+)
+_MSG_EXTRA_BACKWARD = (
+    "Trying to backward an extra time. You are only allowed to backward once on any region "
+    "computed under selective activation checkpoint (it hands each cached output out once). "
+    "Fix: run the forward again before another backward, or use a policy that saves nothing "
+    "if you need retain_graph=True."
+)
+_MSG_MUTATED = (
+    "Tensor cached during selective activation checkpoint has been mutated: the output of "
+    "{op} (invocation index {index}) was changed in place after the forward cached it, so "
+    "recompute would read the changed value. Fix: have the policy recompute this op (or clone "
+    "before the in-place op); pass allow_cache_entry_mutation=True only if the change is "
+    "harmless for backward."
+)
+
+
+class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    """Recompute: replays the forward's decisions from the cache (Rules 3-7)."""
+
+    supports_higher_order_operators = True
+    # Rule 4: detach runs as it is; the frame may detach below this mode (NOTE [Nestable
+    # checkpoint], Rule 9).
+    passes_detach_through: Final = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
+
+    def __init__(self, cache: _Cache, allow_cache_entry_mutation: bool) -> None:
+        # No super().__init__(), as in _CachingMode.
+        self.cache = cache
+        self.allow_cache_entry_mutation = allow_cache_entry_mutation
+        self.replays: dict[object, int] = {}  # per key, the calls replayed so far
+
+    @property
+    def offload_stats(self) -> OffloadStats:
+        return self.cache.stats
+
+    def __enter__(self) -> _CachedMode:
+        self.replays.clear()  # Rule 6: every recompute starts from index 0.
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        return self
+
+    @_compat.skip_dynamo_in_code  # Rule 11
+    def __torch_dispatch__(
+        self,
+        func: Op,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        op_id = id(func)
+        if op_id in _IGNORED.ids:
+            return func(*args, **kwargs)
+        key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
+        replays = self.replays
+        index = replays.get(key, 0)
+        replays[key] = index + 1
+        record = self.cache.records.get(key)
+        if record is None:  # a COUNT key: recompute, if the forward got this far (Rule 3)
+            if index < self.cache.counts.get(key, 0):
+                return (_runners.get(op_id) or _runner(func))(*args, **kwargs)
+        elif index < record.calls:
+            kept = record.kept
+            if kept is None or (slot := kept.get(index)) is None:
+                # Rule 3: not kept, so recomputed
+                return (_runners.get(op_id) or _runner(func))(*args, **kwargs)
+            if isinstance(slot, _Consumed):
+                raise RuntimeError(_MSG_EXTRA_BACKWARD)
+            kept[index] = _CONSUMED
+            try:
+                return slot.take(self.allow_cache_entry_mutation, self.offload_stats)
+            except _CacheEntryMutated:
+                raise RuntimeError(_MSG_MUTATED.format(op=func, index=index)) from None
+            except _StaleHostAlias:
+                return func(*args, **kwargs)
+        raise RuntimeError(_MSG_NOT_CACHED.format(op=func, index=index))
