@@ -2,20 +2,34 @@
 
 Owns the one ``ContextVar`` that a report (``checkpointing``'s saved-tensor report) sets while it
 watches a step. The frame, the scope and the selective modes call ``announce`` from their pack
-paths; with no listener that costs one ``ContextVar.get``. This module knows nothing about how a
-report is built or printed: that belongs to the report's own module.
+paths; with no listener that costs one ``ContextVar.get``. The frame also calls ``announce_kept``
+for what it keeps by plain reference, out of autograd's sight (RNG states, keyword inputs), only
+while a listener watches it. This module knows nothing about how a report is built or printed:
+that belongs to the report's own module.
 """
 
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Decision", "Listener", "announce", "current_region", "listener"]
+__all__ = [
+    "Decision",
+    "Kept",
+    "KeptListener",
+    "Listener",
+    "announce",
+    "announce_kept",
+    "current_region",
+    "listener",
+]
 
 Decision = Literal["saved", "recomputed", "offloaded"]
+Kept = Literal["rng state", "keyword input", "nested input"]
+"""What a region keeps by reference: an RNG state it captured, a tensor it received by keyword,
+or one inside a container among its positional arguments."""
 
 
 class Listener(Protocol):
@@ -23,6 +37,15 @@ class Listener(Protocol):
 
     def on_tensor(self, tensor: torch.Tensor, *, region: str, decision: Decision) -> None:
         """``tensor`` (the real one, not a holder) was saved, dropped for recompute, or moved."""
+
+
+@runtime_checkable
+class KeptListener(Listener, Protocol):
+    """A listener that also wants the tensors a region keeps by plain reference, which no
+    saved-tensors hook sees (optional: ``announce_kept`` skips listeners without it)."""
+
+    def on_kept(self, tensor: torch.Tensor, *, region: str, what: Kept) -> None:
+        """``region`` keeps ``tensor`` alive until its backward."""
 
 
 listener: ContextVar[Listener | None] = ContextVar("checkpointing_listener", default=None)
@@ -37,3 +60,10 @@ def announce(tensor: torch.Tensor, region: str, decision: Decision) -> None:
     current = listener.get()
     if current is not None:
         current.on_tensor(tensor, region=region, decision=decision)
+
+
+def announce_kept(tensor: torch.Tensor, region: str, what: Kept) -> None:
+    """Tell the active listener, if it wants to know, that ``region`` keeps ``tensor``."""
+    current = listener.get()
+    if isinstance(current, KeptListener):
+        current.on_kept(tensor, region=region, what=what)

@@ -42,6 +42,12 @@ NOTE [Nestable checkpoint]
           through them: they never count as user hooks themselves, and what a policy keeps can be
           routed through the user's (``respect_saved_tensors_hooks``). The mark is dropped when
           the hook leaves the stack, because the graph holds pack hooks for as long as it lives.
+  Rule 11. Besides its holders, a frame keeps until its backward, by plain reference and out of
+          every saved-tensors hook's sight: its RNG states (the CPU one, shared per Rule 7, and
+          one per accelerator tensor among the positional inputs; none without
+          ``preserve_rng_state``), the tensors it received by keyword, and tensors inside
+          containers among its positional inputs. A watching report is told of them
+          (``announce_kept``); the planner counts them (NOTE [Planner model], Rule 14).
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -72,7 +78,7 @@ from ._determinism import (
     too_many_saved,
 )
 from ._errors import CheckpointError, internal_assert, internal_error
-from ._events import announce, current_region, listener
+from ._events import announce, announce_kept, current_region, listener
 from ._state import ContextFn, ForwardState, is_noop_context_fn, noop_context_fn
 
 __all__ = [
@@ -264,6 +270,7 @@ class Frame:
         self._user_hooks: _compat.HookPair | None = None
         if token is not None:
             current_region.reset(token)
+            _announce_kept(self.region(), state, args, kwargs)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -382,6 +389,23 @@ class Frame:
         check_counts(len(holders), count)
         if mismatches:
             check_metadata(mismatches)
+
+
+def _announce_kept(
+    region: str, state: ForwardState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Rule 11: tell a watching report what the frame keeps by plain reference."""
+    for rng_state in (state.cpu_rng, *state.device_rng):
+        if rng_state is not None:
+            announce_kept(rng_state, region, "rng state")
+    for tensor in _compat.tree_leaves(kwargs):
+        if isinstance(tensor, torch.Tensor):
+            announce_kept(tensor, region, "keyword input")
+    for arg in args:
+        if not isinstance(arg, torch.Tensor):
+            for tensor in _compat.tree_leaves(arg):
+                if isinstance(tensor, torch.Tensor):
+                    announce_kept(tensor, region, "nested input")
 
 
 # Tensor types without a ``__torch_dispatch__`` of their own (Rule 9).

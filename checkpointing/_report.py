@@ -10,7 +10,11 @@ How it watches (no mechanism knows about the report; they only announce through 
      any region, or kept as a region's input. Checkpoint hooks sit above it, so tensors that a
      region drops never reach it.
   2. The mechanisms announce the tensors they take charge of: the frame and the scope those they
-     will recompute, the selective modes those they save or offload.
+     will recompute, the selective modes those they save or offload. The frame also announces
+     what it keeps by plain reference, which no hook sees (NOTE [Nestable checkpoint], Rule 11):
+     its RNG states (op "rng state"; a state shared by consecutive regions is a row of each but
+     its bytes count once) and the tensors it received by keyword ("keyword input") or inside a
+     container ("nested input").
   3. A dispatch mode maps each tensor to the op that produced it, notes the storages ops make
      inside the block, and counts the ops (and, where ``torch.utils.flop_counter`` knows the
      op, the FLOPs) run while ``is_recomputing()``.
@@ -19,7 +23,10 @@ Activations are the kept storages that ops made inside the block, except those o
 that require grad (inputs and parameters created there). Whether a tensor requires grad does not
 matter otherwise: a dropout mask or an attention mask made in forward and saved for backward is
 memory the step keeps (the planner counts the same way: NOTE [Planner model], Rule 2), while
-inputs and parameters made before the block, grad or not (token ids), are not activations.
+inputs and parameters made before the block, grad or not (token ids), are not activations. The
+RNG states checkpoints keep are activations too: memory the step allocated (Rule 14 there). So
+on CPU, after a forward run in the block, ``activation_bytes`` is what the allocator holds of
+what the forward allocated, less what the caller still holds itself (the loss).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import _compat
-from ._events import Decision, current_region, listener
+from ._events import Decision, Kept, current_region, listener
 from ._state import is_recomputing
 
 __all__ = ["SavedTensorRecord", "SavedTensorsReport", "saved_tensors_report"]
@@ -68,6 +75,10 @@ class SavedTensorsReport:
     """The part of ``kept_bytes`` that is activations: storages that ops made inside the block
     (saved masks included, though they do not require grad), not those of inputs and
     parameters, which stay in memory whether or not anything is checkpointed."""
+    rng_state_bytes: int = 0
+    """The part of ``activation_bytes`` that is RNG states our checkpoints keep for recompute
+    (each distinct state once). torch's own checkpoint keeps one per region too, but out of
+    sight of this report: subtract this to compare with a step checkpointed by torch."""
 
     def bytes_by_decision(self) -> dict[Decision, int]:
         """Total tensor bytes per decision (a tensor saved twice counts twice here)."""
@@ -112,6 +123,7 @@ class _Watcher:
         self.made: set[tuple[int, torch.device]] = set()  # storages ops made inside the block
         self.kept_storages: dict[tuple[int, torch.device], int] = {}
         self.activation_storages: dict[tuple[int, torch.device], int] = {}
+        self.rng_storages: dict[tuple[int, torch.device], int] = {}
 
     def record(self, tensor: torch.Tensor, region: str, decision: Decision) -> None:
         op: str = self.producers.get(tensor, _LEAF)  # type: ignore[no-untyped-call]  # untyped
@@ -127,15 +139,33 @@ class _Watcher:
         if decision == "saved":
             self.keep(tensor, activation=True)  # an op's output, though the cache detached it
 
+    def on_kept(self, tensor: torch.Tensor, *, region: str, what: Kept) -> None:
+        """Listener protocol: ``region`` keeps ``tensor`` by plain reference. An RNG state is
+        memory the step allocated; an input is an activation as the hook would judge it."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.report.records.append(
+            SavedTensorRecord(what, tuple(tensor.shape), tensor.dtype, nbytes, region, "saved")
+        )
+        self.keep(tensor, activation=what == "rng state" or self.is_activation(tensor))
+        if what == "rng state":
+            key = _storage_key(tensor)
+            if key is not None:
+                self.rng_storages[key] = tensor.untyped_storage().nbytes()
+                self.report.rng_state_bytes = sum(self.rng_storages.values())
+
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """Outer hook: ``tensor`` is really kept. Return a detached alias, never the object
         itself (that would be a reference cycle through its ``grad_fn``)."""
         self.record(tensor, current_region.get() or _OUTSIDE, "saved")
+        self.keep(tensor, activation=self.is_activation(tensor))
+        return tensor.detach()
+
+    def is_activation(self, tensor: torch.Tensor) -> bool:
+        """Made by an op inside the block, and not a leaf that requires grad."""
         base = _compat.view_base(tensor)
         owner = tensor if base is None else base
         made = _storage_key(tensor) in self.made
-        self.keep(tensor, activation=made and not (owner.is_leaf and owner.requires_grad))
-        return tensor.detach()
+        return made and not (owner.is_leaf and owner.requires_grad)
 
     def note_made(self, inputs: Any, outputs: Any) -> None:
         """Note the storages of ``outputs`` that are new: not shared with an input (a view or

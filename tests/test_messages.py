@@ -692,7 +692,8 @@ def _hf_own_checkpointing() -> Any:
 
 def _enable_on_a_plan(hf: Any) -> None:
     model = _tiny_llama()
-    hf.enable(model, budget=0.5, example_kwargs=_hf_batch())
+    # 0.8: on this tiny model the RNG states checkpointing keeps put the floor near 0.7
+    hf.enable(model, budget=0.8, example_kwargs=_hf_batch())
     hf.enable(model)
 
 
@@ -815,7 +816,8 @@ def _blocks() -> torch.nn.Sequential:
     )
 
 
-def _plan(model: torch.nn.Module, budget: float = 0.8) -> checkpointing.ActivationPlan:
+def _plan(model: torch.nn.Module, budget: float = 1.0) -> checkpointing.ActivationPlan:
+    # 1.0: on these 2x4 inputs a region's RNG state outweighs what checkpointing it saves
     x = torch.randn(2, 4, requires_grad=True)
     return checkpointing.plan_checkpointing(model, x, budget=budget)
 

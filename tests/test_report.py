@@ -9,6 +9,8 @@ import torch
 import checkpointing
 from checkpointing import policies, saved_tensors_report
 
+RNG_STATE_BYTES = torch.get_rng_state().nbytes  # what a checkpoint keeps per distinct state
+
 
 def _mlp() -> torch.nn.Sequential:
     torch.manual_seed(0)
@@ -28,16 +30,20 @@ def test_uncheckpointed_step_reports_everything_as_saved() -> None:
 
 
 def test_checkpointed_region_rows_are_recomputed_and_only_inputs_kept() -> None:
-    """Inside a checkpoint rows are 'recomputed'; only the region's input is kept."""
+    """Inside a checkpoint rows are 'recomputed'; only the region's input and its CPU RNG state
+    are kept."""
     model = _mlp()
     x = torch.randn(4, 8, requires_grad=True)
     with saved_tensors_report() as report:
         y = checkpointing.checkpoint(model, x, use_reentrant=False)
         y.sum().backward()
-    kept = [r for r in report.records if r.decision == "saved"]
-    assert [r.region for r in kept] == ["inputs of checkpoint(Sequential)"]
-    assert report.kept_bytes == x.numel() * x.element_size()
-    assert report.activation_bytes == 0  # the only kept tensor is a leaf input
+    kept = [(r.op, r.region) for r in report.records if r.decision == "saved"]
+    assert kept == [
+        ("(input or parameter)", "inputs of checkpoint(Sequential)"),
+        ("rng state", "checkpoint(Sequential)"),
+    ]
+    assert report.kept_bytes == x.numel() * x.element_size() + RNG_STATE_BYTES
+    assert report.activation_bytes == RNG_STATE_BYTES  # the input is a leaf: not an activation
     recomputed = [r for r in report.records if r.decision == "recomputed"]
     assert {r.region for r in recomputed} == {"checkpoint(Sequential)"}
     assert "gelu" in {r.op for r in recomputed}
@@ -55,8 +61,9 @@ def test_recompute_cost_counts_ops_and_matmul_flops() -> None:
 
 
 def test_kept_bytes_matches_the_floor_for_a_chain() -> None:
-    """Activation bytes of N checkpointed layers equal the region inputs; without checkpointing
-    every layer keeps two activations (Linear's input, GELU's input)."""
+    """Activation bytes of N checkpointed layers equal the region inputs and one CPU RNG state
+    (no region draws, so all share it); without checkpointing every layer keeps two activations
+    (Linear's input, GELU's input)."""
     layers = [torch.nn.Linear(32, 32) for _ in range(6)]
     x = torch.randn(16, 32, requires_grad=True)
 
@@ -73,7 +80,7 @@ def test_kept_bytes_matches_the_floor_for_a_chain() -> None:
         return report.activation_bytes
 
     activation = 16 * 32 * 4
-    assert run(True) == 5 * activation  # the inputs of regions 2..6; region 1's input is x
+    assert run(True) == 5 * activation + RNG_STATE_BYTES  # region 1's input is x: a leaf
     assert run(False) == 11 * activation  # 6 GELU inputs and 5 Linear inputs (x is a leaf)
 
 
@@ -104,7 +111,8 @@ def test_selective_cache_counts_towards_kept_bytes() -> None:
         y.sum().backward()
     saved = [r for r in report.records if r.decision == "saved" and r.op == "mm"]
     assert len(saved) == 1
-    assert kept_after_forward == x.nbytes + 4 * 8 * 4  # the region's input and the mm output
+    # the region's input, the mm output and the region's CPU RNG state
+    assert kept_after_forward == x.nbytes + 4 * 8 * 4 + RNG_STATE_BYTES
 
 
 def test_saved_masks_made_in_the_step_are_activations_but_no_grad_inputs_are_not() -> None:
@@ -120,3 +128,48 @@ def test_saved_masks_made_in_the_step_are_activations_but_no_grad_inputs_are_not
         y.sum().backward()
     assert report.activation_bytes == 4 * 8 * 1 + 4 * 8 * 4  # the mask and dropout's noise
     assert report.kept_bytes == report.activation_bytes + ids.nbytes
+
+
+def test_rng_states_are_rows_and_identical_ones_count_once() -> None:
+    """Each checkpoint's CPU RNG state is an "rng state" row; consecutive regions that draw
+    nothing share one state, whose bytes count once; ``preserve_rng_state=False`` keeps none."""
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved_tensors_report() as report:
+        h = x.sin()  # region inputs made in the block are activations: count them too
+        h = checkpointing.checkpoint(torch.nn.functional.dropout, h, 0.5, use_reentrant=False)
+        h = checkpointing.checkpoint(torch.cos, h, use_reentrant=False)  # after a draw: a new state
+        h = checkpointing.checkpoint(torch.exp, h, use_reentrant=False)  # no draw since: shared
+        h = checkpointing.checkpoint(torch.tanh, h, use_reentrant=False, preserve_rng_state=False)
+        h.sum().backward()
+    states = [r for r in report.records if r.op == "rng state"]
+    assert [(r.shape, r.dtype, r.decision) for r in states] == [
+        ((RNG_STATE_BYTES,), torch.uint8, "saved")
+    ] * 3
+    functions = (torch.nn.functional.dropout, torch.cos, torch.exp)
+    assert [r.region for r in states] == [f"checkpoint({f.__qualname__})" for f in functions]
+    assert report.activation_bytes == 4 * x.nbytes + 2 * RNG_STATE_BYTES
+    assert report.kept_bytes == report.activation_bytes + x.nbytes
+
+
+def test_keyword_inputs_are_rows_and_count_as_kept() -> None:
+    """A tensor a checkpoint receives by keyword is kept by the frame itself, out of every
+    hook's sight: it is a "keyword input" row and its bytes count (an activation when the block
+    made it; a leaf made before the block is kept, not an activation)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    bias = torch.randn(8)  # made before the block
+
+    def scaled(t: torch.Tensor, *, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return t * scale + shift
+
+    with saved_tensors_report() as report:
+        scale = torch.full((4, 8), 2.0)  # made in the block; mul saves it, but in the region
+        y = checkpointing.checkpoint(
+            scaled, x, scale=scale, shift=bias, use_reentrant=False, preserve_rng_state=False
+        )
+        y.sum().backward()
+    region = f"checkpoint({scaled.__qualname__})"
+    rows = [(r.op, r.region, r.shape) for r in report.records if r.decision == "saved"]
+    assert ("keyword input", region, (4, 8)) in rows
+    assert ("keyword input", region, (8,)) in rows
+    assert report.activation_bytes == scale.nbytes
+    assert report.kept_bytes == x.nbytes + scale.nbytes + bias.nbytes

@@ -25,10 +25,11 @@ NOTE [Planner model]
   Rule 6. Random ops (and everything in their in-place group, e.g. dropout's mask) are
           recomputed (NOTE [Selective checkpoint cache], Rule 10).
   Rule 7. What a choice keeps: the storages saved outside every region, plus per region either
-          what autograd saves in it (not checkpointed) or its inputs and its saved ops' outputs
-          (checkpointed). The exact count is their union; the solver's knapsack uses the sum per
-          region, an upper bound (a storage kept by two regions counts twice), and every answer
-          is checked, and finished, against the exact union.
+          what autograd saves in it (not checkpointed) or its inputs, its RNG states and its
+          saved ops' outputs (checkpointed, Rule 14). The exact count is their union; the
+          solver's knapsack uses the sum per region, an upper bound (a storage kept by two
+          regions counts twice, except what several checkpointed regions keep, charged once up
+          front), and every answer is checked, and finished, against the exact union.
   Rule 8. Profiling leaves the model as found: parameters (values and ``.grad``: gradients go
           through ``torch.autograd.grad``), buffers (copied back), CPU and CUDA RNG states
           (``torch.random.fork_rng``), module hooks (removed).
@@ -61,6 +62,17 @@ NOTE [Planner model]
           CPU blocks about a fifth of a block's op time) are not charged: they differ little
           between a whole region and a partly saved one, so they only make checkpointing a
           region look a little cheaper than keeping it.
+  Rule 14. A checkpointed region keeps what its frame keeps (NOTE [Nestable checkpoint], Rule
+          11): its input activations, those received by keyword or inside a container included,
+          and the RNG states it captures (``apply`` preserves them). Profiling captures them at
+          each region call as the frame does (``ForwardState``), so a CPU state identical to the
+          previous call's is one storage, kept if any region sharing it is checkpointed: the
+          frame shares it with the previous capture, and draws only move the stream on, so the
+          regions between two sharing ones share it too. (A region that moves the stream back,
+          e.g. by reseeding, is counted apart where the frame would share: over, never under.)
+          Device states (one per accelerator tensor among the positional inputs) are never
+          shared. A state is ~5 KB on CPU: on a model of many small regions with dropout it is
+          several percent of the budget.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

@@ -78,9 +78,9 @@ _MSG_HOST_BUDGET = (
 _MSG_BELOW_FLOOR = (
     "checkpointing.plan_checkpointing: budget {budget:,} bytes is below the smallest reachable "
     "{floor:,} bytes ({share:.1%} of the {baseline:,} bytes kept without checkpointing: every "
-    "region checkpointed, keeping only its inputs and what runs outside the regions). Fix: give "
-    "a budget of at least {floor:,} bytes, or choose regions that split the model finer "
-    "(regions=...) so that less is kept at their boundaries."
+    "region checkpointed, keeping only its inputs and RNG states, and what runs outside the "
+    "regions). Fix: give a budget of at least {floor:,} bytes, or choose regions that split the "
+    "model finer (regions=...) so that less is kept at their boundaries."
 )
 _MSG_NO_REGIONS = (
     "checkpointing.plan_checkpointing: found no regions in {type_name}: {why}. Fix: pass "

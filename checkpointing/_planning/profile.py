@@ -16,6 +16,7 @@ import contextlib
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -26,6 +27,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .. import _compat
 from .._selective import SAC_IGNORED_OPS, draws_random
+from .._state import ForwardState
 from .solver import Problem, RegionChoices, Unit
 
 __all__ = ["OpCall", "RegionProfile", "StepProfile", "default_loss", "profile_step", "tensors"]
@@ -62,6 +64,8 @@ class RegionProfile:
     ops: list[OpCall] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
     inputs: set[int] = field(default_factory=set)
+    states: set[int] = field(default_factory=set)
+    """The RNG states a checkpoint of the region would keep (Rule 14)."""
 
 
 @dataclass(slots=True)
@@ -94,7 +98,7 @@ class StepProfile:
             regions.append(
                 RegionChoices(
                     frozenset(region.saved),
-                    frozenset(region.inputs),
+                    frozenset(region.inputs | region.states),
                     forced,
                     tuple(units),
                     policy_seconds_per_op * len(region.ops) * region.calls,
@@ -115,6 +119,8 @@ class _Step:
         self.calls: dict[int, list[list[OpCall]]] = {}
         self.outside: set[int] = set()
         self.flop_samples: list[tuple[int, float]] = []
+        # Rule 14: the captured RNG states, alive for the step (no address reused), by identity.
+        self.rng_states: dict[int, tuple[torch.Tensor, int]] = {}
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule 2)."""
@@ -123,11 +129,29 @@ class _Step:
 
     def enter(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         profile = self.profiles[index]
-        for tensor in tensors((args, kwargs)):
+        for tensor in tensors((args, kwargs)):  # keyword and nested ones included (Rule 14)
             storage = self.activation(tensor)
             if storage is not None:
                 profile.inputs.add(storage)
+        if torch.is_grad_enabled():  # a frame captures nothing under no_grad
+            profile.states.update(self.capture_rng(args))
         self.stack.append((profile, {}, []))
+
+    def capture_rng(self, args: tuple[Any, ...]) -> Iterator[int]:
+        """Rule 14: the ids of the RNG states a frame entered here would keep, captured as the
+        frame captures them: a CPU state identical to the previous capture is the same tensor,
+        the same storage."""
+        with warnings.catch_warnings():  # mixed devices: the frame itself warns when applied
+            warnings.simplefilter("ignore")
+            state = ForwardState(args, preserve_rng_state=True)
+        for tensor in (state.cpu_rng, *state.device_rng):
+            if tensor is None:
+                continue
+            known = self.rng_states.get(id(tensor))
+            if known is None:
+                known = self.rng_states[id(tensor)] = (tensor, len(self.storage_bytes))
+                self.storage_bytes[known[1]] = tensor.untyped_storage().nbytes()
+            yield known[1]
 
     def leave(self, index: int) -> None:
         _profile, _counts, ops = self.stack.pop()

@@ -15,13 +15,19 @@ bytes (Rule 7): solved exactly by merging Pareto sets while they stay small (``_
 else greedily along each region's lower convex hull, which is within the largest single hull step
 of the additive optimum (the LP-relaxation bound). Either way a last pass spends what the exact
 byte count leaves of the budget, so the plan never predicts more than the budget.
+
+Storages that two regions or more keep when checkpointed (an RNG state they share, an input
+they all receive: Rule 14) are charged once, up front, in the additive count, not once per
+region: still an upper bound, and a chain of tiny regions sharing a ~5 KB state is not priced
+as if each kept its own. A plan keeping nothing of theirs is found by the last pass, or is the
+plain run (zero recompute, chosen whenever the budget holds it).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import torch
@@ -64,6 +70,19 @@ class Problem:
     regions: tuple[RegionChoices, ...]
     storage_bytes: dict[int, int]
     outside: frozenset[int]
+    shared: frozenset[int] = field(init=False)
+    """Storages two regions or more keep when checkpointed, charged once up front."""
+    charged: frozenset[int] = field(init=False)
+    """What the additive count charges up front: ``outside`` and ``shared``."""
+
+    def __post_init__(self) -> None:
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for region in self.regions:
+            shared |= seen & region.inputs
+            seen |= region.inputs
+        object.__setattr__(self, "shared", frozenset(shared - self.outside))
+        object.__setattr__(self, "charged", self.outside | self.shared)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +151,7 @@ def recompute_seconds(problem: Problem, choices: Sequence[Choice]) -> float:
 
 
 def _bytes(problem: Problem, storages: Iterable[int]) -> int:
-    return sum(problem.storage_bytes[s] for s in storages if s not in problem.outside)
+    return sum(problem.storage_bytes[s] for s in storages if s not in problem.charged)
 
 
 def region_options(problem: Problem, index: int) -> list[_Option]:
@@ -150,10 +169,7 @@ def region_options(problem: Problem, index: int) -> list[_Option]:
 def _unit_front(problem: Problem, region: RegionChoices) -> list[tuple[int, float, frozenset[int]]]:
     """(bytes, time saved, units) of the 0/1 knapsack's Pareto set over the region's units;
     exact while small, else prefixes of the units in order of time saved per byte."""
-    sizes = [
-        sum(problem.storage_bytes[s] for s in u.storages if s not in problem.outside)
-        for u in region.units
-    ]
+    sizes = [_bytes(problem, u.storages) for u in region.units]
     front: list[tuple[int, float, frozenset[int]]] = [(0, 0.0, frozenset())]
     for position, (unit, size) in enumerate(zip(region.units, sizes, strict=True)):
         if unit.seconds <= 0:
@@ -241,20 +257,25 @@ def solve(problem: Problem, budget: int, *, allow_exact: bool = True) -> Solutio
     options = [region_options(problem, i) for i in range(len(problem.regions))]
     lowest = [o[0].choice for o in options]
     plain = [Choice(False)] * len(options)
-    floor, baseline = kept_bytes(problem, lowest), kept_bytes(problem, plain)
+    baseline = kept_bytes(problem, plain)
+    floor = min(kept_bytes(problem, lowest), baseline)  # shared storages: see the docstring
     if budget < floor:
         budget = floor
     path, bound = _hull_path(problem, options)
-    frontier = tuple((kept_bytes(problem, c), recompute_seconds(problem, c)) for c in path)
-    frontier = tuple(sorted(set(frontier), key=lambda p: (-p[0], p[1])))
+    frontier = _pareto_frontier(
+        (kept_bytes(problem, c), recompute_seconds(problem, c)) for c in [*path, plain]
+    )
     method: Method = "exact"
-    choices = _exact(problem, options, budget) if allow_exact else None
-    if choices is None:
-        method = "greedy"
-        choices = _greedy(problem, options, budget)
+    if baseline <= budget:
+        choices, bound = plain, 0.0  # nothing to recompute: no choice is cheaper
     else:
-        bound = 0.0
-    choices = _fill(problem, options, choices, budget)
+        found = _exact(problem, options, budget) if allow_exact else None
+        if found is None:
+            method = "greedy"
+            found = _greedy(problem, options, budget)
+        else:
+            bound = 0.0
+        choices = _fill(problem, options, found, budget)
     return Solution(
         choices=tuple(choices),
         kept_bytes=kept_bytes(problem, choices),
@@ -267,10 +288,20 @@ def solve(problem: Problem, budget: int, *, allow_exact: bool = True) -> Solutio
     )
 
 
+def _pareto_frontier(points: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """The points no other beats on both bytes and time, most bytes first. (A shared storage,
+    charged up front, can make a step that adds bytes additively drop some exactly.)"""
+    kept: list[tuple[int, float]] = []
+    for point in sorted(set(points)):
+        if not kept or point[1] < kept[-1][1]:
+            kept.append(point)
+    return tuple(reversed(kept))
+
+
 def _exact(problem: Problem, options: list[list[_Option]], budget: int) -> list[Choice] | None:
     """The additive multiple-choice knapsack, exactly, by merging Pareto sets with
     back-pointers; None when the sets grow past the limits (or nothing fits additively)."""
-    room = budget - sum(problem.storage_bytes[s] for s in problem.outside)
+    room = budget - sum(problem.storage_bytes[s] for s in problem.charged)
     front_bytes = torch.zeros(1, dtype=torch.int64)
     front_cost = torch.zeros(1, dtype=torch.float64)
     pointers: list[tuple[torch.Tensor, torch.Tensor]] = []
