@@ -13,17 +13,16 @@ import dataclasses
 import itertools
 import json
 import math
-import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from allocator_support import allocator_step
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import planner_problems
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import checkpointing
 from checkpointing import ActivationPlan, plan_checkpointing
@@ -211,31 +210,22 @@ def measured(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None):
     return report, grads
 
 
+def applied_step(plan: ActivationPlan, model: nn.Module, x: torch.Tensor):
+    """With ``plan`` applied: the allocator's bytes held after forward, then the report and the
+    gradients of one step (``measured``); the plan is removed again."""
+    plan.apply(model)
+    try:
+        held = allocator_held(lambda: loss_of(model, x, None))
+        report, grads = measured(model, x, None)
+    finally:
+        plan.remove(model)
+    return held, report, grads
+
+
 def allocator_held(forward: Callable[[], torch.Tensor]) -> int:
     """Bytes the CPU allocator holds at the end of ``forward`` that it allocated during it, the
-    returned loss aside: profiler memory events, summed in time order up to the end of the
-    forward (``benchmarks/_memory.py``'s "held"); backward then runs inside the profile too."""
-    with warnings.catch_warnings():
-        # torch 2.11 and 2.12 warn, once per process, at a profiler's first cycle that events
-        # are cleared at the end of each cycle (2.13 warns from the second); this one has one.
-        warnings.filterwarnings(
-            "ignore", "Warning: Profiler clears events at the end of each cycle", UserWarning
-        )
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("forward"):
-                loss = forward()
-            loss_bytes = loss.untyped_storage().nbytes()
-            loss.backward()
-            del loss
-    events = prof.profiler.kineto_results.events()
-    forward_end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == "forward")
-    changes = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"
-    )
-    held = sum(size for when, size in changes if when <= forward_end)
-    return held - loss_bytes
+    returned loss aside (``benchmarks/_memory.py``'s "held"); backward then runs too."""
+    return allocator_step(forward).held
 
 
 @pytest.fixture
@@ -307,12 +297,7 @@ def test_allocator_holds_what_the_plan_predicts_rng_states_included(budget: floa
     expected = grads_of(model, x, None)
     plan = plan_checkpointing(model, x, budget=budget)
     assert sum(r.checkpoint for r in plan.regions) >= 2, str(plan)
-    plan.apply(model)
-    try:
-        held = allocator_held(lambda: loss_of(model, x, None))
-        report, grads = measured(model, x, None)
-    finally:
-        plan.remove(model)
+    held, report, grads = applied_step(plan, model, x)
     assert held <= plan.budget_bytes, (held, str(plan))
     assert held == plan.kept_bytes, str(plan)
     assert report.activation_bytes == held
@@ -331,12 +316,7 @@ def test_tensors_received_by_keyword_are_counted() -> None:
     model, x = KeywordStack(), torch.randn(64, 16, requires_grad=True)
     expected = grads_of(model, x, None)
     plan = plan_checkpointing(model, x, budget=0.7)
-    plan.apply(model)
-    try:
-        held = allocator_held(lambda: loss_of(model, x, None))
-        report, grads = measured(model, x, None)
-    finally:
-        plan.remove(model)
+    held, report, grads = applied_step(plan, model, x)
     checkpointed = sum(r.checkpoint for r in plan.regions)
     assert checkpointed >= 2, str(plan)
     assert sum(r.op == "keyword input" for r in report.records) == checkpointed

@@ -13,13 +13,13 @@ import dataclasses
 import functools
 import itertools
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from allocator_support import allocator_step
 from frame_support import error_of, outcome
 from hypothesis import given
 from strategies import (
@@ -32,7 +32,6 @@ from strategies import (
 )
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import checkpointing
 from checkpointing import LayerCost, SequentialSchedule
@@ -105,28 +104,7 @@ def _kept_bytes(forward: Callable[[], torch.Tensor], leave_out: Sequence[torch.T
 
 def _allocator_peak(forward: Callable[[], torch.Tensor]) -> int:
     """Peak of the CPU allocator's running sum over forward and backward (profiler events)."""
-    with warnings.catch_warnings():
-        # torch 2.11 and 2.12 warn, once per process, at a profiler's first cycle that events
-        # are cleared at the end of each cycle (2.13 warns from the second); this one has one.
-        warnings.filterwarnings(
-            "ignore", "Warning: Profiler clears events at the end of each cycle", UserWarning
-        )
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("forward"):
-                loss = forward()
-            loss.backward()
-            del loss
-    events = prof.profiler.kineto_results.events()
-    changes = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"
-    )
-    live = peak = 0
-    for _, size in changes:
-        live += size
-        peak = max(peak, live)
-    return peak
+    return allocator_step(forward).peak
 
 
 # --- correctness: every strategy against the plain run ---------------------------------------
