@@ -1,5 +1,9 @@
 """torch 2.14's and 2.15's ``checkpoint`` surface, offered on every supported release.
 
+Rule numbers: ``test_rule10_*`` are NOTE [Nestable checkpoint], Rule 10 (``_frame``: our hooks
+are checkpoint-internal); ``test_rule12_*`` and ``test_rule13_*`` are NOTE [Selective checkpoint
+cache], Rules 12 and 13 (``_selective``: ordered effects kept; user hooks respected).
+
 The decorator form, ``respect_saved_tensors_hooks`` (with its ``FutureWarning`` and the
 checkpoint-internal hook marks), the ``fn, args, kwargs`` generator and selective checkpointing's
 keeping of ops with an ordered side effect. Each test checks ours against the run without
@@ -270,7 +274,7 @@ def _sac_step(
 
 
 @_impls(releases.RESPECT_HOOKS, "respect_saved_tensors_hooks")
-def test_respect_true_routes_what_sac_saves_through_user_hooks(lib: Any) -> None:
+def test_rule13_respect_true_routes_what_sac_saves_through_user_hooks(lib: Any) -> None:
     """True: each mm output SAC keeps goes through the user's pack hook in forward and its
     unpack hook at recompute; gradients stay the plain ones."""
     hooks = _Counting()
@@ -283,7 +287,7 @@ def test_respect_true_routes_what_sac_saves_through_user_hooks(lib: Any) -> None
 
 
 @_impls(releases.RESPECT_HOOKS, "respect_saved_tensors_hooks")
-def test_respect_false_keeps_user_hooks_out_silently(lib: Any) -> None:
+def test_rule13_respect_false_keeps_user_hooks_out_silently(lib: Any) -> None:
     """False: the user's hooks never see what SAC keeps, and nothing warns."""
     hooks = _Counting()
     assert _equal(_sac_step(lib, lib, False, hooks), _grads(_block))
@@ -291,7 +295,7 @@ def test_respect_false_keeps_user_hooks_out_silently(lib: Any) -> None:
 
 
 @_impls(releases.RESPECT_HOOKS, "respect_saved_tensors_hooks")
-def test_respect_unset_under_user_hooks_warns_future_warning(lib: Any) -> None:
+def test_rule13_respect_unset_under_user_hooks_warns_future_warning(lib: Any) -> None:
     """None under a user's hooks: the legacy behaviour (hooks bypassed) and torch 2.14's
     FutureWarning telling the user to choose."""
     hooks = _Counting()
@@ -309,7 +313,9 @@ def test_no_user_hooks_means_no_warning_and_no_routing(respect: bool | None) -> 
 
 
 @pytest.mark.parametrize("respect", [None, True])
-def test_torchs_sac_inside_our_checkpoint_sees_through_our_frame(respect: bool | None) -> None:
+def test_rule10_torchs_sac_inside_our_checkpoint_sees_through_our_frame(
+    respect: bool | None,
+) -> None:
     """torch's own SAC contexts inside our checkpoint: without user hooks, our frame does not
     look like one to torch 2.14+ (no FutureWarning); with them and True, torch's mode routes
     its saves through them past our frame, exactly as inside torch's own checkpoint."""
@@ -357,7 +363,7 @@ def test_respect_true_reaches_user_hooks_through_nested_frames() -> None:
     assert (hooks.packed, hooks.unpacked) == (4, 3)
 
 
-def test_frame_drops_its_user_hooks_mark_after_forward() -> None:
+def test_rule10_frame_drops_its_user_hooks_mark_after_forward() -> None:
     """The internal mark names the user's hooks only while the frame is on the stack: after
     forward the graph (which holds the frame) keeps no reference to them. The region takes no
     tensor argument, so no input of it is saved through the user's hooks either."""
@@ -407,7 +413,7 @@ def _printed(capfd: pytest.CaptureFixture[str]) -> int:
     ("answer", "prints"),
     [("PREFER_RECOMPUTE", 1), (False, 1), ("MUST_SAVE", 1), ("MUST_RECOMPUTE", 2)],
 )
-def test_ordered_effect_runs_once_unless_must_recompute(
+def test_rule12_ordered_effect_runs_once_unless_must_recompute(
     lib: Any, answer: str | bool, prints: int, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """An op with an ordered side effect (``aten::_print``) is kept by SAC whatever the policy
@@ -423,7 +429,9 @@ def test_ordered_effect_runs_once_unless_must_recompute(
     assert torch.equal(x.grad, -torch.sin(x.detach().sin()) * torch.cos(x.detach()))
 
 
-def test_ordered_effect_kept_under_an_op_only_policy(capfd: pytest.CaptureFixture[str]) -> None:
+def test_rule12_ordered_effect_kept_under_an_op_only_policy(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     """Our op-only policies (planned once per op) keep an effectful op too."""
     context_fn = checkpointing.policies.as_context_fn(checkpointing.policies.save_nothing())
     x = torch.randn(3, requires_grad=True)
@@ -434,7 +442,7 @@ def test_ordered_effect_kept_under_an_op_only_policy(capfd: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("lib", [checkpointing, tc], ids=["our_sac", "torch_sac"])
-def test_our_report_and_scope_hooks_are_not_user_hooks(lib: Any) -> None:
+def test_rule10_our_report_and_scope_hooks_are_not_user_hooks(lib: Any) -> None:
     """Our report's and scope session's saved-tensors hooks are checkpoint-internal: a SAC
     region inside them (ours, or torch's from 2.14) does not warn about user hooks."""
     with checkpointing.saved_tensors_report():
