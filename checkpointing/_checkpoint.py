@@ -19,7 +19,7 @@ from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
 from ._reentrant import CheckpointFunction
 from ._state import ContextFn, is_noop_context_fn, noop_context_fn
 
-__all__ = ["CHECKPOINT_OPTIONS", "CheckpointedFunction", "checkpoint"]
+__all__ = ["CHECKPOINT_OPTIONS", "CheckpointedFunction", "checkpoint", "checkpoint_call"]
 
 # The keyword arguments of ``checkpoint`` that wrappers and integrations pass through to it.
 CHECKPOINT_OPTIONS: Final = frozenset(
@@ -162,6 +162,36 @@ def checkpoint(
         # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
+    return checkpoint_call(
+        function,
+        args,
+        kwargs,
+        use_reentrant=use_reentrant,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+    )
+
+
+def checkpoint_call(
+    function: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    use_reentrant: bool,
+    preserve_rng_state: bool,
+    context_fn: ContextFn,
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+    respect_saved_tensors_hooks: bool | None,
+) -> Any:
+    """One checkpointed call of ``function(*args, **kwargs)`` with the options resolved (no
+    ``None`` for ``use_reentrant``): what ``checkpoint`` and its decorator both run. ``kwargs``
+    stay ``function``'s own, so a function may take a keyword named like an option."""
     if not callable(function):
         raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(function).__name__))
     if use_reentrant:
@@ -213,7 +243,8 @@ class CheckpointedFunction:
             # Warned here, so that the warning points at the caller's line, not at this one.
             warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
             options = {**options, "use_reentrant": True}
-        return checkpoint(self.function, *args, **options, **kwargs)
+        # The call's keywords stay the function's, even one named like an option (as torch).
+        return checkpoint_call(self.function, args, kwargs, **options)
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:

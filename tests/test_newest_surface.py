@@ -193,6 +193,23 @@ def test_decorated_function_gets_keyword_arguments(lib: Any) -> None:
         lib.checkpoint(use_reentrant=True)(scaled)(x, scale=3.0)
 
 
+@_impls(releases.DECORATOR, "the decorator form of checkpoint")
+def test_decorated_function_may_take_a_keyword_named_like_an_option(lib: Any) -> None:
+    """A decorated function's own keyword named like a checkpoint option (``debug``) reaches
+    the function, as torch 2.14's decorator passes the call's keywords apart from its options."""
+    seen: list[object] = []
+
+    def block(t: torch.Tensor, *, debug: str) -> torch.Tensor:
+        seen.append(debug)
+        return t.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    lib.checkpoint(use_reentrant=False)(block)(x, debug="mine").sum().backward()
+    assert seen == ["mine", "mine"]
+    assert x.grad is not None
+    assert torch.equal(x.grad, torch.cos(x.detach()))
+
+
 # --- the fn, args, kwargs generator (torch 2.14) ------------------------------------------------
 
 
