@@ -238,10 +238,10 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
 
     def _entry(self, out: Any, action: _Action) -> _Entry:
         """The cache entry for ``out`` under a keep ``action`` (Rule 13 for saves)."""
-        hooks = self._user_hooks() if action is _Action.SAVE else None
+        hooks = self._hooks_for_saves() if action is _Action.SAVE else None
         return _keep(out, action, self.offload_stats, hooks)
 
-    def _user_hooks(self) -> _compat.HookPair | None:
+    def _hooks_for_saves(self) -> _compat.HookPair | None:
         """Rule 13: the user's saved-tensors hooks a save goes through, or None; warns when
         they are active and the checkpoint did not say whether to respect them."""
         hooks = _compat.user_saved_tensors_hooks()
