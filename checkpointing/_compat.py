@@ -245,9 +245,11 @@ def accelerator_initialized(device_module: Any) -> bool:
 HookPair = tuple[Callable[..., Any], Callable[..., Any]]
 
 
-def top_saved_tensors_hooks() -> HookPair | None:
-    """The innermost default saved-tensors hook pair on this thread, or None (2.11-2.15)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+top_saved_tensors_hooks: Callable[[], HookPair | None] = functools.partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, False
+)
+"""The innermost default saved-tensors hook pair on this thread, or None (2.11-2.15). A C-level
+call without a Python frame: it runs per checkpoint call (``user_saved_tensors_hooks``)."""
 
 
 # Checkpoint-internal hooks (torch 2.14's protocol, which we follow on every release): a pack hook
@@ -256,7 +258,12 @@ def top_saved_tensors_hooks() -> HookPair | None:
 # Selective checkpointing asks for the user's hooks through that chain: torch's own (2.14+) and
 # ours, so neither mistakes the other's frame for a user hook. Torch 2.11-2.13 mark nothing; their
 # checkpoint's hooks are recognised by their module, and what sits below them is unknown there.
-_TORCH_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def is_torch_checkpoint_hook(pack: object) -> bool:
+    """Whether ``pack`` is a pack hook of ``torch.utils.checkpoint``'s own frames (its pack
+    hooks are closures defined in that module, 2.11-2.15)."""
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint"
 
 
 def resolve_user_hooks(hooks: HookPair | None) -> HookPair | None:
@@ -265,23 +272,18 @@ def resolve_user_hooks(hooks: HookPair | None) -> HookPair | None:
         pack = hooks[0]
         if getattr(pack, "_checkpoint_internal", False):
             hooks = pack._user_hooks  # type: ignore[attr-defined]  # the protocol's mark
-        elif getattr(pack, "__module__", None) == _TORCH_CHECKPOINT_MODULE:
+        elif is_torch_checkpoint_hook(pack):
             return None  # torch 2.11-2.13's checkpoint: no record of what is below it
         else:
             return hooks
     return None
 
 
-_top_default_hooks: Callable[[bool], HookPair | None] = (
-    torch._C._autograd._top_saved_tensors_default_hooks
-)
-
-
 def user_saved_tensors_hooks() -> HookPair | None:
     """The user's saved-tensors hook pair a tensor saved now would meet if checkpoint
     machinery were not in the way, or None. Runs per checkpoint call: the empty stack, the
     common case, costs one C call."""
-    hooks = _top_default_hooks(False)
+    hooks = top_saved_tensors_hooks()
     if hooks is None:
         return None
     return resolve_user_hooks(hooks)

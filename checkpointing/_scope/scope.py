@@ -31,7 +31,12 @@ from typing import Literal, Self
 
 import torch
 
-from .._compat import current_graph_task_id, disable_dynamo, top_saved_tensors_hooks
+from .._compat import (
+    current_graph_task_id,
+    disable_dynamo,
+    is_torch_checkpoint_hook,
+    top_saved_tensors_hooks,
+)
 from .._errors import CheckpointError
 from .._frame import Frame
 from .._state import is_recomputing
@@ -174,7 +179,4 @@ def _records_here(hooks: _ThreadHooks) -> bool:
     if top is None:
         return True
     pack = top[0]
-    in_checkpoint = isinstance(pack, Frame) or (
-        getattr(pack, "__module__", None) == "torch.utils.checkpoint"
-    )
-    return not in_checkpoint
+    return not (isinstance(pack, Frame) or is_torch_checkpoint_hook(pack))
