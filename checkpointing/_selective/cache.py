@@ -3,7 +3,8 @@
 Owns ``OffloadStats``; the cache entries (``_Saved``, a detached alias; ``_Packed``, a saved
 output through the user's saved-tensors hooks; ``_HostAlias`` and ``_HostCopy`` for offload;
 ``_Tree`` for an op that returned a container) and the consumed slot; a region's ``_Cache`` of
-per-key ``_OpRecord``s; and ``_keep``, which makes the entry for an output under an action.
+per-key ``_OpRecord``s; ``_CacheMode``, the base of the pair of modes that share one; and
+``_keep``, which makes the entry for an output under an action.
 Deciding what to keep is ``forward``'s job, handing entries out ``recompute``'s.
 
 NOTE [Selective checkpoint cache] (Rules 3, 5, 7 and 13, on what the cache holds; the package
@@ -47,7 +48,7 @@ from typing import Any, Final, TypeAlias
 import torch
 
 from .. import _compat
-from .._compat import tree_map
+from .._compat import TorchDispatchMode, tree_map
 from .._events import announce
 from .ops import _OpFacts
 from .policy import _Action, _OpPlan
@@ -287,6 +288,27 @@ class _Cache:
         if stats is None:
             stats = self._stats = OffloadStats()
         return stats
+
+
+class _CacheMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    """What the forward mode and the recompute mode of a pair share: their ``_Cache``, its
+    ``OffloadStats`` and how torch treats them (they see higher-order ops; compile internals
+    and dynamo's per-op wrapper pass them by, NOTE [Selective checkpoint cache], Rule 11)."""
+
+    supports_higher_order_operators = True
+    cache: _Cache
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
+
+    @property
+    def offload_stats(self) -> OffloadStats:
+        return self.cache.stats
 
 
 def _keep_tensor(

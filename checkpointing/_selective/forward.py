@@ -39,9 +39,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .. import _compat
-from .._compat import TorchDispatchMode
 from .._errors import CheckpointError, internal_error
-from .cache import OffloadStats, _Cache, _Entry, _keep, _OpRecord, _save_traced
+from .cache import _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
 from .ops import (
     _ALWAYS,
     _IGNORED,
@@ -109,18 +108,8 @@ _MSG_HOOKS_BYPASSED = (
 _Producer: TypeAlias = tuple[weakref.ref[torch.Tensor], _OpRecord, int, int]
 
 
-class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
     """Forward: runs each op, asks the policy, caches what it keeps (Rules 1-5, 7-9)."""
-
-    supports_higher_order_operators = True
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
 
     def __init__(self, policy: Policy, cache: _Cache) -> None:
         # No super().__init__(), like torch's own SAC modes: the base's __enter__ creates what
@@ -139,10 +128,6 @@ class _CachingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             self._by_op = policy
             plans: dict[int, _OpPlan] | None = getattr(policy, "_op_plans", None)
             self._plans = {} if plans is None else plans
-
-    @property
-    def offload_stats(self) -> OffloadStats:
-        return self.cache.stats
 
     @_compat.skip_dynamo_in_code  # Rule 11
     def __torch_dispatch__(

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from .. import _compat
-from .._compat import TorchDispatchMode
-from .cache import _CONSUMED, OffloadStats, _Cache, _CacheEntryMutated, _Consumed, _StaleHostAlias
+from .cache import _CONSUMED, _Cache, _CacheEntryMutated, _CacheMode, _Consumed, _StaleHostAlias
 from .ops import _IGNORED, _INDUCTOR_CODE, Op, _region_key, _runner, _runners
 
 _MSG_NOT_CACHED = (
@@ -52,31 +51,18 @@ _MSG_MUTATED = (
 )
 
 
-class _CachedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+class _CachedMode(_CacheMode):
     """Recompute: replays the forward's decisions from the cache (Rules 3-7)."""
 
-    supports_higher_order_operators = True
     # Rule 4: detach runs as it is; the frame may detach below this mode (NOTE [Nestable
     # checkpoint], Rule 9).
     passes_detach_through: Final = True
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no per-op wrapper: Rule 11 marks __torch_dispatch__ once instead
 
     def __init__(self, cache: _Cache, allow_cache_entry_mutation: bool) -> None:
         # No super().__init__(), as in _CachingMode.
         self.cache = cache
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
         self.replays: dict[object, int] = {}  # per key, the calls replayed so far
-
-    @property
-    def offload_stats(self) -> OffloadStats:
-        return self.cache.stats
 
     def __enter__(self) -> _CachedMode:
         self.replays.clear()  # Rule 6: every recompute starts from index 0.
