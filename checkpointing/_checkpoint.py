@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, overload
 
-from . import _compat
+from . import _compat, _compiled
 from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
 from ._reentrant import CheckpointFunction
 from ._state import ContextFn, is_noop_context_fn, noop_context_fn
@@ -96,7 +96,6 @@ def checkpoint(
 ) -> Callable[[_F], _F]: ...
 
 
-@_compat.skip_dynamo
 def checkpoint(
     function: Callable[..., Any] | None = None,
     *args: Any,
@@ -158,6 +157,19 @@ def checkpoint(
             early_stop=early_stop,
             respect_saved_tensors_hooks=respect_saved_tensors_hooks,
         )
+    if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
+        return _compiled.torch_region(
+            function,  # type: ignore[arg-type]  # torch's checkpoint reports a non-callable
+            args,
+            kwargs,
+            use_reentrant=use_reentrant,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=context_fn,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        )
     if use_reentrant is None:
         # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
@@ -176,6 +188,7 @@ def checkpoint(
     )
 
 
+@_compat.skip_dynamo_in_code
 def checkpoint_call(
     function: object,
     args: tuple[Any, ...],
@@ -239,6 +252,8 @@ class CheckpointedFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         options = self.options
+        if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
+            return _compiled.torch_region(self.function, args, kwargs, **options)
         if options["use_reentrant"] is None:
             # Warned here, so that the warning points at the caller's line, not at this one.
             warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)

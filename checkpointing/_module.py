@@ -20,6 +20,13 @@ NOTE [Module checkpoint hooks]
   Rule 4. The forward hook is ``always_call=True``: an exception in forward still ends the
           generator, so the hook stack is left as found and the next step works.
   Rule 5. Options are validated when the hooks are installed, not at the first forward.
+  Rule 6. Under ``torch.compile`` the region is torch's (NOTE [Compiled regions]): the hooks
+          return at once while dynamo traces, and the module's ``forward`` is, while it is
+          checkpointed, an instance attribute (``_CheckpointedForward``) that calls the
+          module's own forward (the class's, or an instance ``forward`` set before us) and,
+          while dynamo traces, hands that call to torch's checkpoint with the same options. It
+          holds the module weakly (no cycle); pickling and ``copy.deepcopy`` rebuild it on the
+          copy. ``remove_checkpoint_module`` puts back what was there.
 
 Rejected: torch's ``_no_hook`` as a ``context_fn`` wrapper around the user's recompute context: it
 makes every ``context_fn`` non-default, so ``debug=True`` can never be used (torch raises). We
@@ -28,13 +35,15 @@ instead hand the generator a small callable that switches the hooks off around t
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Generator
+import weakref
+from collections.abc import Callable, Generator
 from typing import Any, Final
 
 from torch import nn
 
-from . import _compat
+from . import _compat, _compiled
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
 from ._frame import checkpoint_without_reentrant_generator_impl
@@ -90,16 +99,24 @@ _MSG_CONTEXT_FN = (
 class _ModuleCheckpoint:
     """The hooks of one checkpointed module and the generators they have open (Rule 2)."""
 
-    __slots__ = ("open", "options", "recomputing")
+    __slots__ = ("open", "options", "recomputing", "traced_options")
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
+        # Rule 6: what torch's region gets while dynamo traces.
+        context_fn = _compiled.traceable_context_fn(options["context_fn"])
+        self.traced_options = {**options, "context_fn": context_fn}
         self.open: dict[int, list[Generator[None, None, None]]] = {}
         self.recomputing: dict[int, int] = {}  # thread -> depth of re-runs in progress (Rule 3)
 
-    @_compat.disable_dynamo  # pushes saved-tensor hooks: dynamo breaks the graph here instead
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Start the region: capture state and push the frame's hooks."""
+        if _compiled.compiling():
+            return  # Rule 6: the forward attribute makes the region torch's
+        self._start(module, args, kwargs)
+
+    @_compat.skip_dynamo_in_code  # pushes saved-tensor hooks: never traced
+    def _start(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         thread = threading.get_ident()
         if self.recomputing.get(thread):
             return  # Rule 3
@@ -109,9 +126,14 @@ class _ModuleCheckpoint:
         next(gen)
         self.open.setdefault(thread, []).append(gen)
 
-    @_compat.disable_dynamo
     def forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """End the region: pop the frame's hooks and check the forward (Rule 4)."""
+        if _compiled.compiling():
+            return  # Rule 6
+        self._end()
+
+    @_compat.skip_dynamo_in_code
+    def _end(self) -> None:
         thread = threading.get_ident()
         if self.recomputing.get(thread):
             return  # Rule 3
@@ -149,6 +171,39 @@ class _Rerun:
             depth = recomputing.pop(thread)
             if depth > 1:
                 recomputing[thread] = depth - 1
+
+
+class _CheckpointedForward:
+    """The module's ``forward`` while it is checkpointed (Rule 6): its own forward eagerly (the
+    hooks checkpoint it), torch's region around it while dynamo traces."""
+
+    __slots__ = ("__weakref__", "module", "own", "state")
+
+    def __init__(
+        self, module: nn.Module, own: Callable[..., Any] | None, state: _ModuleCheckpoint
+    ) -> None:
+        self.module = weakref.ref(module)
+        self.own = own  # an instance ``forward`` that was there before us, else None
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.own
+        if forward is None:
+            module = self.module()
+            if module is None:
+                internal_error("a checkpointed forward outlived its module")
+            if not _compiled.compiling():
+                return type(module).forward(module, *args, **kwargs)
+            forward = functools.partial(type(module).forward, module)
+        elif not _compiled.compiling():
+            return forward(*args, **kwargs)
+        return _compiled.torch_region(
+            forward, args, kwargs, use_reentrant=False, **self.state.traced_options
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``torch.save(model)``) and deep-copied with the module it belongs to."""
+        return (type(self), (self.module(), self.own, self.state))
 
 
 def _installed(module: nn.Module) -> _ModuleCheckpoint | None:
@@ -228,6 +283,7 @@ def checkpoint_module(
     )
     module.register_forward_pre_hook(state.pre_hook, with_kwargs=True)
     module.register_forward_hook(state.forward_hook, prepend=True, always_call=True)
+    module.forward = _CheckpointedForward(module, module.__dict__.get("forward"), state)  # Rule 6
     return module
 
 
@@ -247,4 +303,10 @@ def remove_checkpoint_module(module: nn.Module) -> nn.Module:
     if state.open:
         raise RuntimeError(_MSG_REMOVE_IN_FORWARD)
     _compat.remove_forward_hooks(module, state.pre_hook, state.forward_hook)
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, _CheckpointedForward):  # Rule 6: put back what was there
+        if forward.own is None:
+            del module.forward
+        else:
+            module.forward = forward.own
     return module

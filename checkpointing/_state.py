@@ -83,7 +83,12 @@ def is_recomputing() -> bool:
 
     User code can use it to tell the original forward from recompute, e.g. to skip logging or
     a forward hook's side effect the second time.
+
+    In code that ``torch.compile`` traces it is ``False``: the compiled code is traced once and
+    serves forward and the compiler's recompute alike (NOTE [Compiled regions]).
     """
+    if torch.compiler.is_dynamo_compiling():
+        return False
     return _recompute_depth.get() > 0
 
 

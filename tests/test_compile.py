@@ -1,11 +1,10 @@
 """``torch.compile`` around code that calls our ``checkpoint``: eager's gradients, every backend.
 
-Our ``checkpoint`` is hook-based and marked with ``_compat.skip_dynamo`` (dynamo's disable mark
-and a recursive skip of its code, with no wrapper per call): dynamo does not trace into it but
-breaks the graph around it, compiles what comes before and after, and the
-checkpointed region runs eagerly with our hooks (README, "torch.compile"). Graph breaks are
-therefore expected; the tests check that gradients equal the uncompiled run and that the region
-is really checkpointed (it re-runs in backward).
+While dynamo traces, our ``checkpoint`` hands the region to torch's (NOTE [Compiled regions] in
+checkpointing/_compiled.py; the side-by-side proofs are in test_compile_regions.py): the model
+compiles to one graph, as with torch's checkpoint. Eager machinery stays out of dynamo: our SAC
+modes are never traced when compiled code with graph breaks runs inside an eager region (Rule 11
+of the selective cache).
 """
 
 from __future__ import annotations
@@ -75,52 +74,26 @@ def _grads(model: torch.nn.Module, run: torch.nn.Module, x: torch.Tensor) -> lis
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_model_gradients_equal_eager(backend: str, use_reentrant: bool) -> None:
-    """The compiled model's gradients equal eager's, and the region re-runs in backward."""
+    """The compiled model's gradients equal eager's (where the region re-runs in backward)."""
     torch.manual_seed(0)
     model = Model(use_reentrant)
     x = torch.randn(3, 4)
     want = _grads(model, model, x)
-    model.recomputes = 0
+    assert model.recomputes == 1  # eagerly, our frame re-runs the region
     compiled = torch.compile(model, backend=backend)
     for _ in range(2):  # the second call runs the cached compiled code
         got = _grads(model, compiled, x)
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
-    assert model.recomputes == 2
-
-
-def test_checkpoint_breaks_the_graph_instead_of_being_traced() -> None:
-    """Dynamo reports graph breaks around ``checkpoint`` rather than tracing our hooks."""
-    model = Model(use_reentrant=False)
-    explanation = torch._dynamo.explain(model)(torch.randn(3, 4))
-    assert explanation.graph_break_count >= 1
-    assert explanation.graph_count >= 2
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_the_checkpointed_function_is_never_compiled(use_reentrant: bool) -> None:
-    """Called from compiled code, ``checkpoint`` breaks the graph and runs eagerly, and so does
-    everything it calls: dynamo is handed the two halves of ``step`` only, never the region, in
-    forward or in recompute (what ``torch._disable_dynamo``'s wrapper did, with no wrapper)."""
-    lin = torch.nn.Linear(8, 8)
-    traced: list[bool] = []
-
-    def region(h: torch.Tensor) -> torch.Tensor:
-        traced.append(torch.compiler.is_compiling())
-        return torch.tanh(lin(h)) * 2
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(x) + 1
-        h = checkpointing.checkpoint(region, h, use_reentrant=use_reentrant)
-        return h.sin().sum()
-
-    x = torch.randn(3, 8, requires_grad=True)
-    compiled = torch.compile(step, backend="eager")
-    frames = _frames_converted(lambda: [compiled(x).backward() for _ in range(2)])
-    assert frames == 2
-    assert traced == [False] * 4  # two forwards, two recomputes
-    assert not hasattr(checkpointing.checkpoint, "__wrapped__")
+def test_checkpoint_is_traced_as_torchs_region(use_reentrant: bool) -> None:
+    """Dynamo captures the region in one graph, with no break, as it does torch's checkpoint."""
+    model = Model(use_reentrant=use_reentrant)
+    explanation = torch._dynamo.explain(model)(torch.randn(3, 4))
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
 
 
 # --- Selective checkpointing: our dispatch modes stay out of dynamo (NOTE [Selective checkpoint
