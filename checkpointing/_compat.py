@@ -49,16 +49,14 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext as DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_leaves as tree_leaves
-from torch.utils._pytree import tree_map as tree_map
-from torch.utils._pytree import tree_unflatten as tree_unflatten
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# Pytree helpers (2.11-2.15, ``torch.utils._pytree``). Prefer ``tree_leaves``: ``tree_flatten`` and
+# Pytree helpers (2.11-2.15, ``torch.utils._pytree``): ``tree_leaves`` only. ``tree_flatten`` and
 # ``tree_map`` leave a few cyclic objects per call (a self-referencing closure), which a hot path
-# must not do (SPEC §6, "No garbage").
+# must not do (SPEC §6, "No garbage"); where a structure must be rebuilt, walk it by hand
+# (``_selective.cache._map_leaves``, ``_scope.ops._flatten``).
 
 
 # --- Saving a region's inputs (``_frame``, NOTE [Nestable checkpoint], Rule 2) -----------------

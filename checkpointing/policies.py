@@ -4,7 +4,9 @@ A policy is any callable ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy 
 ``Policy`` protocol); ``as_context_fn(policy)`` turns one into the ``context_fn`` of
 ``checkpointing.checkpoint`` (or of ``torch.utils.checkpoint.checkpoint``, which accepts our
 contexts too). The policies here are plain callables, so they also work with
-``create_selective_checkpoint_contexts`` directly, ours or torch's. All but the name-based ones
+``create_selective_checkpoint_contexts`` directly, ours or torch's. The factories that make them
+are not policies: passing one uncalled (``save_matmuls`` for ``save_matmuls()``) is a
+``TypeError`` wherever ours takes a policy. All but the name-based ones
 answer by op alone and say so with ``answer_for_op(op)``; our selective checkpointing then asks
 them once per op overload instead of once per op call (so does ``either``/``both`` of such
 policies; a combination with a name-based policy or a plain function is asked per call).
@@ -60,8 +62,10 @@ from ._selective import (
     answers_by_op,
     as_checkpoint_policy,
     create_selective_checkpoint_contexts,
+    policy_factory,
     policy_from,
     tag,
+    uncalled_factory,
 )
 
 __all__ = [
@@ -227,6 +231,7 @@ class _CombinedByOp(OpPolicyBase):
 # --- Factories ---------------------------------------------------------------------------------
 
 
+@policy_factory
 def save_nothing() -> Policy:
     """Recompute every op: plain checkpointing, expressed as a policy.
 
@@ -242,6 +247,7 @@ def save_nothing() -> Policy:
     return _Constant(CheckpointPolicy.PREFER_RECOMPUTE, "save_nothing")
 
 
+@policy_factory
 def save_everything() -> Policy:
     """Keep every op's output: no recompute at all (for debugging, or as a unit).
 
@@ -258,6 +264,7 @@ def save_everything() -> Policy:
     return _Constant(CheckpointPolicy.MUST_SAVE, "save_everything")
 
 
+@policy_factory
 def save_ops(*ops: Op | OpOverloadPacket) -> Policy:
     """Keep the outputs of these ops, recompute every other op.
 
@@ -282,6 +289,7 @@ def save_ops(*ops: Op | OpOverloadPacket) -> Policy:
     )
 
 
+@policy_factory
 def save_matmuls() -> Policy:
     """Keep matrix products and fused attention (``MATMUL_OPS``), recompute the rest.
 
@@ -303,6 +311,7 @@ def save_matmuls() -> Policy:
     )
 
 
+@policy_factory
 def recompute_ops(*ops: Op | OpOverloadPacket) -> Policy:
     """Recompute these ops, keep every other op's output.
 
@@ -326,6 +335,7 @@ def recompute_ops(*ops: Op | OpOverloadPacket) -> Policy:
     )
 
 
+@policy_factory
 def offload_ops(*ops: Op | OpOverloadPacket) -> Policy:
     """Move the outputs of these ops to host memory until backward, recompute every other op.
 
@@ -347,6 +357,7 @@ def offload_ops(*ops: Op | OpOverloadPacket) -> Policy:
     )
 
 
+@policy_factory
 def save_only_these_names(*names: str) -> Policy:
     """Keep the tensors named with ``tag(tensor, name)`` for these names, recompute the rest.
 
@@ -367,6 +378,7 @@ def save_only_these_names(*names: str) -> Policy:
     return _ByName(found, CheckpointPolicy.MUST_SAVE, f"save_only_these_names({_describe(names)})")
 
 
+@policy_factory
 def offload_these_names(*names: str) -> Policy:
     """Move the tensors named with ``tag(tensor, name)`` for these names to host memory until
     backward, recompute the rest.
@@ -389,6 +401,7 @@ def offload_these_names(*names: str) -> Policy:
 # --- Combinators -------------------------------------------------------------------------------
 
 
+@policy_factory
 def either(*policies: Policy) -> Policy:
     """Keep what any of ``policies`` keeps: per op, the answer highest in the keep order.
 
@@ -405,6 +418,7 @@ def either(*policies: Policy) -> Policy:
     return _combined(_policies_of("either", policies), max, "either")
 
 
+@policy_factory
 def both(*policies: Policy) -> Policy:
     """Keep only what all of ``policies`` keep: per op, the answer lowest in the keep order.
 
@@ -454,6 +468,7 @@ def as_context_fn(
     """
     # Build one pair now, so that a bad argument fails here and not at the first forward; a
     # list becomes its policy once, so every region shares that policy's per-op plans.
+    _reject_factory("as_context_fn", policy)
     create_selective_checkpoint_contexts(
         policy, allow_cache_entry_mutation, offload_stats=offload_stats
     )
@@ -477,9 +492,14 @@ _MSG_NOT_A_NAME = (
     "Fix: pass the names given to tag(tensor, name)."
 )
 _MSG_NOT_A_POLICY = (
-    "checkpointing.policies.{api}: expected policies (callables such as save_matmuls()), got "
-    "{got!r} of type {type}. Fix: call the factory, e.g. save_matmuls() rather than "
-    "save_matmuls."
+    "checkpointing.policies.{api}: expected policies (callables "
+    "`policy(ctx, op, *args, **kwargs)` such as save_matmuls()), got {got}. Fix: call the "
+    "factory, e.g. {call} rather than {name}."
+)
+_GOT_VALUE = "{value!r} of type {type}"
+_GOT_FACTORY = (
+    "the factory {name} itself, which makes a policy but is not one (the first forward would "
+    "fail inside torch)"
 )
 _MSG_NO_POLICY = (
     "checkpointing.policies.{api}: expected at least one policy, got none. Fix: pass the "
@@ -516,9 +536,25 @@ def _policies_of(api: str, policies: tuple[object, ...]) -> tuple[Policy, ...]:
     for policy in policies:
         if not callable(policy) or isinstance(policy, type):
             raise TypeError(
-                _MSG_NOT_A_POLICY.format(api=api, got=policy, type=type(policy).__name__)
+                _MSG_NOT_A_POLICY.format(
+                    api=api,
+                    got=_GOT_VALUE.format(value=policy, type=type(policy).__name__),
+                    call="save_matmuls()",
+                    name="save_matmuls",
+                )
             )
+        _reject_factory(api, policy)
     return cast(tuple[Policy, ...], policies)  # each one checked to be callable
+
+
+def _reject_factory(api: str, policy: object) -> None:
+    """One of our factories passed uncalled (``save_matmuls``) is callable, but no policy: it
+    would fail at the first forward, inside torch (``_selective.policy_factory``)."""
+    factory = uncalled_factory(policy)
+    if factory is not None:
+        name, call = factory
+        got = _GOT_FACTORY.format(name=name)
+        raise TypeError(_MSG_NOT_A_POLICY.format(api=api, got=got, call=call, name=name))
 
 
 def _describe(items: Iterable[object]) -> str:

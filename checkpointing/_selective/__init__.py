@@ -61,8 +61,10 @@ from .policy import (
     SelectiveCheckpointContext,
     answers_by_op,
     as_checkpoint_policy,
+    policy_factory,
     policy_from,
     tag,
+    uncalled_factory,
 )
 
 __all__ = [
@@ -79,6 +81,8 @@ __all__ = [
     "as_checkpoint_policy",
     "create_selective_checkpoint_contexts",
     "draws_random",
+    "policy_factory",
     "policy_from",
     "tag",
+    "uncalled_factory",
 ]

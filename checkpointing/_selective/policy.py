@@ -3,9 +3,10 @@
 Owns the parity names ``CheckpointPolicy`` and ``SelectiveCheckpointContext``; the ``Policy``,
 ``OpPolicy`` and ``OpPolicyBase`` kinds of policy; what an answer means (``_Action`` per call,
 and per op for an op-only policy ``_Plan``), checked by ``as_checkpoint_policy`` and its private
-twins; the list form (``policy_from``); and the ``checkpointing::tag`` op through which policies
-see tensor names. Asking the policy and acting on its answers is ``forward``'s job; ready-made
-policies live in ``checkpointing.policies``.
+twins; the list form (``policy_from``); the registry of ``checkpointing.policies``' factories
+(``policy_factory``), so that one passed uncalled is refused; and the ``checkpointing::tag`` op
+through which policies see tensor names. Asking the policy and acting on its answers is
+``forward``'s job; ready-made policies live in ``checkpointing.policies``.
 
 NOTE [Selective checkpoint cache] (Rules 1 and 2, on asking and answers; the package docstring
 says where the others live)
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Final, Protocol, TypeAlias, TypeGuard
+import inspect
+from collections.abc import Callable
+from typing import Any, Final, Protocol, TypeAlias, TypeGuard, TypeVar
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
@@ -130,6 +133,36 @@ class OpPolicyBase(abc.ABC):
 def answers_by_op(policy: object) -> TypeGuard[OpPolicy]:
     """Whether ``policy`` says its answer depends on the op alone (has ``answer_for_op``)."""
     return callable(getattr(policy, "answer_for_op", None))
+
+
+# --- Our factories, recognised when passed uncalled -------------------------------------------
+# A factory of ``checkpointing.policies`` is callable, so "any callable" accepts ``save_matmuls``
+# where ``save_matmuls()`` was meant, and the first forward then fails inside torch ("unsupported
+# operand type(s) for @"). Each factory is registered here by identity, so that every API taking
+# a policy can refuse exactly these functions and no user callable (torch accepts any callable;
+# we stay a drop-in). Rejected: guessing from the signature (a user's ``*args`` policy matches).
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+# id -> (the factory, its name and how to call it, for messages); holding the factory keeps its
+# id its own.
+_FACTORIES: Final[dict[int, tuple[Callable[..., Any], str, str]]] = {}
+
+
+def policy_factory(factory: _F) -> _F:
+    """Register ``factory`` as a policy factory of ours (see the comment above)."""
+    name = factory.__name__
+    call = f"{name}(...)" if inspect.signature(factory).parameters else f"{name}()"
+    _FACTORIES[id(factory)] = (factory, name, call)
+    return factory
+
+
+def uncalled_factory(policy: object) -> tuple[str, str] | None:
+    """The name of ``policy`` and how to call it (``"save_matmuls()"``) if it is one of our
+    factories, else None."""
+    found = _FACTORIES.get(id(policy))
+    if found is None or found[0] is not policy:
+        return None
+    return found[1], found[2]
 
 
 # --- The tag op: names that policies can see --------------------------------------------------
@@ -318,11 +351,18 @@ _MSG_NOT_A_POLICY = (
     "`policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`, or a list such as "
     "[torch.ops.aten.mm.default]."
 )
+_MSG_UNCALLED_FACTORY = (
+    "create_selective_checkpoint_contexts: expected a policy (a callable "
+    "`policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`) or a list of ops, got the policy "
+    "factory checkpointing.policies.{name} itself, which makes a policy but is not one (the "
+    "first forward would fail inside torch). Fix: call the factory, e.g. {call} rather than "
+    "{name}."
+)
 
 
 def policy_from(policy_fn_or_list: object) -> Policy:
     """Validate the first argument of ``create_selective_checkpoint_contexts`` (torch's rules:
-    a list of ops, or any callable)."""
+    a list of ops, or any callable, but not one of our factories uncalled)."""
     if isinstance(policy_fn_or_list, list):
         for op in policy_fn_or_list:
             if not isinstance(op, OpOverload | HigherOrderOperator):
@@ -331,6 +371,10 @@ def policy_from(policy_fn_or_list: object) -> Policy:
                 raise ValueError(_MSG_NOT_AN_OP.format(op=op, type=type(op), hint=hint))
         return _SaveListed(frozenset(policy_fn_or_list))
     if callable(policy_fn_or_list):
+        factory = uncalled_factory(policy_fn_or_list)
+        if factory is not None:
+            name, call = factory
+            raise TypeError(_MSG_UNCALLED_FACTORY.format(name=name, call=call))
         policy: Policy = policy_fn_or_list
         return policy
     raise TypeError(
