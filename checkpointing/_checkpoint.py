@@ -10,6 +10,7 @@ the determinism and debug machinery lives in ``_determinism``.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, overload
@@ -264,6 +265,9 @@ class CheckpointedFunction:
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:
             return self
+        if _compiled.compiling() and isinstance(self.function, types.FunctionType):
+            # What the bound copy below does, in a form every release's dynamo traces.
+            return functools.partial(self, instance)
         bind = getattr(self.function, "__get__", None)
         if bind is None:
             return self
