@@ -18,6 +18,13 @@ How it watches (no mechanism knows about the report; they only announce through 
   3. A dispatch mode maps each tensor to the op that produced it, notes the storages ops make
      inside the block, and counts the ops (and, where ``torch.utils.flop_counter`` knows the
      op, the FLOPs) run while ``is_recomputing()``.
+  4. What the outer hook sees while a backward runs is not counted: it is not kept between
+     forward and backward. The re-run of a ``use_reentrant=True`` checkpoint saves its tensors
+     there (no hook of a checkpoint sits above ours) and they are freed within that backward;
+     a ``create_graph`` backward saves for the next backward. Counting the first made a
+     reentrant step's bytes several times the allocator's, and different on every run (freed
+     addresses are reused, and storages are keyed by address). A reentrant checkpoint's RNG
+     states are kept by plain reference and announced by no one: ``notes`` says so.
 
 Activations are the kept storages that ops made inside the block, except those of leaf tensors
 that require grad (inputs and parameters created there). Whether a tensor requires grad does not
@@ -48,6 +55,12 @@ __all__ = ["SavedTensorRecord", "SavedTensorsReport", "saved_tensors_report"]
 
 _OUTSIDE = "(outside any region)"
 _LEAF = "(input or parameter)"
+_NOTE_REENTRANT = (
+    "use_reentrant=True checkpoints ran: the RNG states each keeps for its re-run (with "
+    "preserve_rng_state=True) are held by plain reference, out of any hook's sight, and are not "
+    "counted in kept_bytes or activation_bytes; use_reentrant=False counts them "
+    "(rng_state_bytes). What the re-run saves inside backward is freed there and not counted."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +92,8 @@ class SavedTensorsReport:
     """The part of ``activation_bytes`` that is RNG states our checkpoints keep for recompute
     (each distinct state once). torch's own checkpoint keeps one per region too, but out of
     sight of this report: subtract this to compare with a step checkpointed by torch."""
+    notes: list[str] = field(default_factory=list)
+    """What the report saw but could not count, and why (printed under the table)."""
 
     def bytes_by_decision(self) -> dict[Decision, int]:
         """Total tensor bytes per decision (a tensor saved twice counts twice here)."""
@@ -108,6 +123,7 @@ class SavedTensorsReport:
             f"recompute cost: {self.recompute_ops} ops, {self.recompute_flops:,} FLOPs "
             "(FLOPs only for ops torch.utils.flop_counter knows)"
         )
+        lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -156,6 +172,10 @@ class _Watcher:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """Outer hook: ``tensor`` is really kept. Return a detached alias, never the object
         itself (that would be a reference cycle through its ``grad_fn``)."""
+        if _compat.current_graph_task_id() != -1:  # See "How it watches", 4
+            if is_recomputing() and _NOTE_REENTRANT not in self.report.notes:
+                self.report.notes.append(_NOTE_REENTRANT)
+            return tensor.detach()
         self.record(tensor, current_region.get() or _OUTSIDE, "saved")
         self.keep(tensor, activation=self.is_activation(tensor))
         return tensor.detach()

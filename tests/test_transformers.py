@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import doctest
+import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -368,7 +370,8 @@ def test_rule4_options_reach_checkpoint_not_forward(llama: transformers.PreTrain
 
 
 def test_enable_twice_replaces_the_policy(llama: transformers.PreTrainedModel) -> None:
-    """A second ``enable`` (or transformers' own enable) replaces the first: the last one wins."""
+    """A second ``enable`` replaces the first: the last one wins. (transformers' own enable
+    after ours keeps ours: ``tests/test_transformers_routes.py``, Rule 10.)"""
 
     def twice(model: transformers.PreTrainedModel) -> None:
         hf_checkpointing.enable(model, policy=save_matmuls())
@@ -392,13 +395,16 @@ def _layers_checkpointed(model: transformers.PreTrainedModel) -> list[bool]:
 
 def _budget(fraction: float, plans: list[checkpointing.ActivationPlan]) -> Setup:
     """Enable a plan for ``fraction`` of the plain run's activation bytes; keep it in ``plans``.
-    The plan's layers, and only they, checkpoint through its hooks; transformers' own flags
-    stay off."""
+    The plan's layers, and only they, checkpoint through its hooks; transformers' flags are on
+    (``is_activation_checkpointing`` tells the truth) with a function that runs each layer's
+    forward as it is, inside the plan's hooks."""
 
     def setup(model: transformers.PreTrainedModel) -> None:
         plan = hf_checkpointing.enable(model, budget=fraction, example_kwargs=_batch())
         assert _layers_checkpointed(model) == [region.checkpoint for region in plan.regions]
-        assert not model.is_activation_checkpointing
+        assert model.is_activation_checkpointing == any(_layers_checkpointed(model))
+        for layer in model.model.layers:
+            assert "budget plan" in repr(layer._gradient_checkpointing_func)
         plans.append(plan)
 
     return setup
@@ -512,7 +518,7 @@ def test_rule8_one_checkpointing_at_a_time(llama: transformers.PreTrainedModel) 
         with pytest.raises(ValueError, match=re.escape("enable(model, budget=...)")):
             retry()
         assert _layers_checkpointed(model) == checkpointed
-        assert not model.is_activation_checkpointing
+        assert model.is_activation_checkpointing == any(checkpointed)
     assert checkpointed == [region.checkpoint for region in plan.regions]
 
 
@@ -541,10 +547,15 @@ def test_budget_default_loss_without_labels(llama: transformers.PreTrainedModel)
 
 
 def test_module_docstring_examples() -> None:
-    """The examples in the integration's docstrings run as written."""
-    result = doctest.testmod(hf_checkpointing, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0
-    assert result.failed == 0
+    """The examples in the integration's docstrings run as written (``CheckpointingCallback``'s
+    when accelerate, which the ``Trainer`` needs, is installed)."""
+    modules = [hf_checkpointing]
+    if importlib.util.find_spec("accelerate") is not None:
+        modules.append(importlib.import_module("checkpointing.integrations._hf_callback"))
+    for module in modules:
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0, module.__name__
+        assert result.failed == 0, module.__name__
 
 
 _IMPORT_PROBE = """

@@ -4,12 +4,16 @@ Owns ``enable(model, ...)`` and ``disable(model)``: the one-line switch from
 ``model.activation_checkpointing_enable()`` (which hard-wires ``torch.utils.checkpoint``) to
 ``checkpointing.checkpoint``, with a selective policy per layer (``checkpointing.policies``,
 offload included) or a memory budget (``checkpointing.plan_checkpointing`` on the model's
-layers). It leaves the checkpointing itself to ``checkpointing.checkpoint``, policies to
-``checkpointing.policies`` and budgets to the planner; without a budget, which layers run
-checkpointed is decided by the model.
+layers), on a model or on the PEFT model wrapping it; and what keeps that choice in place when
+the usual switches (the ``Trainer``'s ``gradient_checkpointing=True``, PEFT) run after it. It
+leaves the checkpointing itself to ``checkpointing.checkpoint``, policies to
+``checkpointing.policies``, installing and removing a budget plan to ``_hf_budget`` (planning
+to the planner), and the ``Trainer`` route (``CheckpointingCallback``, loaded from
+``_hf_callback`` on first use) to that module; without a budget, which layers run checkpointed
+is decided by the model.
 
-This is the only module of the package that imports ``transformers``; importing ``checkpointing``
-never does.
+This module and its ``_hf_*`` neighbours are the only ones of the package that import
+``transformers``; importing ``checkpointing`` never does.
 
 NOTE [transformers integration]
   Rule 1. Without a budget, we plug in through the model's own hook,
@@ -17,8 +21,9 @@ NOTE [transformers integration]
           every_n_layers=...)``, exactly as ``activation_checkpointing_enable`` does: which
           modules checkpoint, what ``every_n_layers`` counts (only the repeated
           ``GradientCheckpointingLayer`` blocks) and how caches are switched off stay
-          transformers' own. Nothing of torch or transformers is patched; ``disable`` calls
-          the same hook with ``enable=False``, as ``activation_checkpointing_disable`` does.
+          transformers' own. No class of torch or transformers is patched (Rule 10 sets
+          attributes of the model instance); ``disable`` calls the same hook with
+          ``enable=False``, as ``activation_checkpointing_disable`` does.
   Rule 2. A model whose hook does not hand our function to any layer (a pre-4.35 hook taking
           ``value``, or an override that checkpoints with another library) is an error, and the
           model is left as it was: silently training without our checkpointing is not an option.
@@ -36,8 +41,11 @@ NOTE [transformers integration]
           (the layers transformers checkpoints). The plan is profiled with the model in
           training mode (dropout drawn, as in the steps it is for; each module's mode is put
           back) and without any checkpointing, then installed by ``ActivationPlan.apply``
-          (``checkpoint_module`` hooks on the chosen layers). transformers'
-          ``gradient_checkpointing`` flags stay off, so no layer is checkpointed twice.
+          (``checkpoint_module`` hooks on the chosen layers). When it checkpoints a layer,
+          transformers' flags are switched on through the hook with ``_RunLayer``, which runs the
+          layer's forward as it is (the plan's hooks around the call checkpoint it): no layer is
+          checkpointed twice, and ``is_activation_checkpointing`` tells the truth to those who
+          ask (the ``Trainer``'s DDP setup, PEFT).
   Rule 7. With ``budget=``, every region drops its key/value cache while autograd records, as
           transformers' layers do under their own checkpointing (``use_cache=False``,
           ``past_key_values``/``layer_past`` set to None unless the layer only reads the cache,
@@ -49,24 +57,46 @@ NOTE [transformers integration]
           already checkpoint (ours or transformers' own) is an error, and so is any ``enable``
           on a model with a budget plan; ``disable`` first. (Without a budget, a second
           ``enable`` replaces the first through the hook, as transformers' own does.)
+  Rule 9. A PEFT model is unwrapped to the transformers model that owns the layers
+          (``get_base_model()``, recognised by duck typing: PEFT is no dependency). Wrapping
+          the layers instead (``apply_activation_checkpointing``) would rename their
+          parameters, and PEFT's ``save_pretrained`` would then save no adapter weights.
+  Rule 10. Ours survives the usual switches. ``enable`` sets the model instance's own
+          ``activation_checkpointing_enable`` and ``activation_checkpointing_disable``
+          (``_Switches``), which every route looks up on the instance: the ``Trainer``'s
+          ``gradient_checkpointing=True`` calls the first, the deprecated
+          ``gradient_checkpointing_enable`` (PEFT's ``prepare_model_for_kbit_training`` calls it)
+          calls it on ``self``, and a PEFT model forwards the lookup to its base model. While
+          ours is on, a later enable keeps it (with its policy; a warning names the options of
+          that call it did not apply) and is an error on a budget plan (both would checkpoint
+          the layers); a later disable is ours, then transformers'. Once ours is off, the
+          switches hand the call to transformers' own and remove themselves. They hold the
+          model weakly (a strong reference would be a cycle, keeping the model's memory until
+          ``gc`` runs) and ``copy.deepcopy`` points them at the copy. Rejected: a forward
+          pre-hook that puts ours back at the next step (it cannot see the options of the call
+          that replaced ours, nor refuse it where it is made); patching ``PreTrainedModel``.
+  Rule 11. What ``enable`` installed is found from the model (its layers' functions and hooks,
+          its switches), never only from a registry: ``disable`` and Rule 8 work on a
+          ``copy.deepcopy`` of an enabled model.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import importlib
 import inspect
+import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, overload
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._checkpoint import CHECKPOINT_OPTIONS, checkpoint
-from .._planning import ActivationPlan, plan_checkpointing
-from .._planning.profile import default_loss
+from .._errors import internal_error
+from .._planning import ActivationPlan
 from .._state import ContextFn
 from ..policies import Policy, as_context_fn
 
@@ -78,40 +108,46 @@ _MSG_NO_TRANSFORMERS = (
 )
 
 try:
-    from transformers.modeling_layers import GradientCheckpointingLayer
     from transformers.modeling_utils import PreTrainedModel
 except ImportError as error:
     raise ImportError(_MSG_NO_TRANSFORMERS, name="transformers") from error
 
-__all__ = ["disable", "enable"]
+# After the guard above: without transformers, its message comes first.
+from ._hf_budget import check_no_plan, has_plan, install_plan, remove_plan  # noqa: E402
 
+if TYPE_CHECKING:
+    from ._hf_callback import CheckpointingCallback
 
+__all__ = ["CheckpointingCallback", "disable", "enable"]
+
+_API = "checkpointing.integrations.transformers.enable"
+_FIX_BLOCKS = (
+    "checkpoint each block with checkpointing.checkpoint_module(block), which keeps parameter "
+    "names and state_dict keys (checkpointing.apply_activation_checkpointing wraps the blocks "
+    "and renames their parameters: PEFT's save_pretrained then saves no adapter weights)"
+)
 _MSG_NOT_A_MODEL = (
-    "checkpointing.integrations.transformers.{api}: expected a transformers PreTrainedModel, got "
-    "{type_name}. Fix: pass the model itself (e.g. AutoModelForCausalLM.from_config(config)); "
-    "for any other nn.Module use checkpointing.apply_activation_checkpointing(model, "
-    "check_fn=...)."
+    "checkpointing.integrations.transformers.{api}: expected a transformers PreTrainedModel, or "
+    "a PEFT model wrapping one, got {type_name}. Fix: pass the model (e.g. "
+    "AutoModelForCausalLM.from_config(config)) or the PeftModel that get_peft_model(model, "
+    "config) returned ({api} uses its get_base_model()). For an nn.Module that is no "
+    "transformers model, " + _FIX_BLOCKS + "."
 )
 _MSG_UNSUPPORTED = (
     "checkpointing.integrations.transformers.{api}: {cls} does not support activation "
     "checkpointing (its supports_gradient_checkpointing is False), so its layers never call a "
-    "checkpoint function. Fix: checkpoint its blocks with "
-    "checkpointing.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, "
-    "Block))."
+    "checkpoint function. Fix: " + _FIX_BLOCKS + "."
 )
 _MSG_HOOK_IGNORED = (
     "checkpointing.integrations.transformers.enable: {cls}._set_gradient_checkpointing did not "
     "hand checkpointing's function to any layer ({why}), so its layers would not checkpoint "
-    "with checkpointing. The model was left as it was. Fix: checkpoint its blocks with "
-    "checkpointing.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, "
-    "Block))."
+    "with checkpointing. The model was left as it was. Fix: " + _FIX_BLOCKS + "."
 )
 _WHY_OLD_HOOK = "its hook takes `value`, the format of transformers < 4.35, and no function"
 _WHY_OVERRIDE = "its hook is overridden and checkpoints some other way"
 _MSG_UNKNOWN_OPTION = (
-    "checkpointing.integrations.transformers.enable: unknown checkpoint option(s) {names}; "
-    "expected some of {allowed} (or policy=, every_n_layers=, budget=, example_inputs=, "
-    "example_kwargs=, loss_fn=). Fix: pass only "
+    "{api}: unknown checkpoint option(s) {names}; expected some of {allowed} (or policy=, "
+    "every_n_layers=, budget=, example_inputs=, example_kwargs=, loss_fn=). Fix: pass only "
     "checkpointing.checkpoint() options; they would otherwise reach each layer's forward, which "
     "ignores them.{hint}"
 )
@@ -120,24 +156,23 @@ _HINT_OFFLOAD = (
     "policy=checkpointing.policies.offload_ops(...) keeps the named ops' outputs in host memory."
 )
 _MSG_POLICY_AND_CONTEXT_FN = (
-    "checkpointing.integrations.transformers.enable: got both policy= and context_fn=; each "
-    "layer runs under one context_fn. Fix: pass policy=save_matmuls() (it becomes the "
-    "context_fn), or context_fn= alone."
+    "{api}: got both policy= and context_fn=; each layer runs under one context_fn. Fix: pass "
+    "policy=save_matmuls() (it becomes the context_fn), or context_fn= alone."
 )
 _MSG_REENTRANT_CONTEXT = (
-    "checkpointing.integrations.transformers.enable: use_reentrant=True cannot run a policy, a "
-    "context_fn or debug=True (the reentrant variant has no saved-tensor hooks). Fix: leave "
-    "use_reentrant out (False, transformers' default too)."
+    "{api}: use_reentrant=True cannot run a policy, a context_fn or debug=True (the reentrant "
+    "variant has no saved-tensor hooks). Fix: leave use_reentrant out (False, transformers' "
+    "default too)."
 )
 _MSG_EVERY_N_LAYERS = (
-    "checkpointing.integrations.transformers.enable: every_n_layers must be a positive int (1 "
-    "checkpoints every layer, 2 every second one, ...), got {got!r}. Fix: every_n_layers=1."
+    "{api}: every_n_layers must be a positive int (1 checkpoints every layer, 2 every second "
+    "one, ...), got {got!r}. Fix: every_n_layers=1."
 )
 _MSG_BUDGET_WITH = (
-    "checkpointing.integrations.transformers.enable: budget= cannot be combined with {what}: "
-    "the plan chooses per layer whether to checkpoint it and which op outputs to keep, and "
-    "installs non-reentrant checkpoint hooks with its own policy. Fix: pass budget= (with "
-    "example_inputs=/example_kwargs=) alone, or {what} without budget=."
+    "{api}: budget= cannot be combined with {what}: the plan chooses per layer whether to "
+    "checkpoint it and which op outputs to keep, and installs non-reentrant checkpoint hooks "
+    "with its own policy. Fix: pass budget= (with example_inputs=/example_kwargs=) alone, or "
+    "{what} without budget=."
 )
 _MSG_BUDGET_NEEDS_EXAMPLE = (
     "checkpointing.integrations.transformers.enable: budget= needs example_inputs= or "
@@ -146,35 +181,51 @@ _MSG_BUDGET_NEEDS_EXAMPLE = (
     "shapes you train with."
 )
 _MSG_EXAMPLE_WITHOUT_BUDGET = (
-    "checkpointing.integrations.transformers.enable: {names} only describe the step that "
-    "budget= plans for, and no budget was given, so they would be ignored. Fix: add "
-    "budget=0.5 (a fraction of the activation bytes kept without checkpointing) or bytes, or "
-    "drop {names}."
+    "{api}: {names} only describe the step that budget= plans for, and no budget was given, so "
+    "they would be ignored. Fix: add budget=0.5 (a fraction of the activation bytes kept "
+    "without checkpointing) or bytes, or drop {names}."
 )
-_MSG_ALREADY_ENABLED = (
-    "checkpointing.integrations.transformers.enable: {cls} is already checkpointed ({how}); "
-    "enabling {what} on top would checkpoint its layers twice (or profile them checkpointed). "
-    "Fix: call checkpointing.integrations.transformers.disable(model) first (it also undoes "
-    "transformers' own activation_checkpointing_enable())."
+_CALLED_BY = (
+    "{cls}.activation_checkpointing_enable() was called (directly, through "
+    "gradient_checkpointing_enable(), by the Trainer's gradient_checkpointing=True or by PEFT's "
+    "prepare_model_for_kbit_training)"
 )
-_HOW_PLAN = "by enable(model, budget=...), with hooks from its ActivationPlan"
-_HOW_FLAGS = "its layers' gradient_checkpointing flags are on: enable(model) or transformers' own"
-_MSG_NO_LAYERS = (
-    "checkpointing.integrations.transformers.enable: {cls} has no GradientCheckpointingLayer "
-    "blocks, which budget= plans over (the layers transformers checkpoints). Fix: plan it "
-    "directly: checkpointing.plan_checkpointing(model, inputs, budget=..., regions=lambda m: "
-    "isinstance(m, Block)).apply(model)."
+_MSG_PLAN_AND_FLAGS = (
+    "checkpointing.integrations.transformers: " + _CALLED_BY + " on a model with a budget plan "
+    "from enable(model, budget=...): transformers' checkpointing would run inside the plan's "
+    "regions, checkpointing the layers twice, and the plan would no longer describe the step. "
+    "The model was left as it was. Fix: leave transformers' checkpointing off (the plan "
+    "already checkpoints): TrainingArguments(gradient_checkpointing=False), "
+    "prepare_model_for_kbit_training(model, use_gradient_checkpointing=False); or call "
+    "checkpointing.integrations.transformers.disable(model) first."
 )
+_MSG_KEPT = (
+    "checkpointing.integrations.transformers: " + _CALLED_BY + " on a model whose layers "
+    "checkpoint with {ours!r}, set by checkpointing.integrations.transformers.enable(model, "
+    "...). That checkpointing was kept; {ignored} of this call were not applied. Fix: pass "
+    "them to enable(model, ...) instead{hint}, or call disable(model) first to use "
+    "transformers' own checkpointing."
+)
+_HINT_KEPT_OFFLOAD = " (offload=True: policy=checkpointing.policies.offload_ops(...))"
+_ENABLE = "activation_checkpointing_enable"
+_DISABLE = "activation_checkpointing_disable"
+# What a checkpoint option means when ours leaves it out (Rule 10 compares a later call's).
+_CHECKPOINT_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(checkpoint).parameters.items()
+    if name in CHECKPOINT_OPTIONS
+}
 
 
 class _LayerCheckpoint:
     """What a layer calls as ``_gradient_checkpointing_func(function, *args)``: our checkpoint
     with the options ``enable`` was given."""
 
-    __slots__ = ("options",)
+    __slots__ = ("every_n_layers", "options")
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], every_n_layers: int) -> None:
         self.options = options
+        self.every_n_layers = every_n_layers
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return checkpoint(function, *args, **self.options, **kwargs)
@@ -184,26 +235,71 @@ class _LayerCheckpoint:
         return f"checkpointing.checkpoint({options})"
 
 
-# Per model: the input-embedding hooks ``enable`` added (Rule 3), for ``disable`` to remove.
-_added_input_hooks: weakref.WeakKeyDictionary[PreTrainedModel, list[RemovableHandle]] = (
-    weakref.WeakKeyDictionary()
-)
+class _Switches:
+    """The model's own ``activation_checkpointing_enable``/``_disable`` while ours is on, and
+    the input-embedding hooks ``enable`` added (Rules 3, 10 and 11)."""
 
+    __slots__ = ("_model", "input_hooks")
 
-@dataclass
-class _Budgeted:
-    """What ``enable(budget=...)`` installed on a model (Rules 6 and 7), for ``disable``."""
+    def __init__(self, model: PreTrainedModel, input_hooks: list[RemovableHandle] | None) -> None:
+        self._model = weakref.ref(model)
+        self.input_hooks = input_hooks
 
-    plan: ActivationPlan
-    cache_hooks: list[RemovableHandle]
+    def model(self) -> PreTrainedModel:
+        model = self._model()
+        if model is None:  # only the model's attributes reach these methods: it is alive
+            internal_error("a model's activation-checkpointing switch outlived the model")
+        return model
 
+    def enable(
+        self,
+        activation_checkpointing_kwargs: dict[str, Any] | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+    ) -> None:
+        """A later enable: ours stays, or is refused over a plan; with ours off, theirs."""
+        model = self.model()
+        if has_plan(model):
+            raise ValueError(_MSG_PLAN_AND_FLAGS.format(cls=type(model).__name__))
+        ours = _our_layer_checkpoint(model)
+        if ours is None:  # switched off some other way: transformers' own, as if never ours
+            _remove_switches(model)
+            _remove_input_hooks(model, self.input_hooks)
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload
+            )
+            return
+        ignored = _not_applied(ours, activation_checkpointing_kwargs, every_n_layers, offload)
+        if ignored:
+            message = _MSG_KEPT.format(
+                cls=type(model).__name__,
+                ours=ours,
+                ignored=", ".join(ignored),
+                hint=_HINT_KEPT_OFFLOAD if offload else "",
+            )
+            warnings.warn(message, UserWarning, stacklevel=2)
 
-_budgeted: weakref.WeakKeyDictionary[PreTrainedModel, _Budgeted] = weakref.WeakKeyDictionary()
+    def disable(self) -> None:
+        """A later disable: ours (plan and hooks included), then transformers' own."""
+        model = self.model()
+        disable(model)
+        model.activation_checkpointing_disable()  # type: ignore[no-untyped-call]  # untyped in 5.23
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Switches:
+        model = self.model()
+        copied = memo.get(id(model), model)  # the model's copy, made before its attributes
+        return _Switches(copied, copy.deepcopy(self.input_hooks, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Switches, (self.model(), self.input_hooks))
+
+    def __repr__(self) -> str:
+        return f"checkpointing's switches of {type(self.model()).__name__} (NOTE Rule 10)"
 
 
 @overload
 def enable(
-    model: PreTrainedModel,
+    model: nn.Module,
     *,
     policy: Policy | None = None,
     budget: None = None,
@@ -214,7 +310,7 @@ def enable(
 
 @overload
 def enable(
-    model: PreTrainedModel,
+    model: nn.Module,
     *,
     budget: float | int,
     example_inputs: Any = None,
@@ -225,7 +321,7 @@ def enable(
 
 
 def enable(
-    model: PreTrainedModel,
+    model: nn.Module,
     *,
     policy: Policy | None = None,
     budget: float | int | None = None,
@@ -243,11 +339,13 @@ def enable(
     training mode only), and each of them runs ``checkpointing.checkpoint(...,
     use_reentrant=False)`` instead of torch's. With ``budget``, ``checkpointing.plan_checkpointing``
     decides instead, per layer, whether to checkpoint it and which op outputs to keep, from one
-    profiled training step on the example inputs. See NOTE [transformers integration].
+    profiled training step on the example inputs. A later ``activation_checkpointing_enable()``
+    (the ``Trainer``'s ``gradient_checkpointing=True``, PEFT) keeps this choice, or refuses a
+    budget plan. See NOTE [transformers integration].
 
     Args:
         model: a transformers ``PreTrainedModel`` whose ``supports_gradient_checkpointing`` is
-            true.
+            true, or a PEFT model wrapping one (``get_peft_model(model, config)``).
         policy: a selective-checkpoint policy (``checkpointing.policies``: ``save_matmuls()``,
             ``offload_ops(...)``, ...) run in every checkpointed layer; offload decisions move
             the outputs to host memory. ``None``: plain checkpointing (keep only the inputs).
@@ -272,7 +370,8 @@ def enable(
         per layer the decision, kept bytes and recompute time); otherwise ``None``.
 
     Raises:
-        TypeError: ``model`` is not a ``PreTrainedModel``, or an option is unknown.
+        TypeError: ``model`` is not a ``PreTrainedModel`` (nor a PEFT model of one), or an
+            option is unknown.
         ValueError: the model does not support checkpointing, its hook ignores our function,
             the options contradict each other, it is already checkpointed in the other way
             (Rule 8), or the budget is below the smallest reachable bytes.
@@ -296,83 +395,114 @@ def enable(
         True
         >>> model(**batch).loss.backward()
     """
-    _check_model(model, "enable")
+    base = _unwrap(model, "enable")
+    profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
+    profiling["loss_fn="] = loss_fn
+    layer_options = _check_options(
+        _API, policy, budget, every_n_layers, profiling, checkpoint_options
+    )
     if budget is None:
-        profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
-        given = [name for name, v in {**profiling, "loss_fn=": loss_fn}.items() if v is not None]
-        if given:
-            raise ValueError(_MSG_EXAMPLE_WITHOUT_BUDGET.format(names=", ".join(given)))
-        layer_checkpoint = _LayerCheckpoint(_options(policy, every_n_layers, checkpoint_options))
-        _check_no_plan(model, "checkpointing through its hook")
-        _install(model, layer_checkpoint, every_n_layers)
-        _require_input_grads(model)
+        layer_checkpoint = _LayerCheckpoint(layer_options, every_n_layers)
+        check_no_plan(base, "checkpointing through its hook")
+        _install(base, layer_checkpoint, every_n_layers)
+        _install_switches(base, _require_input_grads(base))
         return None
-    _check_known(checkpoint_options)
-    conflict = _budget_conflict(policy, every_n_layers, checkpoint_options)
-    if conflict is not None:
-        raise ValueError(_MSG_BUDGET_WITH.format(what=conflict))
     if example_inputs is None and example_kwargs is None:
         raise ValueError(_MSG_BUDGET_NEEDS_EXAMPLE)
-    return _enable_budget(model, budget, example_inputs, example_kwargs, loss_fn)
+    input_hooks = _require_input_grads(base)
+    try:
+        plan = install_plan(base, budget, example_inputs, example_kwargs, loss_fn)
+    except BaseException:
+        _remove_input_hooks(base, input_hooks)
+        raise
+    _install_switches(base, input_hooks)
+    return plan
 
 
-def disable(model: PreTrainedModel) -> None:
+def disable(model: nn.Module) -> None:
     """Switch ``model``'s checkpointing off, as ``model.activation_checkpointing_disable()`` does.
 
-    Undoes ``enable`` (with or without a budget; and transformers' own
-    ``activation_checkpointing_enable``): every layer runs its plain forward again, a budget
-    plan's hooks are removed, and so are the input-embedding hooks that ``enable`` added
-    (NOTE [transformers integration], Rule 3).
+    Undoes ``enable`` (with or without a budget, on the model, its PEFT model or a deep copy of
+    it; and transformers' own ``activation_checkpointing_enable``): every layer runs its plain
+    forward again, a budget plan's hooks are removed, and so are the input-embedding hooks that
+    ``enable`` added (NOTE [transformers integration], Rules 3 and 11).
     """
-    _check_model(model, "disable")
-    budgeted = _budgeted.pop(model, None)
-    if budgeted is not None:
-        budgeted.plan.remove(model)
-        for hook in budgeted.cache_hooks:
-            hook.remove()
-    model._set_gradient_checkpointing(enable=False)
-    _remove_input_hooks(model)
+    base = _unwrap(model, "disable")
+    switches = _remove_switches(base)
+    remove_plan(base)
+    base._set_gradient_checkpointing(enable=False)
+    if switches is not None:
+        _remove_input_hooks(base, switches.input_hooks)
 
 
-def _remove_input_hooks(model: PreTrainedModel) -> None:
-    """Rule 3: remove the input-embedding hooks ``enable`` added, and only those."""
-    added = _added_input_hooks.pop(model, None)
-    if added is not None and getattr(model, "_require_grads_hooks", None) is added:
-        model.disable_input_require_grads()  # type: ignore[no-untyped-call]  # untyped in 5.23
+def __getattr__(name: str) -> Any:
+    """``CheckpointingCallback`` needs the ``Trainer``'s modules (``training_args``,
+    ``trainer_callback`` and some 300 more): imported on first use, so that ``enable`` alone
+    never loads them."""
+    if name == "CheckpointingCallback":
+        return importlib.import_module("._hf_callback", __package__).CheckpointingCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _check_model(model: object, api: str) -> None:
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(_MSG_NOT_A_MODEL.format(api=api, type_name=type(model).__name__))
-    if not model.supports_gradient_checkpointing:
-        raise ValueError(_MSG_UNSUPPORTED.format(api=api, cls=type(model).__name__))
+def _unwrap(model: object, api: str) -> PreTrainedModel:
+    """Rule 9: the transformers model that owns the layers, checked: ``model`` itself, or the
+    model a PEFT model wraps."""
+    base = model
+    get_base_model = getattr(model, "get_base_model", None)
+    if not isinstance(model, PreTrainedModel) and callable(get_base_model):
+        base = get_base_model()
+    if not isinstance(base, PreTrainedModel):
+        type_name = type(model).__name__
+        if base is not model:
+            type_name += f" wrapping {type(base).__name__}"
+        raise TypeError(_MSG_NOT_A_MODEL.format(api=api, type_name=type_name))
+    if not base.supports_gradient_checkpointing:
+        raise ValueError(_MSG_UNSUPPORTED.format(api=api, cls=type(base).__name__))
+    return base
 
 
-def _options(
-    policy: Policy | None, every_n: object, checkpoint_options: dict[str, Any]
+def _check_options(
+    api: str,
+    policy: Policy | None,
+    budget: float | int | None,
+    every_n: object,
+    profiling: dict[str, object],
+    checkpoint_options: dict[str, Any],
 ) -> dict[str, Any]:
-    """The options each layer passes to ``checkpoint``, checked now (Rule 4)."""
-    _check_known(checkpoint_options)
+    """Rule 4, for ``enable`` and ``CheckpointingCallback``: the options each layer passes to
+    ``checkpoint`` (none with a budget), checked now. ``profiling``: the arguments that only
+    describe a budget's step (example inputs, loss function), by name."""
+    _check_known(api, checkpoint_options)
+    if budget is not None:
+        conflict = _budget_conflict(policy, every_n, checkpoint_options)
+        if conflict is not None:
+            raise ValueError(_MSG_BUDGET_WITH.format(api=api, what=conflict))
+        return {}
+    given = [name for name, value in profiling.items() if value is not None]
+    if given:
+        raise ValueError(_MSG_EXAMPLE_WITHOUT_BUDGET.format(api=api, names=", ".join(given)))
     if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
-        raise ValueError(_MSG_EVERY_N_LAYERS.format(got=every_n))
+        raise ValueError(_MSG_EVERY_N_LAYERS.format(api=api, got=every_n))
     options = {"use_reentrant": False, **checkpoint_options}
     if policy is not None:
         if "context_fn" in options:
-            raise ValueError(_MSG_POLICY_AND_CONTEXT_FN)
+            raise ValueError(_MSG_POLICY_AND_CONTEXT_FN.format(api=api))
         context_fn: ContextFn = as_context_fn(policy)
         options["context_fn"] = context_fn
     if options["use_reentrant"] and ("context_fn" in options or options.get("debug")):
-        raise ValueError(_MSG_REENTRANT_CONTEXT)
+        raise ValueError(_MSG_REENTRANT_CONTEXT.format(api=api))
     return options
 
 
-def _check_known(checkpoint_options: dict[str, Any]) -> None:
+def _check_known(api: str, checkpoint_options: dict[str, Any]) -> None:
     """Rule 4: an unknown option is an error now, not a keyword a layer's forward swallows."""
     unknown = sorted(checkpoint_options.keys() - CHECKPOINT_OPTIONS)
     if unknown:
         hint = _HINT_OFFLOAD if "offload" in unknown else ""
         allowed = sorted(CHECKPOINT_OPTIONS)
-        raise TypeError(_MSG_UNKNOWN_OPTION.format(names=unknown, allowed=allowed, hint=hint))
+        raise TypeError(
+            _MSG_UNKNOWN_OPTION.format(api=api, names=unknown, allowed=allowed, hint=hint)
+        )
 
 
 def _budget_conflict(
@@ -391,93 +521,6 @@ def _budget_conflict(
         else:
             return f"{name}="
     return None
-
-
-def _check_no_plan(model: PreTrainedModel, what: str) -> None:
-    """Rule 8: a model with a budget plan takes no other checkpointing until ``disable``."""
-    if model in _budgeted:
-        cls = type(model).__name__
-        raise ValueError(_MSG_ALREADY_ENABLED.format(cls=cls, how=_HOW_PLAN, what=what))
-
-
-def _enable_budget(
-    model: PreTrainedModel,
-    budget: float | int,
-    example_inputs: Any,
-    example_kwargs: Mapping[str, Any] | None,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-) -> ActivationPlan:
-    """Rules 6-8: plan the model's layers for ``budget`` in training mode, then install the
-    plan's hooks. On any error the model is left as it was."""
-    cls = type(model).__name__
-    _check_no_plan(model, "a budget plan")
-    if any(getattr(module, "gradient_checkpointing", False) for module in model.modules()):
-        raise ValueError(_MSG_ALREADY_ENABLED.format(cls=cls, how=_HOW_FLAGS, what="a budget plan"))
-    layers = [module for module in model.modules() if _is_layer(module)]
-    if not layers:
-        raise ValueError(_MSG_NO_LAYERS.format(cls=cls))
-    cache_hooks = [
-        layer.register_forward_pre_hook(_drop_cache, with_kwargs=True) for layer in layers
-    ]
-    _require_input_grads(model)
-    try:
-        with _training(model):
-            plan = plan_checkpointing(
-                model,
-                () if example_inputs is None else example_inputs,
-                budget=budget,
-                regions=_is_layer,
-                example_kwargs=None if example_kwargs is None else dict(example_kwargs),
-                loss_fn=_model_loss if loss_fn is None else loss_fn,
-            )
-        plan.apply(model)
-    except BaseException:
-        for hook in cache_hooks:
-            hook.remove()
-        _remove_input_hooks(model)
-        raise
-    _budgeted[model] = _Budgeted(plan, cache_hooks)
-    return plan
-
-
-def _is_layer(module: nn.Module) -> bool:
-    """Rule 6: the planner's regions are the blocks transformers checkpoints."""
-    return isinstance(module, GradientCheckpointingLayer)
-
-
-def _drop_cache(
-    layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Rule 7: while autograd records (so the layer may be recomputed), it runs without its
-    key/value cache, as transformers' layers do under their own checkpointing."""
-    if not torch.is_grad_enabled():
-        return None
-    names = ["past_key_values", "layer_past"]
-    if getattr(layer, "_can_checkpoint_with_cache", False):
-        names = []
-    dropped: dict[str, bool | None] = {n: None for n in names if kwargs.get(n) is not None}
-    if kwargs.get("use_cache"):
-        dropped["use_cache"] = False
-    return (args, {**kwargs, **dropped}) if dropped else None
-
-
-@contextlib.contextmanager
-def _training(model: nn.Module) -> Iterator[None]:
-    """Rule 6: the model in training mode for the block; every module's mode put back after."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.train()
-    try:
-        yield
-    finally:
-        for module, mode in modes:
-            module.training = mode
-
-
-def _model_loss(output: Any) -> torch.Tensor:
-    """The profiled step's default loss: the model's own ``output.loss`` when it computed one
-    (``labels`` given), else the sum of its floating-point outputs (the planner's default)."""
-    loss = getattr(output, "loss", None)
-    return loss if isinstance(loss, torch.Tensor) else default_loss(output)
 
 
 def _install(model: PreTrainedModel, layer_checkpoint: _LayerCheckpoint, every_n: int) -> None:
@@ -502,14 +545,74 @@ def _parameter_names(function: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(function).parameters)
 
 
-def _require_input_grads(model: PreTrainedModel) -> None:
+def _our_layer_checkpoint(model: PreTrainedModel) -> _LayerCheckpoint | None:
+    """Rule 10: our function, on a layer that checkpoints with it; None when ours is off."""
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if isinstance(function, _LayerCheckpoint) and getattr(
+            module, "gradient_checkpointing", False
+        ):
+            return function
+    return None
+
+
+def _not_applied(
+    ours: _LayerCheckpoint, options: dict[str, Any] | None, every_n: int, offload: bool
+) -> list[str]:
+    """Rule 10: the options of a later ``activation_checkpointing_enable`` that ours differs
+    from (an option ours leaves at ``checkpoint``'s default counts as that default)."""
+    ignored = [
+        f"{name}={value!r}"
+        for name, value in (options or {}).items()
+        if ours.options.get(name, _CHECKPOINT_DEFAULTS.get(name)) != value
+    ]
+    if every_n != ours.every_n_layers:
+        ignored.append(f"every_n_layers={every_n!r}")
+    if offload:
+        ignored.append("offload=True")
+    return ignored
+
+
+def _install_switches(model: PreTrainedModel, input_hooks: list[RemovableHandle] | None) -> None:
+    """Rule 10: set the model's own enable/disable to ours (once), recording the input hooks
+    that ``enable`` added (Rule 3)."""
+    switches = _switches(model)
+    if switches is None:
+        switches = _Switches(model, input_hooks)
+        setattr(model, _ENABLE, switches.enable)
+        setattr(model, _DISABLE, switches.disable)
+    elif input_hooks is not None:
+        switches.input_hooks = input_hooks
+
+
+def _switches(model: PreTrainedModel) -> _Switches | None:
+    """Rule 11: the switches set on ``model`` (found through its own attribute)."""
+    owner = getattr(vars(model).get(_ENABLE), "__self__", None)
+    return owner if isinstance(owner, _Switches) else None
+
+
+def _remove_switches(model: PreTrainedModel) -> _Switches | None:
+    """Rule 10: give the model back transformers' own enable/disable; the removed switches."""
+    switches = _switches(model)
+    if switches is not None:
+        vars(model).pop(_ENABLE, None)
+        vars(model).pop(_DISABLE, None)
+    return switches
+
+
+def _require_input_grads(model: PreTrainedModel) -> list[RemovableHandle] | None:
     """Rule 3: as ``activation_checkpointing_enable``, make the input embeddings' output require
-    grad, unless hooks for that are already in place."""
+    grad, unless hooks for that are already in place; the hooks it added, if any."""
     if model.main_input_name != "input_ids" and not getattr(model, "_hf_peft_config_loaded", False):
-        return
+        return None
     if getattr(model, "_require_grads_hooks", None):
-        return
+        return None
     model.enable_input_require_grads()  # type: ignore[no-untyped-call]  # untyped in 5.23
-    hooks = getattr(model, "_require_grads_hooks", None)
-    if hooks:
-        _added_input_hooks[model] = hooks
+    hooks: list[RemovableHandle] | None = getattr(model, "_require_grads_hooks", None)
+    return hooks or None
+
+
+def _remove_input_hooks(model: PreTrainedModel, added: list[RemovableHandle] | None) -> None:
+    """Rule 3: remove the input-embedding hooks ``enable`` added, and only those."""
+    if added is not None and getattr(model, "_require_grads_hooks", None) is added:
+        model.disable_input_require_grads()  # type: ignore[no-untyped-call]  # untyped in 5.23
