@@ -389,13 +389,18 @@ class _Model:
         return rest
 
 
+# The two answers below are cached, never their O(n^2) tables: with ``costs=`` given, every
+# training step asks for the same schedule, while measured costs differ on every call (their
+# times do) and would only fill a cache of tables (16 of them held 56 MiB for 24 layers).
+
+
+@functools.lru_cache(maxsize=16)
 def memory_floor(costs: tuple[LayerCost, ...], input_bytes: int) -> int:
     """The smallest predicted peak of any nested schedule of this chain (NOTE Rule 4)."""
     floor, _ = _floor_table(costs, input_bytes)
     return floor
 
 
-@functools.lru_cache(maxsize=16)
 def _floor_table(
     costs: tuple[LayerCost, ...], input_bytes: int
 ) -> tuple[int, dict[tuple[int, int], int]]:
@@ -432,6 +437,7 @@ def _checkpoint_forward_needs(model: _Model, n: int) -> list[list[int]]:
 # --- "optimal": the dynamic program -------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=16)
 def _optimal(costs: tuple[LayerCost, ...], input_bytes: int, budget: int) -> tuple[Segment, ...]:
     """The nested schedule of least recompute time whose predicted peak fits ``budget``."""
     n = len(costs)
@@ -473,7 +479,6 @@ class _Table:
     choice: dict[tuple[int, int], torch.Tensor]
 
 
-@functools.lru_cache(maxsize=16)
 def _cost_table(costs: tuple[LayerCost, ...], input_bytes: int, budget: int) -> _Table:
     # One pass over nodes by length; each node's options (run its first layer, or checkpoint
     # [a, k) for every k) are compared for all memory sizes at once, as tensors over m. The

@@ -1,8 +1,10 @@
 """``checkpoint_sequential``: checkpoint a chain of modules or functions by a schedule.
 
 Owns the public front door (``checkpoint_sequential``, ``sequential_schedule``), the argument
-checks and their messages, the profiling pass that measures each function's costs for
-``strategy="optimal"``, and the loop that runs a schedule through nested ``checkpoint`` calls.
+checks and their messages (all made before any function runs), the profiling pass that measures
+each function's costs for ``strategy="optimal"`` (leaving the modules as found, as the planner's
+profile does, and once per chain and input signature in ``checkpoint_sequential``), and the loop
+that runs a schedule through nested ``checkpoint`` calls.
 What a schedule is, and how each strategy builds one, belongs to ``_schedule``; checkpointing
 itself to ``_checkpoint``.
 
@@ -25,9 +27,11 @@ Rule 2. Our strategies and keywords read ``use_reentrant`` themselves (nesting, 
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -36,6 +40,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _compat
 from ._checkpoint import checkpoint
+from ._errors import describe_value
+from ._planning.profile import untouched
 from ._schedule import (
     STRATEGIES,
     LayerCost,
@@ -73,6 +79,15 @@ _MSG_BAD_SEGMENTS = (
     "checkpointing.{api}: segments must be an integer between 1 and the number "
     "of functions ({n}), got {segments!r}. Fix: pass segments=min(segments, {n}) (e.g. "
     "round(sqrt({n})) for the usual memory/compute balance)."
+)
+_MSG_FUNCTIONS_TYPE = (
+    "checkpointing.{api}: functions must be an nn.Sequential or a sequence (list, tuple, "
+    "nn.ModuleList) of modules or functions, got {got}. Nothing ran. Fix: wrap a single module "
+    "or function in a list or an nn.Sequential, e.g. [layer] or nn.Sequential(layer)."
+)
+_MSG_NOT_CALLABLE = (
+    "checkpointing.{api}: functions[{index}] must be callable (a module or a function), got "
+    "{got}. Nothing ran. Fix: pass only modules and functions, e.g. nn.Sequential(*layers)."
 )
 _MSG_EMPTY = (
     "checkpointing.{api}: functions is empty; expected at least one module or function to run. "
@@ -176,7 +191,9 @@ def checkpoint_sequential(
             ``budget``), or a ``SequentialSchedule`` from ``sequential_schedule()``.
         budget: for ``"optimal"``: the activation bytes allowed, kept and at the peak.
         costs: for ``"optimal"``: one ``LayerCost`` per function; omitted, one profiling pass
-            on ``input`` measures them (on every call: reuse ``sequential_schedule(...)``).
+            on ``input`` measures them, leaving the modules as found, once per chain and input
+            signature (shapes, dtypes, devices, the modules' training flags): later calls reuse
+            them.
         context_fn, determinism_check, debug, early_stop: handed to each segment's
             ``checkpoint`` (``context_fn`` and ``debug`` need ``use_reentrant=False``).
         **kwargs: ``preserve_rng_state=True``, handed to each segment.
@@ -200,7 +217,7 @@ def checkpoint_sequential(
     extension = _extension_in_use(strategy, context_fn, determinism_check, debug, early_stop)
     if extension is not None:  # See NOTE [Torch's path], Rules 1 and 2
         _check_use_reentrant(extension, use_reentrant, context_fn, debug)
-    chain = _as_list(functions)
+    chain = _as_list("checkpoint_sequential", functions)
     if isinstance(strategy, SequentialSchedule):
         if strategy.n_layers != len(chain) or (segments, budget, costs) != (None, None, None):
             raise ValueError(
@@ -215,7 +232,14 @@ def checkpoint_sequential(
         # Profile only where the schedule depends on the costs: the others run as they are.
         planning_input = input if strategy == "optimal" else None
         schedule = _schedule_for(
-            "checkpoint_sequential", chain, segments, planning_input, strategy, budget, costs
+            "checkpoint_sequential",
+            chain,
+            segments,
+            planning_input,
+            strategy,
+            budget,
+            costs,
+            measured=_MEASURED,
         )
     runner = _Runner(
         chain,
@@ -256,18 +280,28 @@ def sequential_schedule(
         >>> schedule = checkpointing.sequential_schedule(model, None, x, strategy="log")
         >>> print(schedule)  # doctest: +SKIP
     """
-    return _schedule_for(
-        "sequential_schedule", _as_list(functions), segments, input, strategy, budget, costs
-    )
+    api = "sequential_schedule"
+    chain = _as_list(api, functions, runs=input is not None and costs is None)
+    return _schedule_for(api, chain, segments, input, strategy, budget, costs)
 
 
 # --- checks and planning ------------------------------------------------------------------------
 
 
-def _as_list(functions: torch.nn.Sequential | Sequence[Callable[..., Any]]) -> list[Any]:
+def _as_list(api: str, functions: object, *, runs: bool = True) -> list[Any]:
+    """The chain as a list; where it ``runs``, every entry checked callable before any runs.
+    (``sequential_schedule`` without measuring takes placeholders: ``range(n)``.)"""
     if isinstance(functions, torch.nn.Sequential):
         return list(functions.children())
-    return list(functions)
+    if not isinstance(functions, Iterable) or isinstance(functions, str | bytes):
+        raise TypeError(_MSG_FUNCTIONS_TYPE.format(api=api, got=describe_value(functions)))
+    chain = list(functions)
+    for index, function in enumerate(chain if runs else ()):
+        if not callable(function):
+            raise TypeError(
+                _MSG_NOT_CALLABLE.format(api=api, index=index, got=describe_value(function))
+            )
+    return chain
 
 
 def _extension_in_use(
@@ -298,11 +332,7 @@ def _check_use_reentrant(
 ) -> None:
     """See NOTE [Torch's path], Rule 2: a bool, and False where our options need it."""
     if not isinstance(use_reentrant, bool):
-        observed = (
-            f"a Tensor of shape {tuple(use_reentrant.shape)}"
-            if isinstance(use_reentrant, torch.Tensor)
-            else f"{use_reentrant!r} of type {type(use_reentrant).__name__}"
-        )
+        observed = describe_value(use_reentrant)
         raise TypeError(_MSG_USE_REENTRANT_TYPE.format(extension=extension, observed=observed))
     if use_reentrant and (not is_noop_context_fn(context_fn) or debug is not False):
         what = "context_fn" if not is_noop_context_fn(context_fn) else "debug=True"
@@ -317,8 +347,10 @@ def _schedule_for(
     strategy: StrategyName,
     budget: int | None,
     costs: Sequence[LayerCost] | None,
+    measured: _MeasuredCosts | None = None,
 ) -> SequentialSchedule:
-    """Check the arguments in the order a user reads them, then build the schedule."""
+    """Check the arguments in the order a user reads them, then build the schedule (measuring
+    the costs through ``measured`` where given: once per chain and input signature)."""
     n = len(chain)
     if n == 0:
         raise ValueError(_MSG_EMPTY.format(api=api))
@@ -327,8 +359,8 @@ def _schedule_for(
         raise ValueError(_MSG_UNKNOWN_STRATEGY.format(api=api, strategy=strategy, allowed=allowed))
     _check_segments(api, strategy, segments, n)
     _check_budget(api, strategy, budget)
-    measured = _costs_for(api, chain, input, strategy, costs)
-    layer_costs, input_bytes = measured if measured is not None else (None, 0)
+    found = _costs_for(api, chain, input, strategy, costs, measured)
+    layer_costs, input_bytes = found if found is not None else (None, 0)
     if strategy == "optimal" and budget is not None and layer_costs is not None:
         floor = memory_floor(layer_costs, input_bytes)
         if budget < floor:
@@ -365,6 +397,7 @@ def _costs_for(
     input: Any,
     strategy: StrategyName,
     costs: Sequence[LayerCost] | None,
+    measured: _MeasuredCosts | None = None,
 ) -> tuple[tuple[LayerCost, ...], int] | None:
     """The given or measured costs and the input's bytes; ``None`` where neither is possible."""
     unpack = strategy != "torch"
@@ -378,7 +411,87 @@ def _costs_for(
         if strategy == "optimal":
             raise ValueError(_MSG_OPTIMAL_NEEDS_INPUT)
         return None
-    return measure_costs(chain, input, unpack)
+    if measured is None:
+        return measure_costs(chain, input, unpack)
+    return measured.costs(chain, input, unpack)
+
+
+# --- measured costs, once per chain -----------------------------------------------------------
+
+# Input signatures remembered per chain: a training loop's full batches and its last, smaller one.
+_SIGNATURES_PER_CHAIN: Final = 4
+_Measured = tuple[tuple[LayerCost, ...], int]
+
+
+def _signature(chain: list[Any], input: Any, unpack: bool) -> Hashable:
+    """What the measured costs depend on besides the functions themselves: each input tensor's
+    shape, dtype, device and ``requires_grad`` (other inputs by type), and the modules'
+    training flags."""
+    inputs = tuple(
+        (tuple(item.shape), item.dtype, item.device, item.requires_grad)
+        if isinstance(item, torch.Tensor)
+        else type(item)
+        for item in _Runner.args_of(input, unpack)
+    )
+    return unpack, inputs, tuple(f.training for f in chain if isinstance(f, torch.nn.Module))
+
+
+@dataclass
+class _Chain:
+    """The costs measured for one chain: its functions after the first (weakly, to tell the
+    chain apart from another with the same first function), by input signature."""
+
+    rest: tuple[weakref.ref[Any], ...]
+    by_signature: dict[Hashable, _Measured]
+
+    def is_for(self, chain: list[Any]) -> bool:
+        return len(self.rest) == len(chain) - 1 and all(
+            ref() is function for ref, function in zip(self.rest, chain[1:], strict=False)
+        )
+
+
+class _MeasuredCosts:
+    """``checkpoint_sequential``'s measured costs for ``"optimal"``, so that a training loop
+    measures its chain once, not on every step (the schedule itself is cached by ``_schedule``).
+    Keyed weakly by the chain's first function: an entry dies with it, holds no module or tensor
+    alive (costs are numbers), and keeps ``_SIGNATURES_PER_CHAIN`` signatures. A chain whose
+    first function cannot be weakly referenced or hashed, or whose others cannot be weakly
+    referenced, is measured on every call."""
+
+    def __init__(self) -> None:
+        self._chains: weakref.WeakKeyDictionary[Any, _Chain] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def costs(self, chain: list[Any], input: Any, unpack: bool) -> _Measured:
+        """The chain's costs on inputs like ``input``: remembered, or measured now."""
+        signature = _signature(chain, input, unpack)
+        with self._lock:
+            entry = self._entry(chain)
+            found = None if entry is None else entry.by_signature.get(signature)
+        if found is not None:
+            return found
+        found = measure_costs(chain, input, unpack)
+        with self._lock:
+            entry = self._entry(chain, create=True)
+            if entry is not None:
+                entry.by_signature.pop(signature, None)  # the newest last
+                entry.by_signature[signature] = found
+                while len(entry.by_signature) > _SIGNATURES_PER_CHAIN:
+                    del entry.by_signature[next(iter(entry.by_signature))]
+        return found
+
+    def _entry(self, chain: list[Any], create: bool = False) -> _Chain | None:
+        try:
+            entry = self._chains.get(chain[0])
+            if (entry is None or not entry.is_for(chain)) and create:
+                rest = tuple(weakref.ref(function) for function in chain[1:])
+                entry = self._chains[chain[0]] = _Chain(rest, {})
+        except TypeError:  # not weakly referable, or not hashable
+            return None
+        return entry if entry is not None and entry.is_for(chain) else None
+
+
+_MEASURED: Final = _MeasuredCosts()
 
 
 # --- the profiling pass -------------------------------------------------------------------------
@@ -407,16 +520,17 @@ def measure_costs(chain: list[Any], input: Any, unpack: bool) -> tuple[tuple[Lay
     Each function runs on a detached copy of its input (floating tensors requiring grad), so
     only one function's saved tensors are alive at a time; what it saves is seen by a
     saved-tensors hook, by storage (parameters and buffers left out); what its ops allocate is
-    seen by a dispatch mode. The RNG is forked, so the caller's stream is untouched; other side
-    effects (BatchNorm statistics) happen once more.
+    seen by a dispatch mode. The modules are left as found, as the planner's profile leaves its
+    model (NOTE [Planner model], Rule 8: buffers such as BatchNorm's statistics, ``.grad``, the
+    RNG streams); side effects of plain functions on other state are not undone.
     """
     modules = [f for f in chain if isinstance(f, torch.nn.Module)]
     params = {_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     args = _Runner.args_of(input, unpack)
     input_bytes = _bytes_of(_tensors(args), params)
-    devices = sorted({t.device.index or 0 for t in _tensors(args) if t.device.type == "cuda"})
     costs = []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    # Grad on (and inference mode off) whatever the caller's modes: a forward that records.
+    with untouched(modules, list(_tensors(args))), torch.enable_grad(), torch.inference_mode(False):
         for function in chain:
             args = tuple(_detached(item) for item in args)
             saved: set[_StorageKey] = set()

@@ -31,8 +31,11 @@ NOTE [Planner model]
           regions counts twice, except what several checkpointed regions keep, charged once up
           front), and every answer is checked, and finished, against the exact union.
   Rule 8. Profiling leaves the model as found: parameters (values and ``.grad``: gradients go
-          through ``torch.autograd.grad``), buffers (copied back), CPU and CUDA RNG states
-          (``torch.random.fork_rng``), module hooks (removed).
+          through ``torch.autograd.grad``), buffers (copied back where written: BatchNorm's
+          statistics), CPU and CUDA RNG states (``torch.random.fork_rng``), module hooks
+          (removed), and the caller's modes (the profiled steps run with grad enabled, also
+          under ``no_grad`` or ``inference_mode``). ``profile.untouched`` is the one mechanism;
+          ``checkpoint_sequential`` measures its chain under it too.
   Rule 9. An op's time is its fastest over the measured steps, summed over the region's calls.
           Below ``_TRUSTED_SECONDS`` a time is mostly dispatch noise: ops whose FLOPs torch
           counts get FLOPs / (the FLOP rate of the step's slower ops) instead.
@@ -45,7 +48,10 @@ NOTE [Planner model]
           keeps or offloads something: a region that keeps nothing runs as plain checkpoint.
   Rule 12. Inputs whose shapes differ from the profiled ones warn once per ``apply`` ("re-plan"):
           the bytes and times describe the profiled shapes only. Calls under ``no_grad`` keep
-          nothing and never warn.
+          nothing and never warn. Positional inputs are compared in order, keyword ones by name
+          (whatever order the call gives them in); 0-d tensors are left out: a scalar (a loss's
+          token count, a temperature) changes its value, never its shape or the bytes kept, and
+          comes and goes between calls.
   Rule 13. A selective policy is not free: in a region that keeps some outputs, every op of
           the forward goes through its dispatch mode (asked per call: the decision depends on
           the occurrence, Rule 3) and every recomputed op through its replay mode. The solver

@@ -2,24 +2,25 @@
 
 Owns choosing the regions, reading the budget, turning the solver's answer into per-region
 decisions keyed by op name and occurrence (Rule 3), installing them with ``checkpoint_module``
-and a selective policy per region (Rule 11), removing them, printing them and their JSON form.
-Profiling belongs to ``profile``, deciding to ``solver``; the checkpoint mechanics to
-``_module`` and ``_selective``.
+and a selective policy per region (Rule 11), all or nothing, with a picklable input-shape
+check on the model (Rule 12); removing them, and printing them. Profiling belongs to
+``profile``, deciding (offload included) to ``solver``, the JSON text to ``plan_json``; the
+checkpoint mechanics to ``_module`` and ``_selective``.
 """
 
 from __future__ import annotations
 
-import json
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import _compat
+from .._errors import describe_value
 from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
 from .._selective import (
     CheckpointPolicy,
@@ -28,15 +29,12 @@ from .._selective import (
     create_selective_checkpoint_contexts,
 )
 from .._state import noop_context_fn
-from .profile import StepProfile, profile_step, tensors
-from .solver import Problem, Solution, kept_storages, solve
+from . import plan_json
+from .profile import StepProfile, input_shapes, profile_step
+from .solver import Problem, Solution, kept_storages, offloads, solve
 
 __all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]
 
-_FORMAT: Final = "checkpointing.ActivationPlan/1"
-# Host<->device bandwidth assumed for offload, each way (PCIe 4 x16 in practice reaches ~12-25
-# GB/s; the lower end keeps offload from looking cheaper than it is).
-_HOST_BYTES_PER_SECOND: Final = 10e9
 
 Key = tuple[str, int]
 
@@ -73,7 +71,22 @@ _MSG_BUDGET_TYPE = (
 )
 _MSG_HOST_BUDGET = (
     "checkpointing.plan_checkpointing: host_budget must be None or an int >= 0 (bytes of host "
-    "memory offloaded activations may use), got {got!r}. Fix: e.g. host_budget=8 * 1024**3."
+    "memory offloaded activations may use), got {got}. Fix: e.g. host_budget=8 * 1024**3."
+)
+_MSG_MODEL_TYPE = (
+    "checkpointing.plan_checkpointing: model must be an nn.Module (its submodules are the "
+    "regions), got {got}. Fix: pass the model itself, e.g. plan_checkpointing(model, x, "
+    "budget=0.5); wrap a plain function in an nn.Module first."
+)
+_MSG_KWARGS_TYPE = (
+    "checkpointing.plan_checkpointing: example_kwargs must be None or a dict of the step's "
+    "keyword arguments by name, got {got}. Fix: pass positional inputs as example_inputs (a "
+    "tensor, or a tuple of them) and named ones as example_kwargs={{'attention_mask': mask}}."
+)
+_MSG_LOSS_FN_TYPE = (
+    "checkpointing.plan_checkpointing: loss_fn must be None or a callable loss_fn(output) -> "
+    "scalar tensor, got {got}. Fix: e.g. loss_fn=lambda output: output.logits.float().mean(), "
+    "or leave it out to backward the sum of the floating-point outputs."
 )
 _MSG_BELOW_FLOOR = (
     "checkpointing.plan_checkpointing: budget {budget:,} bytes is below the smallest reachable "
@@ -110,6 +123,10 @@ _MSG_STRUCTURE = (
     "{found}). The plan's regions must exist in the model under the same names. Fix: apply the "
     "plan to the model it was made for, or re-plan this one with plan_checkpointing."
 )
+_MSG_APPLY_MODEL_TYPE = (
+    "checkpointing.ActivationPlan.apply: model must be an nn.Module, got {got}. Fix: pass the "
+    "model the plan was made for, e.g. plan.apply(model)."
+)
 _MSG_NOT_APPLIED = (
     "checkpointing.ActivationPlan.remove: this plan is not applied to the {type_name} given, so "
     "there is nothing to remove. Fix: remove it from the model passed to plan.apply(model)."
@@ -118,14 +135,16 @@ _MSG_REGION_TAKEN = (
     "checkpointing.ActivationPlan.apply: region {name!r} is already checkpointed (by "
     "checkpoint_module or another plan). Fix: remove that checkpoint first."
 )
+_MSG_REGION_TWICE = (
+    "checkpointing.ActivationPlan.apply: regions {first!r} and {second!r} are the same "
+    "{type_name} module; checkpointing it twice would nest it inside itself. Nothing was "
+    "installed. Fix: keep one decision per module in the plan."
+)
 _MSG_RESHAPED = (
     "checkpointing.ActivationPlan: the model was called with input shapes {observed}, but the "
     "plan was profiled with {expected}; its bytes and times do not describe these inputs, so "
     "the budget may not hold. Fix: re-plan with plan_checkpointing(model, inputs_of_this_shape, "
     "budget=...). (Warned once per apply.)"
-)
-_MSG_JSON = (
-    "checkpointing.ActivationPlan.from_json: {why}. Fix: pass the text plan.to_json() wrote."
 )
 _MSG_UNKNOWN_OP = (
     "checkpointing.ActivationPlan.from_json: unknown op {name!r} (expected a name like "
@@ -146,11 +165,12 @@ def plan_checkpointing(
 ) -> ActivationPlan:
     """Choose what to checkpoint so that the activations kept for backward fit ``budget``.
 
-    Profiles a few real forward+backward steps of ``model`` on the example inputs (the model,
-    its buffers, ``.grad`` and the RNG states are left as they were), then chooses per region
-    whether to checkpoint it and, inside checkpointed regions, which op outputs to keep,
-    recompute or (with ``host_budget`` on an accelerator) offload, at the least predicted
-    recompute time. Nothing is installed until ``plan.apply(model)``.
+    Profiles a few real forward+backward steps of ``model`` on the example inputs, with grad
+    enabled also under ``no_grad`` or ``inference_mode`` (the model, its buffers, ``.grad`` and
+    the RNG states are left as they were), then chooses per region whether to checkpoint it
+    and, inside checkpointed regions, which op outputs to keep, recompute or (with
+    ``host_budget`` on an accelerator) offload, at the least predicted recompute time. Nothing
+    is installed until ``plan.apply(model)``.
 
     Args:
         model: any ``nn.Module``; it must run without checkpointing while it is profiled.
@@ -170,6 +190,7 @@ def plan_checkpointing(
         ``plan.frontier()``, ``plan.to_json()``.
 
     Raises:
+        TypeError: an argument of the wrong type (checked before anything runs).
         ValueError: the budget is below the smallest reachable bytes (the message names them).
 
     Example:
@@ -182,16 +203,7 @@ def plan_checkpointing(
         >>> model(x).sum().backward()
         >>> _ = plan.remove(model)
     """
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise TypeError(_MSG_BUDGET_TYPE.format(got=budget))
-    if isinstance(budget, float) and not 0 < budget <= 1:
-        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
-    if isinstance(budget, int) and budget < 0:
-        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
-    if host_budget is not None and (
-        isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0
-    ):
-        raise ValueError(_MSG_HOST_BUDGET.format(got=host_budget))
+    _check_arguments(model, budget, example_kwargs, loss_fn, host_budget)
     named = find_regions(model, regions)
     for name, module in named:
         if is_module_checkpointed(module):
@@ -211,10 +223,41 @@ def plan_checkpointing(
             )
         )
     solution = solve(problem, budget_bytes)
-    offload = _offloads(profile, problem, solution, host_budget)
+    # Rule 10: nothing on CPU, where host memory is the device memory.
+    offload = (
+        [frozenset[int]()] * len(problem.regions)
+        if host_budget is None or profile.device.startswith("cpu")
+        else offloads(problem, solution, host_budget)
+    )
     plan = ActivationPlan._from_solution(profile, problem, solution, budget_bytes, offload)
     plan._model = weakref.ref(model)
     return plan
+
+
+def _check_arguments(
+    model: object, budget: object, example_kwargs: object, loss_fn: object, host_budget: object
+) -> None:
+    """Every argument's type and range, before anything runs."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(_MSG_MODEL_TYPE.format(got=describe_value(model)))
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise TypeError(_MSG_BUDGET_TYPE.format(got=budget))
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
+    if example_kwargs is not None and (
+        not isinstance(example_kwargs, Mapping)
+        or not all(isinstance(name, str) for name in example_kwargs)
+    ):
+        raise TypeError(_MSG_KWARGS_TYPE.format(got=describe_value(example_kwargs)))
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(_MSG_LOSS_FN_TYPE.format(got=describe_value(loss_fn)))
+    if host_budget is not None:
+        if isinstance(host_budget, bool) or not isinstance(host_budget, int):
+            raise TypeError(_MSG_HOST_BUDGET.format(got=describe_value(host_budget)))
+        if host_budget < 0:
+            raise ValueError(_MSG_HOST_BUDGET.format(got=host_budget))
 
 
 def find_regions(
@@ -251,38 +294,6 @@ def find_regions(
     return found
 
 
-def _offloads(
-    profile: StepProfile, problem: Problem, solution: Solution, host_budget: int | None
-) -> list[frozenset[int]]:
-    """Per region, the units to offload instead of recomputing: where moving the output to host
-    and back is predicted cheaper than recomputing it, best gain per host byte first, within
-    ``host_budget`` (Rule 10). Nothing on CPU: there, host memory is the device memory."""
-    chosen: list[set[int]] = [set() for _ in problem.regions]
-    if host_budget is None or profile.device.startswith("cpu"):
-        return [frozenset(c) for c in chosen]
-    candidates = []
-    for index, (region, choice) in enumerate(zip(problem.regions, solution.choices, strict=True)):
-        if not choice.checkpoint:
-            continue
-        for position, unit in enumerate(region.units):
-            nbytes = sum(problem.storage_bytes[s] for s in unit.storages)
-            gain = unit.seconds - 2 * nbytes / _HOST_BYTES_PER_SECOND
-            if position not in choice.saved and gain > 0 and nbytes > 0:
-                candidates.append((-gain / nbytes, index, position, nbytes))
-    used = 0
-    gains = [0.0] * len(problem.regions)
-    for _, index, position, nbytes in sorted(candidates):
-        if used + nbytes <= host_budget:
-            used += nbytes
-            chosen[index].add(position)
-            gains[index] += problem.regions[index].units[position].seconds
-    for index, choice in enumerate(solution.choices):
-        # A region that saves nothing runs without a policy; offloading would install one.
-        if not choice.saved and gains[index] <= problem.regions[index].policy_seconds:
-            chosen[index].clear()
-    return [frozenset(c) for c in chosen]
-
-
 class _KeyedPolicy:
     """One region call's selective policy: the decision for each (op, occurrence) (Rule 3).
     A fresh one per call of the region, so occurrences count from 0 in every forward."""
@@ -302,7 +313,8 @@ class _KeyedPolicy:
 
 
 class _RegionContexts:
-    """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``."""
+    """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``.
+    Pickled with the model (``torch.save``) by op names: torch's op objects do not pickle."""
 
     __slots__ = ("decisions",)
 
@@ -311,6 +323,39 @@ class _RegionContexts:
 
     def __call__(self) -> tuple[_compat.TorchDispatchMode, _compat.TorchDispatchMode]:
         return create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        named = [(str(op), index, policy) for (op, index), policy in self.decisions.items()]
+        return _region_contexts_by_name, (named,)
+
+
+def _region_contexts_by_name(named: list[tuple[str, int, CheckpointPolicy]]) -> _RegionContexts:
+    """A pickled ``_RegionContexts`` back, its ops resolved by name."""
+    return _RegionContexts({(resolve_op(op), index): policy for op, index, policy in named})
+
+
+class _ShapeCheck:
+    """The forward pre-hook ``apply`` installs on the model: Rule 12's warning, once per apply
+    (not under ``no_grad``: evaluation and generation keep nothing, whatever the shapes). A
+    plain object holding only the shapes, so that an applied model pickles (``torch.save``)."""
+
+    __slots__ = ("expected", "warned")
+
+    def __init__(self, expected: list[list[int]]) -> None:
+        self.expected = [shape for shape in expected if shape]  # 0-d ones: Rule 12
+        self.warned = False
+
+    def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.warned or not torch.is_grad_enabled():
+            return
+        observed = input_shapes(args, kwargs)
+        if observed != self.expected:
+            self.warned = True
+            warnings.warn(
+                _MSG_RESHAPED.format(observed=observed, expected=self.expected),
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def resolve_op(name: str) -> Op:
@@ -332,8 +377,7 @@ class _Applied:
 
     model: weakref.ref[nn.Module]
     modules: list[nn.Module]
-    hook: torch.utils.hooks.RemovableHandle | None = None
-    warned: bool = False
+    hook: torch.utils.hooks.RemovableHandle
 
 
 class ActivationPlan:
@@ -444,8 +488,12 @@ class ActivationPlan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Install the plan: ``checkpoint_module`` (non-reentrant, names and ``state_dict``
         keys untouched) on each checkpointed region, with a selective policy where it keeps or
-        offloads outputs. Returns ``model``. Raises ``ValueError`` if the plan is applied
-        already, was profiled on another model, or names regions the model lacks."""
+        offloads outputs. Returns ``model``. All or nothing: raises ``ValueError``, with
+        nothing installed, if the plan is applied already, was profiled on another model,
+        names regions the model lacks or one module twice, or a region is checkpointed
+        already; an applied model pickles (``torch.save``) like the model itself."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(_MSG_APPLY_MODEL_TYPE.format(got=describe_value(model)))
         if self._applied is not None:
             raise ValueError(_MSG_APPLIED_TWICE)
         bound = None if self._model is None else self._model()
@@ -455,54 +503,62 @@ class ActivationPlan:
                     expected=_describe_model(bound), observed=_describe_model(model)
                 )
             )
+        chosen = self._regions_in(model)
+        installed: list[nn.Module] = []
+        try:  # all or nothing: what was installed goes again if a later step raises
+            for module, context_fn in chosen:
+                checkpoint_module(module, context_fn=context_fn)
+                installed.append(module)
+            hook = model.register_forward_pre_hook(_ShapeCheck(self.input_shapes), with_kwargs=True)
+        except BaseException:
+            for module in installed:
+                remove_checkpoint_module(module)
+            raise
+        self._applied = _Applied(weakref.ref(model), installed, hook)
+        self._model = weakref.ref(model)
+        return model
+
+    def _regions_in(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
+        """The modules to checkpoint and their ``context_fn``s; every region is checked here,
+        before ``apply`` installs anything."""
         modules = dict(model.named_modules())
+        seen: dict[int, int] = {}
         chosen = []
-        for region in self.regions:
+        for index, region in enumerate(self.regions):
             module = modules.get(region.name)
             if module is None or type(module).__qualname__ != region.type_name:
                 found = type(module).__qualname__ if module is not None else "nothing"
                 raise ValueError(
                     _MSG_STRUCTURE.format(type_name=region.type_name, name=region.name, found=found)
                 )
+            first = seen.setdefault(id(module), index)
+            if first != index:
+                raise ValueError(
+                    _MSG_REGION_TWICE.format(
+                        first=self.regions[first].name,
+                        second=region.name,
+                        type_name=region.type_name,
+                    )
+                )
             if region.checkpoint:
                 if is_module_checkpointed(module):
                     raise ValueError(_MSG_REGION_TAKEN.format(name=region.name))
-                chosen.append((region, module))
-        for region, module in chosen:
-            checkpoint_module(module, context_fn=_context_fn(region))
-        applied = _Applied(weakref.ref(model), [m for _, m in chosen])
-        applied.hook = model.register_forward_pre_hook(
-            lambda _m, args, kwargs: self._check_shapes(applied, args, kwargs), with_kwargs=True
-        )
-        self._applied = applied
-        self._model = weakref.ref(model)
-        return model
+                chosen.append((module, _context_fn(region)))
+        return chosen
 
     def remove(self, model: nn.Module) -> nn.Module:
-        """Undo ``apply(model)``: the regions run plainly again. Returns ``model``."""
+        """Undo ``apply(model)``: the regions run plainly again. Returns ``model``. (Called
+        during the model's forward it raises; the regions not yet removed stay, and a later
+        ``remove`` finishes.)"""
         applied = self._applied
         if applied is None or applied.model() is not model:
             raise ValueError(_MSG_NOT_APPLIED.format(type_name=type(model).__name__))
-        for module in applied.modules:
-            remove_checkpoint_module(module)
-        if applied.hook is not None:
-            applied.hook.remove()
+        while applied.modules:
+            remove_checkpoint_module(applied.modules[-1])
+            applied.modules.pop()
+        applied.hook.remove()
         self._applied = None
         return model
-
-    def _check_shapes(self, applied: _Applied, args: Any, kwargs: Any) -> None:
-        """Rule 12: warn once per apply when the inputs differ from the profiled ones (not under
-        ``no_grad``: evaluation and generation keep nothing, whatever the shapes)."""
-        if applied.warned or not torch.is_grad_enabled():
-            return
-        shapes = [list(t.shape) for t in tensors((args, kwargs))]
-        if shapes != self.input_shapes:
-            applied.warned = True
-            warnings.warn(
-                _MSG_RESHAPED.format(observed=shapes, expected=self.input_shapes),
-                UserWarning,
-                stacklevel=2,
-            )
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -567,70 +623,35 @@ class ActivationPlan:
     def to_json(self) -> str:
         """The plan as JSON text, ops by name (``aten.mm.default``); read back by
         ``ActivationPlan.from_json``."""
-        data = {
-            "format": _FORMAT,
-            "budget_bytes": self.budget_bytes,
-            "baseline_bytes": self.baseline_bytes,
-            "floor_bytes": self.floor_bytes,
-            "outside_bytes": self.outside_bytes,
-            "kept_bytes": self.kept_bytes,
-            "recompute_ms": self.recompute_ms,
-            "step_ms": self.step_ms,
-            "solver": self.solver,
-            "bound_ms": self.bound_ms,
-            "device": self.device,
-            "input_shapes": self.input_shapes,
-            "frontier": self._frontier,
-            "regions": [asdict(r) for r in self.regions],
-        }
-        return json.dumps(data, indent=1)
+        return plan_json.write(
+            {
+                "budget_bytes": self.budget_bytes,
+                "baseline_bytes": self.baseline_bytes,
+                "floor_bytes": self.floor_bytes,
+                "outside_bytes": self.outside_bytes,
+                "kept_bytes": self.kept_bytes,
+                "recompute_ms": self.recompute_ms,
+                "step_ms": self.step_ms,
+                "solver": self.solver,
+                "bound_ms": self.bound_ms,
+                "device": self.device,
+                "input_shapes": self.input_shapes,
+                "frontier": self._frontier,
+                "regions": [asdict(r) for r in self.regions],
+            }
+        )
 
     @classmethod
-    def from_json(cls, text: str) -> ActivationPlan:
-        """A plan from ``to_json``'s text; it applies to any model with the same region names
-        and types (the op names are checked now)."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(_MSG_JSON.format(why=f"not JSON ({error})")) from None
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ValueError(_MSG_JSON.format(why=f"not a plan (expected format {_FORMAT!r})"))
-        try:
-            regions = tuple(
-                RegionDecision(
-                    name=r["name"],
-                    type_name=r["type_name"],
-                    checkpoint=bool(r["checkpoint"]),
-                    save=tuple((str(op), int(i)) for op, i in r["save"]),
-                    offload=tuple((str(op), int(i)) for op, i in r["offload"]),
-                    ops=int(r["ops"]),
-                    kept_bytes=int(r["kept_bytes"]),
-                    recompute_ms=float(r["recompute_ms"]),
-                )
-                for r in data["regions"]
-            )
-            plan = cls(
-                regions=regions,
-                budget_bytes=int(data["budget_bytes"]),
-                baseline_bytes=int(data["baseline_bytes"]),
-                floor_bytes=int(data["floor_bytes"]),
-                outside_bytes=int(data["outside_bytes"]),
-                kept_bytes=int(data["kept_bytes"]),
-                recompute_ms=float(data["recompute_ms"]),
-                step_ms=float(data["step_ms"]),
-                solver=str(data["solver"]),
-                bound_ms=float(data["bound_ms"]),
-                device=str(data["device"]),
-                input_shapes=[list(map(int, s)) for s in data["input_shapes"]],
-                frontier=[(int(b), float(ms)) for b, ms in data["frontier"]],
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            why = f"a field is missing or malformed ({error!r})"
-            raise ValueError(_MSG_JSON.format(why=why)) from None
-        for region in regions:
+    def from_json(cls, text: str | bytes | dict[str, Any]) -> ActivationPlan:
+        """A plan from ``to_json``'s text (or the dict ``json.loads`` makes of it); it applies
+        to any model with the same region names and types. Every field is checked now, with
+        the op names: ``ValueError`` names the field that is missing or malformed."""
+        fields, regions = plan_json.read(text)
+        decisions = tuple(RegionDecision(**region) for region in regions)
+        for region in decisions:
             for name, _ in (*region.save, *region.offload):
                 resolve_op(name)
-        return plan
+        return cls(regions=decisions, **fields)
 
 
 def _context_fn(region: RegionDecision) -> Any:

@@ -30,7 +30,16 @@ from .._selective import SAC_IGNORED_OPS, draws_random
 from .._state import ForwardState
 from .solver import Problem, RegionChoices, Unit
 
-__all__ = ["OpCall", "RegionProfile", "StepProfile", "default_loss", "profile_step", "tensors"]
+__all__ = [
+    "OpCall",
+    "RegionProfile",
+    "StepProfile",
+    "default_loss",
+    "input_shapes",
+    "profile_step",
+    "tensors",
+    "untouched",
+]
 
 # Measured op times below this are mostly dispatch noise; where torch knows the op's FLOPs, the
 # time is estimated from them at the rate the trusted ops of the same step achieved (Rule 9).
@@ -256,22 +265,35 @@ _MSG_LOSS = (
 
 
 @contextlib.contextmanager
-def _untouched(model: nn.Module) -> Iterator[None]:
-    """Rule 8: RNG states, buffers and ``.grad`` are as they were after the block."""
-    devices = sorted(
-        {t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda}
-    )
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    grads = [(p, p.grad) for p in model.parameters()]
+def untouched(modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+    """Rule 8: after the block, the modules' buffers and their parameters' ``.grad`` are as they
+    were, and so are the CPU RNG state and that of every accelerator the modules or ``inputs``
+    are on. A buffer is copied back only where its values changed, so that one a live graph
+    saved is not bumped for nothing (its version cannot tell: BatchNorm's kernel writes its
+    statistics without moving it). Shared by the planner's profile and
+    ``checkpoint_sequential``'s measuring pass."""
+    parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
+    buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
+    devices = sorted({t.device.index or 0 for t in (*parameters, *buffers, *inputs) if t.is_cuda})
+    copies = [(b, b.detach().clone()) for b in buffers]
+    grads = [(p, p.grad) for p in parameters]
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
             with torch.no_grad():
-                for buffer, copy in buffers:
-                    buffer.copy_(copy)
+                for buffer, copy in copies:
+                    if not torch.equal(buffer, copy):
+                        buffer.copy_(copy)
             for parameter, grad in grads:
                 parameter.grad = grad
+
+
+def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
+    """Rule 12: the shapes a plan compares, positional inputs first, then keyword ones by name
+    (not in call order), 0-d tensors (a scalar such as a loss's token count) left out."""
+    named = tuple(kwargs[name] for name in sorted(kwargs))
+    return [list(t.shape) for t in tensors((args, named)) if t.dim() > 0]
 
 
 ModesFactory = Callable[[], tuple[Any, Any]]
@@ -301,10 +323,11 @@ def profile_step(
     device = next((t.device for t in (*model.parameters(), *inputs)), torch.device("cpu"))
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     steps = []
-    with _untouched(model):
+    # Rule 8: the profiled steps train, so grad is on whatever the caller's mode (restored after).
+    with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
         for _ in range(1 + _PROFILE_STEPS):
             steps.append(_one_step(model, regions, args, kwargs, loss_fn, leaves, wrt, synchronize))
-        profile = _combine(steps[1:], inputs, str(device))
+        profile = _combine(steps[1:], input_shapes(args, kwargs), str(device))
         if policy_modes is not None:
             profile.policy_seconds_per_op = _policy_seconds_per_op(
                 model, regions, args, kwargs, profile, policy_modes, synchronize
@@ -452,9 +475,7 @@ _MSG_CALLS_DIFFER = (
 )
 
 
-def _combine(
-    steps: list[tuple[_Step, float]], inputs: list[torch.Tensor], device: str
-) -> StepProfile:
+def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: str) -> StepProfile:
     """The last step's structure with each op's fastest time over the steps, the calls of a
     region summed op by op."""
     last, _ = steps[-1]
@@ -497,7 +518,7 @@ def _combine(
         regions=last.profiles,
         storage_bytes=last.storage_bytes,
         outside=last.outside,
-        input_shapes=[list(t.shape) for t in inputs],
+        input_shapes=shapes,
         device=device,
         step_seconds=min(seconds for _, seconds in steps),
     )

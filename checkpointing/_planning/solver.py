@@ -1,9 +1,10 @@
 """The budget solver: which regions to checkpoint and which op outputs inside them to keep.
 
 Owns ``Problem`` (a profiled step in the solver's terms: storages, and per region what it keeps
-plainly, what it keeps checkpointed, and its ops that may be saved), ``solve`` and the exact byte
-count of a choice. Knows nothing about torch: profiling belongs to ``profile``, installing and
-printing to ``plan``. See NOTE [Planner model] in ``checkpointing._planning``, Rules 7 and 10.
+plainly, what it keeps checkpointed, and its ops that may be saved), ``solve``, the exact byte
+count of a choice, and which outputs to offload instead of recomputing (``offloads``). Knows
+nothing about torch: profiling belongs to ``profile``, installing and printing to ``plan``. See
+NOTE [Planner model] in ``checkpointing._planning``, Rules 7 and 10.
 
 Method. Each region offers a few options: run plainly (keeps what autograd saves in it, costs no
 recompute) or checkpoint it keeping some of its ops' outputs (keeps its inputs and those outputs,
@@ -32,8 +33,11 @@ from typing import Final, Literal
 
 import torch
 
-__all__ = ["Choice", "Problem", "RegionChoices", "Solution", "Unit", "solve"]
+__all__ = ["Choice", "Problem", "RegionChoices", "Solution", "Unit", "offloads", "solve"]
 
+# Host<->device bandwidth assumed for offload, each way (PCIe 4 x16 in practice reaches ~12-25
+# GB/s; the lower end keeps offload from looking cheaper than it is).
+_HOST_BYTES_PER_SECOND: Final = 10e9
 _REGION_POINTS: Final = 512  # a region's exact Pareto set may have this many points
 _FRONT_POINTS: Final = 4096  # the merged Pareto set across regions may have this many
 _MERGE_PAIRS: Final = 400_000  # candidate pairs per merge step before the greedy takes over
@@ -416,3 +420,31 @@ def _fill(
             if kept.try_move(index, option.choice, budget):
                 break
     return kept.choices
+
+
+def offloads(problem: Problem, solution: Solution, host_budget: int) -> list[frozenset[int]]:
+    """Per region, the units to offload instead of recomputing: where moving the output to host
+    and back is predicted cheaper than recomputing it, best gain per host byte first, within
+    ``host_budget`` (Rule 10; the caller asks only on an accelerator)."""
+    chosen: list[set[int]] = [set() for _ in problem.regions]
+    candidates = []
+    for index, (region, choice) in enumerate(zip(problem.regions, solution.choices, strict=True)):
+        if not choice.checkpoint:
+            continue
+        for position, unit in enumerate(region.units):
+            nbytes = sum(problem.storage_bytes[s] for s in unit.storages)
+            gain = unit.seconds - 2 * nbytes / _HOST_BYTES_PER_SECOND
+            if position not in choice.saved and gain > 0 and nbytes > 0:
+                candidates.append((-gain / nbytes, index, position, nbytes))
+    used = 0
+    gains = [0.0] * len(problem.regions)
+    for _, index, position, nbytes in sorted(candidates):
+        if used + nbytes <= host_budget:
+            used += nbytes
+            chosen[index].add(position)
+            gains[index] += problem.regions[index].units[position].seconds
+    for index, choice in enumerate(solution.choices):
+        # A region that saves nothing runs without a policy; offloading would install one.
+        if not choice.saved and gains[index] <= problem.regions[index].policy_seconds:
+            chosen[index].clear()
+    return [frozenset(c) for c in chosen]
