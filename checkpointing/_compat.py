@@ -382,15 +382,14 @@ def traced_node_count() -> int:
     return 0 if mode is None else len(mode.tracer.graph.nodes)
 
 
-def tag_traced_nodes(count_before: int, key: str, value: object) -> None:
-    """Set ``meta[key] = value`` on the nodes traced since the graph had ``count_before``
-    nodes (2.11-2.15: the proxy mode's tracer graph)."""
+def traced_nodes_since(count_before: int) -> list[Any]:
+    """The FX nodes traced since the graph had ``count_before`` nodes, newest first (2.11-2.15:
+    the proxy mode's tracer graph); none when no proxy mode is active."""
     mode = get_proxy_mode()
     if mode is None:
-        return
+        return []
     nodes = mode.tracer.graph.nodes
-    for node in itertools.islice(reversed(nodes), len(nodes) - count_before):
-        node.meta[key] = value
+    return list(itertools.islice(reversed(nodes), len(nodes) - count_before))
 
 
 # ``inductor_compiled_code`` (imported above): the higher-order op that runs an inductor-compiled

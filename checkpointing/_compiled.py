@@ -20,9 +20,15 @@ NOTE [Compiled regions]
           which is what the partitioner reads. ``respect_saved_tensors_hooks`` goes over only
           where torch has it (2.14+) and was given.
   Rule 3. What the compiler cannot honour is said once per process, at trace time, never
-          silently dropped: ``debug=True`` (a warning; the region compiles without it). The
-          message is emitted by a function dynamo runs at trace time and treats as constant
-          (``torch.compiler.assume_constant_result``), so the graph does not break for it.
+          silently dropped: ``debug=True`` (the region compiles without it) and a policy's
+          offload answer (the partitioner keeps that output on the device, as for torch's own
+          SAC; ``_selective`` Rule 9 says it while AOTAutograd traces). In dynamo's trace the
+          message comes from a function dynamo runs at trace time and treats as constant
+          (``torch.compiler.assume_constant_result``), so the graph does not break for it. The
+          scope (``gradient_checkpoint_scope``) is not translated: dynamo cannot enter its block,
+          so the frame that opens it runs eagerly with the scope in effect (README).
+  Rule 4. ``is_recomputing()`` is ``False`` in traced code: the compiled code is traced once and
+          serves forward and the compiler's recompute alike.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from ._state import ContextFn, is_noop_context_fn
 
-__all__ = ["compiling", "torch_region", "traceable_context_fn"]
+__all__ = ["compiling", "say_once", "torch_region", "traceable_context_fn"]
 
 compiling: Final = torch.compiler.is_dynamo_compiling
 
@@ -54,19 +60,24 @@ _MSG_DEBUG = (
     "the model eagerly with debug=True, or drop debug=True from the compiled model."
 )
 
+_MSG_OFFLOAD = (
+    "checkpointing: a selective-checkpoint policy answered an offload policy "
+    "(MUST_CPU_OFFLOAD/PREFER_CPU_OFFLOAD) under torch.compile; the compiler does not offload on "
+    "a policy's answer and keeps that output on the device, as with torch's own selective "
+    "checkpoint (this is said once). Fix: to offload to host memory, run the checkpointed "
+    "region eagerly (wrap the call in torch.compiler.disable), or answer MUST_SAVE to keep it."
+)
+_MESSAGES: Final = {"debug": _MSG_DEBUG, "offload": _MSG_OFFLOAD}
 _said: set[str] = set()
 
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
-def _say_once(what: str) -> bool:
+def say_once(what: str) -> bool:
     """Rule 3: warn about ``what`` once per process; dynamo runs this while tracing."""
     if what not in _said:
         _said.add(what)
         warnings.warn(_MESSAGES[what], UserWarning, stacklevel=2)
     return True
-
-
-_MESSAGES: Final = {"debug": _MSG_DEBUG}
 
 
 def _call(context_fn: ContextFn) -> Any:
@@ -98,7 +109,7 @@ def torch_region(
 ) -> Any:
     """One checkpointed call as torch's region (Rule 2); only reached while dynamo traces."""
     if debug:
-        _say_once("debug")
+        say_once("debug")
     options: dict[str, Any] = {
         "use_reentrant": use_reentrant,
         "preserve_rng_state": preserve_rng_state,

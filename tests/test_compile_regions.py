@@ -21,7 +21,18 @@ from torch import nn
 
 import checkpointing
 from checkpointing import _compiled
-from checkpointing.policies import MATMUL_OPS, as_context_fn, save_matmuls
+from checkpointing.policies import (
+    MATMUL_OPS,
+    as_context_fn,
+    both,
+    either,
+    offload_ops,
+    save_everything,
+    save_matmuls,
+    save_nothing,
+    save_only_these_names,
+    tag,
+)
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 pytestmark = [
@@ -256,7 +267,7 @@ def test_a_plan_applied_to_a_compiled_model(backend: str) -> None:
 
 
 def test_debug_is_said_once_and_the_region_still_compiles() -> None:
-    _compiled._said.discard("debug")
+    _compiled._said.discard("debug")  # said once per process
     model = Stack(_our_run(debug=True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -345,3 +356,68 @@ def test_transformers_integration_on_a_tiny_llama_compiles_as_transformers_own(
         else:
             assert torch.equal(a.grad, b.grad)
     assert kept_ours <= kept_theirs
+
+
+class TaggedBlock(nn.Module):
+    """Two matmuls of different widths; the first one's output is named "proj"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(16, 32) / 4)
+        self.w2 = nn.Parameter(torch.randn(32, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = tag(x @ self.w1, "proj")
+        return (h.relu() @ self.w2).sin()
+
+
+def _tagged_stack(run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None) -> Stack:
+    stack = Stack(run)
+    torch.manual_seed(0)
+    stack.blocks = nn.ModuleList(TaggedBlock() for _ in range(4))
+    return stack
+
+
+def _torch_saves_the_wide_matmul(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Torch's policy for what ``save_only_these_names("proj")`` keeps here: the 32-wide mm."""
+    if op is torch.ops.aten.mm.default and args[1].shape[-1] == 32:
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        save_only_these_names("proj"),
+        either(save_nothing(), save_only_these_names("proj")),
+        both(save_everything(), save_only_these_names("proj")),
+    ],
+    ids=["names", "either", "both"],
+)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_name_policies_and_combinators_reach_the_compiler(backend: str, policy: Any) -> None:
+    """A kept ``tag`` hands its decision to the tensor's producer for the partitioner too
+    (``_selective`` Rule 9): the compiled step keeps what torch's SAC keeps for that matmul."""
+    ours = _tagged_stack(_our_run(context_fn=as_context_fn(policy)))
+    their_ctx = functools.partial(
+        torch_checkpoint.create_selective_checkpoint_contexts, _torch_saves_the_wide_matmul
+    )
+    theirs = _tagged_stack(_torch_run(context_fn=their_ctx))
+    _check_side_by_side(ours, theirs, X, backend, plain=_tagged_stack(None))
+    _, kept_ours = _saved_bytes(lambda: torch.compile(ours, backend=backend)(X))
+    full = _tagged_stack(_our_run())
+    _, kept_full = _saved_bytes(lambda: torch.compile(full, backend=backend)(X))
+    _, kept_theirs = _saved_bytes(lambda: torch.compile(theirs, backend=backend)(X))
+    assert kept_full < kept_ours <= kept_theirs
+
+
+def test_offload_answers_are_said_once_under_compile() -> None:
+    _compiled._said.discard("offload")
+    model = Stack(_our_run(context_fn=as_context_fn(offload_ops(torch.ops.aten.addmm))))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(X).backward()
+        torch._dynamo.reset()
+        torch.compile(model, backend="aot_eager")(X).backward()
+    said = [w for w in caught if "the compiler does not offload" in str(w.message)]
+    assert len(said) == 1

@@ -17,7 +17,10 @@ says where the others live)
           producer anyway, so a named tensor would cost its memory and its recompute both.
   Rule 9. Under a tracing compiler (a proxy mode is active, as in AOTAutograd), every output is
           cached and the traced nodes are tagged with the policy (as torch's enum) and
-          ``ac_graph_id``, as torch does, so that the partitioner decides; offload is its call.
+          ``ac_graph_id``, as torch does, so that the partitioner decides. A kept tag tags its
+          tensor's producer too (Rule 8's hand-over, for the partitioner). An offload answer is
+          tagged as torch's SAC tags it (the partitioner keeps the output on the device) and
+          said once (NOTE [Compiled regions], Rule 3).
   Rule 11. Dynamo never traces the modes' ``__torch_dispatch__`` nor what it calls (a policy,
           the op's own Python kernels). This matters when a ``torch.compile``d function runs
           inside a region and breaks its graph: the eager ops between its graphs reach our
@@ -39,6 +42,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .. import _compat
+from .._compiled import say_once
 from .._errors import CheckpointError, internal_error
 from .cache import _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
 from .ops import (
@@ -121,6 +125,8 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         # Set by the checkpoint that enters this mode (Rule 13).
         self.respect_saved_tensors_hooks: bool | None = None
         self._producers: dict[int, _Producer] = {}
+        # Rule 9: the nodes each traced output came from, for a later tag (made when tracing).
+        self._traced: dict[int, tuple[weakref.ref[torch.Tensor], list[Any]]] | None = None
         # Rule 1: an op-only policy's plans by op id (kept on the policy when it is ours).
         self._plans: dict[int, _OpPlan] | None = None
         self._by_op: OpPolicy | None = None
@@ -255,11 +261,25 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         record.calls = index + 1
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         answer = self.policy(ctx, func, *args, **kwargs)
-        _action_of(answer, self.policy, func)
+        action = _action_of(answer, self.policy, func)
         tag = _as_torch_policy(answer)
+        if action is _Action.OFFLOAD:
+            say_once("offload")  # the partitioner keeps it on the device (NOTE [Compiled regions])
         if record.effect and tag not in _SAVE_OR_REPLAY:  # Rule 12, as torch 2.15 tags it
             tag = _TorchCheckpointPolicy.MUST_SAVE
-        _compat.tag_traced_nodes(count_before, "recompute", tag)
+        nodes = _compat.traced_nodes_since(count_before)
+        for node in nodes:
+            node.meta["recompute"] = tag
+        traced = self._traced
+        if traced is None:
+            traced = self._traced = {}
+        if func is TAG_OP:
+            found = traced.get(id(args[0]))
+            if action is not _Action.RECOMPUTE and found is not None and found[0]() is args[0]:
+                for node in found[1]:  # Rule 8 for the partitioner: the producer is kept
+                    node.meta["recompute"] = tag
+        elif isinstance(out, torch.Tensor):
+            traced[id(out)] = (weakref.ref(out), nodes)
         record.keep(index, _save_traced(out))
         return out
 
