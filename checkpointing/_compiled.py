@@ -29,6 +29,11 @@ NOTE [Compiled regions]
           so the frame that opens it runs eagerly with the scope in effect (README).
   Rule 4. ``is_recomputing()`` is ``False`` in traced code: the compiled code is traced once and
           serves forward and the compiler's recompute alike.
+  Rule 5. ``checkpoint_sequential``'s schedules are plain Python on constants and are traced
+          (every strategy gives torch's graph and break counts), except what needs the running
+          machine: an input's bytes come from its shape (not its storage), and
+          ``strategy="optimal"`` without ``costs=`` cannot measure the chain, so it checkpoints
+          every function on its own (the least memory) and says so once.
 """
 
 from __future__ import annotations
@@ -67,7 +72,15 @@ _MSG_OFFLOAD = (
     "checkpoint (this is said once). Fix: to offload to host memory, run the checkpointed "
     "region eagerly (wrap the call in torch.compiler.disable), or answer MUST_SAVE to keep it."
 )
-_MESSAGES: Final = {"debug": _MSG_DEBUG, "offload": _MSG_OFFLOAD}
+_MSG_OPTIMAL = (
+    "checkpointing.checkpoint_sequential: strategy='optimal' measures the chain, which cannot "
+    "run while torch.compile traces; the compiled chain checkpoints every function on its own "
+    "(the least memory, more recompute than the optimal schedule; this is said once). Fix: "
+    "measure once eagerly and pass the result: schedule = checkpointing.sequential_schedule("
+    "functions, None, x, strategy='optimal', budget=...), then strategy=schedule (or "
+    "costs=schedule.costs)."
+)
+_MESSAGES: Final = {"debug": _MSG_DEBUG, "offload": _MSG_OFFLOAD, "optimal": _MSG_OPTIMAL}
 _said: set[str] = set()
 
 

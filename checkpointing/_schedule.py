@@ -50,12 +50,13 @@ non-reentrant frame makes cheap (its recomputed tensors die as soon as they are 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -316,8 +317,34 @@ def build_schedule(
         top = _bisect(0, n)
     else:
         internal_assert(costs is not None and budget is not None, "optimal without costs")
-        top = _optimal(costs or (), input_bytes, budget or 0)
+        if torch.compiler.is_dynamo_compiling():  # NOTE [Compiled regions], Rule 5
+            numbers = tuple(dataclasses.astuple(cost) for cost in costs or ())
+            top = _segments(_optimal_in_trace(numbers, input_bytes, budget or 0))
+        else:
+            top = _optimal(costs or (), input_bytes, budget or 0)
     return SequentialSchedule(strategy, n, top, costs, input_bytes, budget)
+
+
+# A Segment (or LayerCost) as nested tuples of numbers: (start, end, checkpointed, children).
+_Numbers = tuple[Any, ...]
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
+def _optimal_in_trace(numbers: tuple[_Numbers, ...], input_bytes: int, budget: int) -> _Numbers:
+    """``_optimal`` while dynamo traces: run by dynamo at trace time and taken as a constant,
+    instead of traced (the dynamic program computes with tensors, which would land in the
+    graph). Dynamo passes and takes constants only: the costs and the segments go as numbers."""
+    top = _optimal(tuple(LayerCost(*fields) for fields in numbers), input_bytes, budget)
+    return tuple(_as_numbers(segment) for segment in top)
+
+
+def _as_numbers(segment: Segment) -> _Numbers:
+    children = tuple(_as_numbers(child) for child in segment.children)
+    return segment.start, segment.end, segment.checkpointed, children
+
+
+def _segments(numbers: _Numbers) -> tuple[Segment, ...]:
+    return tuple(Segment(a, b, c, _segments(children)) for a, b, c, children in numbers)
 
 
 # --- the memory model (NOTE [Sequential memory model]) ----------------------------------------
@@ -394,11 +421,25 @@ class _Model:
 # times do) and would only fill a cache of tables (16 of them held 56 MiB for 24 layers).
 
 
-@functools.lru_cache(maxsize=16)
 def memory_floor(costs: tuple[LayerCost, ...], input_bytes: int) -> int:
     """The smallest predicted peak of any nested schedule of this chain (NOTE Rule 4)."""
+    if torch.compiler.is_dynamo_compiling():  # NOTE [Compiled regions], Rule 5
+        numbers = tuple(dataclasses.astuple(cost) for cost in costs)
+        return _memory_floor_in_trace(numbers, input_bytes)  # type: ignore[no-any-return]
+    return _memory_floor(costs, input_bytes)
+
+
+@functools.lru_cache(maxsize=16)
+def _memory_floor(costs: tuple[LayerCost, ...], input_bytes: int) -> int:
     floor, _ = _floor_table(costs, input_bytes)
     return floor
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
+def _memory_floor_in_trace(numbers: tuple[_Numbers, ...], input_bytes: int) -> int:
+    """``memory_floor`` run by dynamo at trace time, on the costs as numbers (as
+    ``_optimal_in_trace``)."""
+    return _memory_floor(tuple(LayerCost(*fields) for fields in numbers), input_bytes)
 
 
 def _floor_table(

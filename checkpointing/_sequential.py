@@ -38,7 +38,7 @@ from typing import Any, Final
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from . import _compat
+from . import _compat, _compiled
 from ._checkpoint import checkpoint
 from ._errors import describe_value
 from ._planning.profile import untouched
@@ -361,6 +361,8 @@ def _schedule_for(
     _check_budget(api, strategy, budget)
     found = _costs_for(api, chain, input, strategy, costs, measured)
     layer_costs, input_bytes = found if found is not None else (None, 0)
+    if strategy == "optimal" and layer_costs is None:  # unmeasured, traced ([Compiled regions] 5)
+        return build_schedule("balanced", n, n, None, 0, None)
     if strategy == "optimal" and budget is not None and layer_costs is not None:
         floor = memory_floor(layer_costs, input_bytes)
         if budget < floor:
@@ -406,10 +408,16 @@ def _costs_for(
         if len(given) != len(chain) or not all(isinstance(c, LayerCost) for c in given):
             observed = f"{len(given)} items of types {sorted({type(c).__name__ for c in given})}"
             raise ValueError(_MSG_BAD_COSTS.format(api=api, n=len(chain), observed=observed))
-        return given, _bytes_of(_tensors(_Runner.args_of(input, unpack)), set())
+        inputs = _tensors(_Runner.args_of(input, unpack))
+        if _compiled.compiling():  # storages are not traceable ([Compiled regions] Rule 5)
+            return given, sum(t.numel() * t.element_size() for t in inputs)
+        return given, _bytes_of(inputs, set())
     if input is None:
         if strategy == "optimal":
             raise ValueError(_MSG_OPTIMAL_NEEDS_INPUT)
+        return None
+    if _compiled.compiling():  # nothing is measured in a trace ([Compiled regions] Rule 5)
+        _compiled.say_once("optimal")
         return None
     if measured is None:
         return measure_costs(chain, input, unpack)

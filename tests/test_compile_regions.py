@@ -421,3 +421,89 @@ def test_offload_answers_are_said_once_under_compile() -> None:
         torch.compile(model, backend="aot_eager")(X).backward()
     said = [w for w in caught if "the compiler does not offload" in str(w.message)]
     assert len(said) == 1
+
+
+def _chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)))
+
+
+_SEQUENTIAL = {
+    "torch": {"segments": 4},
+    "balanced": {"segments": 4},
+    "sqrt": {},
+    "log": {},
+    "optimal": {"budget": 3000},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy", list(_SEQUENTIAL))
+def test_checkpoint_sequential_every_strategy_is_torchs_regions(
+    strategy: str, backend: str
+) -> None:
+    """Non-reentrant ``checkpoint_sequential``: every strategy traces to one graph, as torch's
+    ``checkpoint_sequential`` does; "optimal" with costs measured eagerly beforehand."""
+    chain, plain = _chain(), _chain()
+    x = torch.randn(4, 16, requires_grad=True)
+    options: dict[str, Any] = dict(_SEQUENTIAL[strategy])
+    if strategy == "optimal":
+        schedule = checkpointing.sequential_schedule(chain, None, x, strategy="optimal", **options)
+        options["costs"] = schedule.costs
+
+    def ours(h: torch.Tensor) -> torch.Tensor:
+        return checkpointing.checkpoint_sequential(  # type: ignore[no-any-return]
+            chain, input=h, use_reentrant=False, strategy=strategy, **options
+        ).sum()
+
+    def theirs(h: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint_sequential(chain, 4, h, use_reentrant=False).sum()  # type: ignore[no-any-return]
+
+    assert _counts(ours, x) == _counts(theirs, x) == (1, 0)
+    want = _grads(plain, lambda h: plain(h).sum(), x)
+    torch._dynamo.reset()
+    got = _grads(chain, torch.compile(ours, backend=backend), x)
+    exact = {} if backend == "inductor" else {"rtol": 0, "atol": 0}
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **exact)
+    if strategy == "torch":  # the same cut written with torch's checkpoint per segment
+        _, kept_ours = _saved_bytes(lambda: torch.compile(ours, backend=backend)(x))
+        _, kept_theirs = _saved_bytes(lambda: torch.compile(_torch_cut(chain), backend=backend)(x))
+        assert kept_ours <= kept_theirs
+
+
+def _torch_cut(chain: nn.Sequential) -> Callable[[torch.Tensor], torch.Tensor]:
+    """torch's cut of 8 functions in 4 segments, as torch's ``checkpoint`` regions: three
+    checkpointed pairs, then the last pair plainly. (Torch's ``checkpoint_sequential`` itself
+    is not traced by dynamo: it runs eagerly inside an empty graph, so its compiled bytes are
+    eager checkpointing's.)"""
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            h = torch_checkpoint.checkpoint(chain[2 * i : 2 * i + 2], h, use_reentrant=False)
+        return chain[6:](h).sum()  # type: ignore[no-any-return]
+
+    return run
+
+
+def test_checkpoint_sequential_optimal_unmeasured_says_so_once_and_compiles() -> None:
+    """ "optimal" without ``costs=`` cannot measure in a trace: every function is checkpointed
+    on its own (the least memory), said once; still one graph, eager's gradients."""
+    _compiled._said.discard("optimal")  # said once per process
+    chain, plain = _chain(), _chain()
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def ours(h: torch.Tensor) -> torch.Tensor:
+        return checkpointing.checkpoint_sequential(  # type: ignore[no-any-return]
+            chain, input=h, use_reentrant=False, strategy="optimal", budget=3000
+        ).sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _counts(ours, x) == (1, 0)
+        torch._dynamo.reset()
+        got = _grads(chain, torch.compile(ours, backend="aot_eager"), x)
+    said = [w for w in caught if "strategy='optimal' measures the chain" in str(w.message)]
+    assert len(said) == 1
+    for g, w in zip(got, _grads(plain, lambda h: plain(h).sum(), x), strict=True):
+        assert torch.equal(g, w)
