@@ -15,7 +15,7 @@ regions ran eagerly with our hooks; it is reproduced here by wrapping our ``chec
 Method. One thread. Models: "mlp" (4 blocks of Linear 256->1024, GELU, Linear 1024->256 with a
 residual, batch 64) and "encoder" (4 ``nn.TransformerEncoderLayer`` d=128, 4 heads, ff 512,
 dropout 0, batch 4 x 64 tokens); each checkpointed per block ("full") or per block with
-``save_matmuls()`` ("sac"; torch's side: its SAC keeping ``aten.mm``/``aten.addmm``/``aten.bmm``).
+``save_matmuls()`` ("sac"; torch's side: its SAC keeping the same ops, ``MATMUL_OPS``).
 A step is: gradients set to ``None``, the compiled forward, ``backward`` of a sum. Every
 configuration is compiled and warmed up first; then in rounds, each configuration runs one
 sample (``--inner`` steps, the process's CPU time) in an order that alternates each round
@@ -38,7 +38,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import checkpointing
-from checkpointing.policies import as_context_fn, save_matmuls
+from checkpointing.policies import MATMUL_OPS, as_context_fn, save_matmuls
 
 
 class MlpBlock(nn.Module):
@@ -101,11 +101,8 @@ _LIBRARIES: dict[str, type[Stack]] = {
     "ours": OursStack,
     "ours, eager regions": EagerRegionsStack,
 }
-_TORCH_SAC_OPS = [
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-]
+# Torch's SAC keeps what save_matmuls() keeps: the same ops, so the same decisions.
+_TORCH_SAC_OPS = sorted(MATMUL_OPS, key=str)
 
 
 def _options(variant: str, library: str) -> dict[str, Any]:
