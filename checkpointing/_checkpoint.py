@@ -158,24 +158,14 @@ def checkpoint(
             early_stop=early_stop,
             respect_saved_tensors_hooks=respect_saved_tensors_hooks,
         )
+    run: Callable[..., Any] = checkpoint_call
     if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
-        return _compiled.torch_region(
-            function,  # type: ignore[arg-type]  # torch's checkpoint reports a non-callable
-            args,
-            kwargs,
-            use_reentrant=use_reentrant,
-            preserve_rng_state=preserve_rng_state,
-            context_fn=context_fn,
-            determinism_check=determinism_check,
-            debug=debug,
-            early_stop=early_stop,
-            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-        )
-    if use_reentrant is None:
+        run = _compiled.torch_region
+    elif use_reentrant is None:
         # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
-    return checkpoint_call(
+    return run(
         function,
         args,
         kwargs,

@@ -14,7 +14,6 @@ import copy
 import gc
 import io
 import json
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as tc
 from test_leaks import _describe, _ours, gc_disabled  # noqa: F401  (gc_disabled: a fixture)
+from thread_support import run_threads
 from torch import nn
 
 import checkpointing
@@ -795,29 +795,6 @@ def test_soak_300_steps_leave_no_cyclic_garbage() -> None:
         gc.garbage.clear()
 
 
-def _run_two_threads(target: Callable[[int], Any]) -> list[Any]:
-    """``target(0)`` and ``target(1)`` in two threads started together; re-raise any error."""
-    barrier = threading.Barrier(2)
-    results: list[Any] = [None, None]
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            barrier.wait()
-            results[index] = target(index)
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def test_two_threads_get_single_threaded_gradients() -> None:
     """Two threads at once, one running ``checkpoint_sequential(strategy="optimal")`` (measuring
     its chain the first time) and one a plan-applied model, both on shared modules, 10 steps
@@ -845,8 +822,8 @@ def test_two_threads_get_single_threaded_gradients() -> None:
     plan.remove(model)
     reference = [grads(chain, chain), grads(model, model)]
     plan.apply(model)
-    results = _run_two_threads(
-        lambda index: grads(optimal, chain) if index == 0 else grads(model, model)
+    results = run_threads(
+        lambda index: grads(optimal, chain) if index == 0 else grads(model, model), 2
     )
     for mine, theirs in zip(results, reference, strict=True):
         for step_mine, step_theirs in zip(mine, theirs, strict=True):

@@ -23,13 +23,15 @@ import gc
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import transformers
+from test_leaks import gc_disabled  # noqa: F401  (a fixture)
+from thread_support import run_threads
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -58,21 +60,6 @@ SOAK_STEPS = 300
 WARMUP = 3
 THREADS = 2
 THREAD_STEPS = 20
-
-
-@pytest.fixture
-def gc_off() -> Iterator[None]:
-    """Automatic collection off for the test (as ``test_leaks.gc_disabled``); restored after."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was_enabled:
-            gc.enable()
 
 
 def _garbage_of(step: Callable[[], None], steps: int) -> list[str]:
@@ -130,8 +117,9 @@ def _container_block(t: torch.Tensor) -> torch.Tensor:
     [(save_ops(*CONTAINER_OPS), 0), (offload_ops(*CONTAINER_OPS), 7)],
     ids=["save", "offload"],
 )
+@pytest.mark.usefixtures("gc_disabled")
 def test_sac_of_ops_returning_containers_leaves_no_cyclic_garbage(
-    policy: Any, offloaded_per_step: int, gc_off: None
+    policy: Any, offloaded_per_step: int
 ) -> None:
     """Kept tuple and list outputs are mapped without torch's pytree: 100 steps, no garbage
     (offload: the 7 tensors of the three outputs each step)."""
@@ -164,7 +152,8 @@ def _tiny_llama() -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(config).train()
 
 
-def test_tiny_llama_under_save_matmuls_leaves_no_cyclic_garbage(gc_off: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_tiny_llama_under_save_matmuls_leaves_no_cyclic_garbage() -> None:
     """``enable(model, policy=save_matmuls())``: fused attention returns a tuple; 10 training
     steps leave no garbage (torch's ``tree_map`` left 14 objects per attention call)."""
     model = _tiny_llama()
@@ -437,36 +426,12 @@ def _soak(entry: str) -> list[weakref.ref[Any]]:
 
 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
-def test_entry_point_soaks_300_steps_leaving_no_garbage_and_nothing_of_ours(
-    entry: str, gc_off: None
-) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_entry_point_soaks_300_steps_leaving_no_garbage_and_nothing_of_ours(entry: str) -> None:
     """300 steps with ``gc`` off: no cyclic garbage, as many objects of ours as before, and the
     last step's objects and the runner itself die by reference counting alone."""
     runner_refs = _soak(entry)
     assert [r() for r in runner_refs if r() is not None] == []
-
-
-def _run_threads(target: Callable[[int], Any]) -> list[Any]:
-    """``target(index)`` in ``THREADS`` threads started together; re-raise the first error."""
-    barrier = threading.Barrier(THREADS)
-    results: list[Any] = [None] * THREADS
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            barrier.wait()
-            results[index] = target(index)
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
@@ -484,7 +449,7 @@ def test_entry_point_in_two_threads_gives_the_plain_gradients(entry: str) -> Non
             assert all(torch.equal(g, r) for g, r in zip(got, reference[step], strict=True))
         return threading.get_ident()
 
-    idents = _run_threads(train)
+    idents = run_threads(train, THREADS)
     if runner.hooks is not None and alone.hooks is not None:
         packed, unpacked = Counter(runner.hooks.packed), Counter(runner.hooks.unpacked)
         for ident in idents:

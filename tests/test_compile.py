@@ -9,36 +9,19 @@ of the selective cache).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from compile_support import BACKENDS, COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
 from torch._dynamo.utils import counters
 
 import checkpointing
 from checkpointing import create_selective_checkpoint_contexts
 from checkpointing.policies import as_context_fn, save_matmuls
 
-BACKENDS = ["eager", "aot_eager", "inductor"]
-# After the graph break, dynamo reads ``.grad`` of the checkpoint's (non-leaf) output while it
-# wraps the inputs of the resumed graph. It means to hide the resulting warning (torch 2.13,
-# ``safe_grad_filter``), but the suite's "error" filter turns it into an exception first.
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
-    ),
-    # Importing inductor (torch 2.13) reaches a torch.jit.script_method decorator inside torch.
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    """Each test compiles from scratch and leaves no compiled code behind."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = COMPILE_MARKS
 
 
 class Model(torch.nn.Module):

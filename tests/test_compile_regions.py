@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from compile_support import BACKENDS, COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
 from torch import nn
 
 import checkpointing
@@ -34,24 +35,7 @@ from checkpointing.policies import (
     tag,
 )
 
-BACKENDS = ["eager", "aot_eager", "inductor"]
-pytestmark = [
-    # After a graph break (transformers' models have one), dynamo reads ``.grad`` of a non-leaf
-    # while it wraps the resumed graph's inputs; it means to hide the warning (torch 2.13,
-    # ``safe_grad_filter``), but the suite's "error" filter turns it into an exception first.
-    pytest.mark.filterwarnings(
-        "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
-    ),
-    # Importing inductor (torch 2.13) reaches a torch.jit.script_method decorator inside torch.
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = COMPILE_MARKS
 
 
 class Block(nn.Module):

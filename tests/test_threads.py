@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from mechanism_support import MECHANISMS, forward, make_params
+from thread_support import run_threads
 
 import checkpointing
 from checkpointing._determinism import debug_enabled
@@ -34,29 +33,6 @@ def _grads(mechanism: str, step: int) -> list[torch.Tensor]:
     params = make_params(seed=step % 3)
     forward(mechanism, params, _inputs(step)).pow(2).sum().backward()
     return [p.grad for p in params]  # type: ignore[misc]
-
-
-def _run_threads(target: Callable[[int], Any]) -> list[Any]:
-    """Run ``target(index)`` in ``THREADS`` threads started together; re-raise any error."""
-    barrier = threading.Barrier(THREADS)
-    results: list[Any] = [None] * THREADS
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            barrier.wait()
-            results[index] = target(index)
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _available(mechanisms: list[str]) -> list[str]:
@@ -82,7 +58,7 @@ def test_threads_match_single_threaded_gradients(mechanism: str) -> None:
             assert all(torch.equal(g, r) for g, r in zip(got, reference[step], strict=True))
         return STEPS
 
-    assert sum(_run_threads(train)) == THREADS * STEPS
+    assert sum(run_threads(train, THREADS)) == THREADS * STEPS
 
 
 def test_threads_mixing_every_mechanism_at_once() -> None:
@@ -98,7 +74,7 @@ def test_threads_mixing_every_mechanism_at_once() -> None:
             assert all(torch.equal(g, r) for g, r in zip(got, want, strict=True)), mechanism
         return STEPS
 
-    assert sum(_run_threads(train)) == THREADS * STEPS
+    assert sum(run_threads(train, THREADS)) == THREADS * STEPS
 
 
 def _settings() -> tuple[bool, bool]:
@@ -163,7 +139,7 @@ def test_early_stop_setting_is_per_thread_in_behaviour() -> None:
                 results.append(not _early_stop_ran_to_the_end())
         return results
 
-    assert all(all(r) for r in _run_threads(run))
+    assert all(all(r) for r in run_threads(run, THREADS))
 
 
 def test_settings_do_not_leak_between_asyncio_tasks() -> None:
