@@ -210,18 +210,6 @@ def skip_dynamo_in_code(fn: _F) -> _F:
     return fn
 
 
-def skip_dynamo(fn: _F) -> _F:
-    """Keep dynamo out of ``fn`` as ``disable_dynamo`` does, with no wrapper around it: a call
-    that dynamo traces breaks the graph (the ``_torchdynamo_disable`` mark that dynamo's own
-    ``disable`` and ``skip`` set), and when ``fn`` runs, dynamo skips it and every frame it calls
-    (``skip_dynamo_in_code``). For entry points called once per region, such as ``checkpoint``:
-    ``disable_dynamo``'s two wrapper frames cost about 4 us per call even when nothing is being
-    compiled (2.11-2.15: ``torch._dynamo`` reads the mark with ``inspect.getattr_static``)."""
-    skip_dynamo_in_code(fn)
-    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
-    return fn
-
-
 def active_device_context() -> DeviceContext | None:
     """The innermost ``with torch.device(...)`` mode on the function-mode stack, if any (2.11-2.15:
     ``torch.overrides._get_current_function_mode_stack`` and ``torch.utils._device``)."""
