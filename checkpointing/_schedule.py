@@ -56,7 +56,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Final, Literal, get_args
 
 import torch
 
@@ -318,7 +318,7 @@ def build_schedule(
     else:
         internal_assert(costs is not None and budget is not None, "optimal without costs")
         if torch.compiler.is_dynamo_compiling():  # NOTE [Compiled regions], Rule 5
-            numbers = tuple(dataclasses.astuple(cost) for cost in costs or ())
+            numbers = tuple(_cost_numbers(cost) for cost in costs or ())
             top = _segments(_optimal_in_trace(numbers, input_bytes, budget or 0))
         else:
             top = _optimal(costs or (), input_bytes, budget or 0)
@@ -327,6 +327,15 @@ def build_schedule(
 
 # A Segment (or LayerCost) as nested tuples of numbers: (start, end, checkpointed, children).
 _Numbers = tuple[Any, ...]
+
+
+_COST_FIELDS: Final = tuple(field.name for field in dataclasses.fields(LayerCost))
+
+
+def _cost_numbers(cost: LayerCost) -> _Numbers:
+    """A ``LayerCost``'s fields in order (``dataclasses.astuple`` deep-copies, which torch 2.11's
+    dynamo cannot trace)."""
+    return tuple(getattr(cost, name) for name in _COST_FIELDS)
 
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
@@ -424,7 +433,7 @@ class _Model:
 def memory_floor(costs: tuple[LayerCost, ...], input_bytes: int) -> int:
     """The smallest predicted peak of any nested schedule of this chain (NOTE Rule 4)."""
     if torch.compiler.is_dynamo_compiling():  # NOTE [Compiled regions], Rule 5
-        numbers = tuple(dataclasses.astuple(cost) for cost in costs)
+        numbers = tuple(_cost_numbers(cost) for cost in costs)
         return _memory_floor_in_trace(numbers, input_bytes)  # type: ignore[no-any-return]
     return _memory_floor(costs, input_bytes)
 
