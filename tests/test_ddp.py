@@ -109,6 +109,13 @@ def _train(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> None:
         optimizer.step()
 
 
+# The worker's DDP models, kept until the process ends (``dist_support._then_exit`` ends it with
+# ``os._exit``): freeing a model frees its reducer, whose gloo process group joins its worker
+# thread while holding the GIL, and that thread may wait for the GIL to drop a tensor: a
+# deadlock seen twice in 2026-11-25 runs (the spawned rank stuck in ~ProcessGroupGloo).
+_KEPT_UNTIL_EXIT: list[torch.nn.Module] = []
+
+
 def _worker(rank: int, port: int, mechanisms: list[str], out_dir: str) -> None:
     """One DDP process: for each mechanism, train on rows ``rank::2`` of each batch and save
     the final parameters."""
@@ -118,6 +125,7 @@ def _worker(rank: int, port: int, mechanisms: list[str], out_dir: str) -> None:
             xs, ys = _data()
             if mechanism == "reentrant_static_graph":
                 xs.requires_grad_()  # reentrant: an input must require grad (README)
+            _KEPT_UNTIL_EXIT.append(model)
             _train(model, xs[:, rank::2], ys[:, rank::2])
             torch.save(model.module.state_dict(), Path(out_dir) / f"{mechanism}{rank}.pt")
 
