@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from test_transformers import BATCH, SEQ, VOCAB
+from test_transformers import _llama as tiny_llama
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("accelerate")
@@ -48,24 +50,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
 ]
 
-VOCAB, BATCH, SEQ = 64, 2, 16
 Route = Callable[[transformers.PreTrainedModel], torch.nn.Module]
 
 
 def _llama(layers: int = 2) -> transformers.PreTrainedModel:
     """A tiny Llama with attention dropout, the same weights every time."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_dropout=0.1,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(layers)
 
 
 def _lora(model: transformers.PreTrainedModel) -> Any:
