@@ -15,10 +15,16 @@ from ._checkpoint import checkpoint
 from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
+from ._keep import keep, keeping
 from ._module import checkpoint_module, remove_checkpoint_module
 from ._planning import ActivationPlan, plan_checkpointing
 from ._reentrant import CheckpointFunction
-from ._report import SavedTensorRecord, SavedTensorsReport, saved_tensors_report
+from ._report import (
+    SavedTensorRecord,
+    SavedTensorsReport,
+    report_on_oom,
+    saved_tensors_report,
+)
 from ._schedule import LayerCost, SequentialSchedule
 from ._scope import gradient_checkpoint_scope, gradient_checkpoint_session
 from ._selective import (
@@ -31,6 +37,7 @@ from ._selective import (
 from ._sequential import checkpoint_sequential, sequential_schedule
 from ._state import (
     DefaultDeviceType,
+    RecomputeStateHook,
     check_backward_validity,
     detach_variable,
     get_device_states,
@@ -55,6 +62,7 @@ __all__ = [
     "GraphExecGroup",
     "LayerCost",
     "OffloadStats",
+    "RecomputeStateHook",
     "SavedTensorRecord",
     "SavedTensorsReport",
     "SelectiveCheckpointContext",
@@ -71,9 +79,12 @@ __all__ = [
     "gradient_checkpoint_scope",
     "gradient_checkpoint_session",
     "is_recomputing",
+    "keep",
+    "keeping",
     "noop_context_fn",
     "plan_checkpointing",
     "remove_checkpoint_module",
+    "report_on_oom",
     "saved_tensors_report",
     "sequential_schedule",
     "set_checkpoint_debug_enabled",

@@ -12,13 +12,19 @@ from __future__ import annotations
 import functools
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final, TypeVar, overload
 
 from . import _compat, _compiled
 from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
 from ._reentrant import CheckpointFunction
-from ._state import ContextFn, is_noop_context_fn, noop_context_fn
+from ._state import (
+    ContextFn,
+    RecomputeStateHook,
+    is_noop_context_fn,
+    noop_context_fn,
+    state_hooks_from,
+)
 
 __all__ = ["CHECKPOINT_OPTIONS", "CheckpointedFunction", "checkpoint", "checkpoint_call"]
 
@@ -30,6 +36,7 @@ CHECKPOINT_OPTIONS: Final = frozenset(
         "determinism_check",
         "early_stop",
         "preserve_rng_state",
+        "recompute_state_hooks",
         "respect_saved_tensors_hooks",
         "use_reentrant",
     }
@@ -79,6 +86,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
+    recompute_state_hooks: RecomputeStateHook | Iterable[RecomputeStateHook] | None = None,
     **kwargs: Any,
 ) -> _T: ...
 
@@ -94,6 +102,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
+    recompute_state_hooks: RecomputeStateHook | Iterable[RecomputeStateHook] | None = None,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -107,6 +116,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
+    recompute_state_hooks: RecomputeStateHook | Iterable[RecomputeStateHook] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
@@ -133,6 +143,11 @@ def checkpoint(
         respect_saved_tensors_hooks: route what a selective policy keeps through the user's
             saved-tensors hooks (``True``), or not (``False``); ``None`` does not, and warns
             (``FutureWarning``) when such hooks are active (non-reentrant only).
+        recompute_state_hooks: ours: objects with ``snapshot()`` and ``restore(state)`` (one,
+            or a list) for user state the recompute must see as the forward did (e.g. a
+            counter seeding a custom random kernel): restored when recompute starts and after
+            each kept span it skips (``checkpointing.keep``); the caller's state is put back
+            afterwards.
         **kwargs: keyword arguments for ``function`` (non-reentrant only).
 
     Example:
@@ -157,6 +172,7 @@ def checkpoint(
             debug=debug,
             early_stop=early_stop,
             respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+            recompute_state_hooks=recompute_state_hooks,
         )
     run: Callable[..., Any] = checkpoint_call
     if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
@@ -176,6 +192,7 @@ def checkpoint(
         debug=debug,
         early_stop=early_stop,
         respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        recompute_state_hooks=recompute_state_hooks,
     )
 
 
@@ -192,6 +209,7 @@ def checkpoint_call(
     debug: bool,
     early_stop: bool,
     respect_saved_tensors_hooks: bool | None,
+    recompute_state_hooks: object = None,
 ) -> Any:
     """One checkpointed call of ``function(*args, **kwargs)`` with the options resolved (no
     ``None`` for ``use_reentrant``): what ``checkpoint`` and its decorator both run. ``kwargs``
@@ -214,6 +232,9 @@ def checkpoint_call(
                 else f"respect_saved_tensors_hooks={respect_saved_tensors_hooks!r}"
             )
             raise ValueError(_MSG_REENTRANT_ONLY_DEFAULTS.format(what=what))
+        hooks = state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint")
+        if hooks:
+            function = _RestoringState(function, hooks)
         return CheckpointFunction.apply(function, preserve_rng_state, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
     gen = checkpoint_without_reentrant_generator_impl(
         function,
@@ -225,8 +246,35 @@ def checkpoint_call(
         debug=debug,
         early_stop=early_stop,
         respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        recompute_state_hooks=recompute_state_hooks,
     )
     return run_generator(gen, function, *args, **kwargs)
+
+
+class _RestoringState:
+    """A reentrant checkpoint's function with user state hooks (NOTE [Nestable checkpoint],
+    Rule 12, for ``CheckpointFunction``): the first call (forward) snapshots; every later call
+    (a re-run in backward) restores the forward's state and then puts the caller's back."""
+
+    __slots__ = ("entry", "function", "hooks")
+
+    def __init__(self, function: Callable[..., Any], hooks: tuple[RecomputeStateHook, ...]):
+        self.function = function
+        self.hooks = hooks
+        self.entry: tuple[Any, ...] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.entry is None:
+            self.entry = tuple(hook.snapshot() for hook in self.hooks)
+            return self.function(*args)
+        outer = tuple(hook.snapshot() for hook in self.hooks)
+        for hook, snapshot in zip(self.hooks, self.entry, strict=True):
+            hook.restore(snapshot)
+        try:
+            return self.function(*args)
+        finally:
+            for hook, snapshot in zip(self.hooks, outer, strict=True):
+                hook.restore(snapshot)
 
 
 class CheckpointedFunction:

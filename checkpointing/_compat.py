@@ -38,6 +38,7 @@ from torch._C._autograd import SavedTensor as SavedTensor
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 from torch._higher_order_ops.effects import has_effects as _has_effects
+from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper as _dynamo_bypassing_wrapper
 from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_compiled_code
 from torch._ops import HigherOrderOperator as HigherOrderOperator
 from torch._ops import OpOverload as OpOverload
@@ -380,6 +381,25 @@ def traced_nodes_since(count_before: int) -> list[Any]:
     return list(itertools.islice(reversed(nodes), len(nodes) - count_before))
 
 
+def run_when_traced(
+    wrapper: Callable[[Callable[..., Any]], Callable[..., Any]],
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Call ``fn(*args, **kwargs)`` from code dynamo traces, so that ``wrapper(fn)`` runs it when
+    AOTAutograd traces the graph (where the traced FX nodes can be read), while dynamo inlines
+    ``fn`` into the graph as usual (2.11-2.15: the ``dynamo_bypassing_wrapper`` higher-order
+    op)."""
+    return _dynamo_bypassing_wrapper(wrapper, fn, *args, **kwargs)
+
+
+def traced_node_meta(node: Any) -> dict[str, Any]:
+    """An FX node's metadata dict (2.11-2.15: ``node.meta``)."""
+    meta: dict[str, Any] = node.meta
+    return meta
+
+
 # ``inductor_compiled_code`` (imported above): the higher-order op that runs an inductor-compiled
 # region; selective checkpointing keys its calls per region.
 
@@ -488,3 +508,74 @@ def compile_activation_memory_budget(fraction: float) -> Any:
     from torch._functorch import config
 
     return config.patch(activation_memory_budget=fraction)
+
+
+# === Saved-tensor report (``_report``): reading the graph without unpacking it ===================
+# Owned by the report; other parts of this file belong to other modules. A report built from a loss
+# reads what each autograd node saved through its raw accessors, which give the packed value and the
+# unpack hook of each save: unpacking instead would run a checkpoint's recompute.
+
+_RAW_PREFIX = "_raw_saved_"
+_raw_attributes: dict[type, tuple[str, ...]] = {}
+
+
+def raw_saves(node: Any) -> list[tuple[str, Any, Any]]:
+    """(what, packed value, unpack hook) of each tensor ``node`` saved, never unpacked; the
+    packed value is None once backward has freed it (2.11-2.15: the ``_raw_saved_<name>``
+    accessors of built-in nodes, ``_raw_saved_tensors`` of a custom ``autograd.Function``'s,
+    each a ``SavedTensor`` with ``.data`` and ``.unpack_hook``)."""
+    kind = type(node)
+    names = _raw_attributes.get(kind)
+    if names is None:
+        names = _raw_attributes[kind] = tuple(n for n in dir(node) if n.startswith(_RAW_PREFIX))
+    saves: list[tuple[str, Any, Any]] = []
+    for name in names:
+        value = getattr(node, name)
+        what = name.removeprefix(_RAW_PREFIX)
+        if isinstance(value, SavedTensor):
+            saves.append((what, *_packed(value)))
+        elif isinstance(value, (tuple, list)):  # a list of tensors, or a custom Function's
+            saves.extend(
+                (f"{what}[{i}]", *_packed(v))
+                for i, v in enumerate(value)
+                if isinstance(v, SavedTensor)
+            )
+    return saves
+
+
+def _packed(saved: SavedTensor) -> tuple[Any, Any]:
+    """(packed value, unpack hook) of one ``SavedTensor`` (torch's stubs omit both)."""
+    return saved.data, saved.unpack_hook  # type: ignore[attr-defined]  # missing from the stubs
+
+
+def raw_saved_input(entry: object) -> tuple[Any, Any] | None:
+    """(packed value, unpack hook) of a region input that ``save_inputs`` saved, never
+    unpacked; None for an argument that is not a saved tensor (2.12-2.15: a ``SavedTensor``;
+    2.11: a slot of the no-op node that saved the inputs, read through its node's raw saves)."""
+    if isinstance(entry, SavedTensor):
+        return _packed(entry)
+    keeper = getattr(entry, "keeper", None)
+    index = getattr(entry, "index", None)
+    if isinstance(keeper, torch.Tensor) and isinstance(index, int) and keeper.grad_fn is not None:
+        saves = raw_saves(keeper.grad_fn)
+        if index < len(saves):
+            return saves[index][1], saves[index][2]
+    return None
+
+
+def node_sequence_number(node: Any) -> int:
+    """The order in which autograd made ``node`` during forward (2.11-2.15:
+    ``Node._sequence_nr()``), so that a graph walk can list rows in forward order."""
+    return int(node._sequence_nr())
+
+
+def attach_cuda_oom_observer(observer: Callable[[int, int, int, int], None]) -> bool:
+    """Have CUDA's caching allocator call ``observer(device, requested, allocated, free)`` just
+    before it raises an out-of-memory error; False where there is no CUDA (a CPU build, or no
+    device). torch offers no way to detach one (2.11-2.15:
+    ``torch._C._cuda_attach_out_of_memory_observer``): attach once and dispatch from there."""
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None or not torch.cuda.is_available():
+        return False
+    attach(observer)
+    return True

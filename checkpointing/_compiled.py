@@ -34,6 +34,12 @@ NOTE [Compiled regions]
           machine: an input's bytes come from its shape (not its storage), and
           ``strategy="optimal"`` without ``costs=`` cannot measure the chain, so it checkpoints
           every function on its own (the least memory) and says so once.
+  Rule 6. A kept span (``checkpointing.keep``, NOTE [Kept spans]) becomes the partitioner's
+          "must save" for its nodes: dynamo inlines the span, and when AOTAutograd traces it a
+          wrapper marks every node the span added that sits in a checkpointed region (it
+          carries torch's ``recompute`` tag) ``MUST_SAVE``. Outside a region the nodes are left
+          as they are, as eager ``keep`` is a plain call there. ``recompute_state_hooks`` have
+          nothing to restore in a compiled region (no Python re-runs) and are said once.
 """
 
 from __future__ import annotations
@@ -48,9 +54,10 @@ from typing import Any, Final
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
+from . import _compat
 from ._state import ContextFn, is_noop_context_fn
 
-__all__ = ["compiling", "say_once", "torch_region", "traceable_context_fn"]
+__all__ = ["compiling", "kept_region", "say_once", "torch_region", "traceable_context_fn"]
 
 compiling: Final = torch.compiler.is_dynamo_compiling
 
@@ -80,7 +87,18 @@ _MSG_OPTIMAL = (
     "functions, None, x, strategy='optimal', budget=...), then strategy=schedule (or "
     "costs=schedule.costs)."
 )
-_MESSAGES: Final = {"debug": _MSG_DEBUG, "offload": _MSG_OFFLOAD, "optimal": _MSG_OPTIMAL}
+_MSG_STATE_HOOKS = (
+    "checkpointing: recompute_state_hooks are not used under torch.compile: the compiled "
+    "region's recompute runs no Python, so there is no user state to restore (this is said "
+    "once). Fix: nothing, if the state only feeds Python code; a custom random kernel whose "
+    "seed comes from such state should draw through torch's generators under compile."
+)
+_MESSAGES: Final = {
+    "debug": _MSG_DEBUG,
+    "offload": _MSG_OFFLOAD,
+    "optimal": _MSG_OPTIMAL,
+    "state hooks": _MSG_STATE_HOOKS,
+}
 _said: set[str] = set()
 
 
@@ -119,10 +137,13 @@ def torch_region(
     debug: bool,
     early_stop: bool,
     respect_saved_tensors_hooks: bool | None,
+    recompute_state_hooks: object = None,
 ) -> Any:
     """One checkpointed call as torch's region (Rule 2); only reached while dynamo traces."""
     if debug:
         say_once("debug")
+    if recompute_state_hooks:
+        say_once("state hooks")
     options: dict[str, Any] = {
         "use_reentrant": use_reentrant,
         "preserve_rng_state": preserve_rng_state,
@@ -134,3 +155,23 @@ def torch_region(
     if respect_saved_tensors_hooks is not None and _TORCH_HAS_RESPECT:
         options["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
     return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+
+
+def kept_region(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A kept span while dynamo traces (Rule 6)."""
+    return _compat.run_when_traced(_saving_nodes, fn, *args, **kwargs)
+
+
+def _saving_nodes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run at AOTAutograd trace time: the span's checkpointed nodes become ``MUST_SAVE``."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        count_before = _compat.traced_node_count()
+        out = fn(*args, **kwargs)
+        for node in _compat.traced_nodes_since(count_before):
+            meta = _compat.traced_node_meta(node)
+            if node.op == "call_function" and "recompute" in meta:
+                meta["recompute"] = _torch_checkpoint.CheckpointPolicy.MUST_SAVE
+        return out
+
+    return run

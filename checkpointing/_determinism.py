@@ -249,6 +249,9 @@ class OpLogger:
 
 
 class _LoggingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+    # A skipped kept span only shortens the log (NOTE [Kept spans], Rule 6).
+    honours_kept_spans = True
+
     def __init__(self, log: OpLogger) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         self.log = log

@@ -4,14 +4,17 @@ Owns the one ``ContextVar`` that a report (``checkpointing``'s saved-tensor repo
 watches a step. The frame, the scope and the selective modes call ``announce`` from their pack
 paths; with no listener that costs one ``ContextVar.get``. The frame also calls ``announce_kept``
 for what it keeps by plain reference, out of autograd's sight (RNG states, keyword inputs), only
-while a listener watches it. This module knows nothing about how a report is built or printed:
-that belongs to the report's own module.
+while a listener watches it. ``note_tag`` remembers the names given with
+``checkpointing.policies.tag`` by storage, for as long as the storage lives, so that a report
+built from a loss after forward (no listener then) can still name the tensors it finds. This
+module knows nothing about how a report is built or printed: that belongs to ``_report``.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextvars import ContextVar
-from typing import Literal, Protocol, runtime_checkable
+from typing import Final, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -24,12 +27,15 @@ __all__ = [
     "announce_kept",
     "current_region",
     "listener",
+    "note_tag",
+    "tag_name",
 ]
 
 Decision = Literal["saved", "recomputed", "offloaded"]
-Kept = Literal["rng state", "keyword input", "nested input"]
+Kept = Literal["rng state", "keyword input", "nested input", "span output"]
 """What a region keeps by reference: an RNG state it captured, a tensor it received by keyword,
-or one inside a container among its positional arguments."""
+one inside a container among its positional arguments, or the output of a kept span that its
+replay will be served (``checkpointing.keep``)."""
 
 
 class Listener(Protocol):
@@ -67,3 +73,30 @@ def announce_kept(tensor: torch.Tensor, region: str, what: Kept) -> None:
     current = listener.get()
     if isinstance(current, KeptListener):
         current.on_kept(tensor, region=region, what=what)
+
+
+# Tag names by storage: a weak key, so an entry lives exactly as long as the memory it names. The
+# storage's Python object stands for the storage itself: torch keeps one per storage while it
+# lives, so every tensor on that memory finds the entry (a view, the detached alias a selective
+# checkpoint keeps, the copy autograd saves of an op's output).
+_tag_names: Final[weakref.WeakKeyDictionary[torch.UntypedStorage, str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def note_tag(tensor: torch.Tensor, name: str) -> None:
+    """Remember that ``tensor``'s memory is named ``name`` (``policies.tag``; a report watching
+    a step also notes every tag op it sees). Tensors without memory of their own (meta, sparse,
+    subclasses such as a compiler's fake tensors) are not noted."""
+    if type(tensor) in _PLAIN and tensor.device.type != "meta" and not tensor.is_sparse:
+        _tag_names[tensor.untyped_storage()] = name
+
+
+def tag_name(tensor: torch.Tensor) -> str | None:
+    """The name ``note_tag`` gave ``tensor``'s memory, if any."""
+    if type(tensor) not in _PLAIN or tensor.device.type == "meta" or tensor.is_sparse:
+        return None
+    return _tag_names.get(tensor.untyped_storage())
+
+
+_PLAIN: Final = (torch.Tensor, torch.nn.Parameter)

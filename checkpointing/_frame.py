@@ -48,6 +48,12 @@ NOTE [Nestable checkpoint]
           ``preserve_rng_state``), the tensors it received by keyword, and tensors inside
           containers among its positional inputs. A watching report is told of them
           (``announce_kept``); the planner counts them (NOTE [Planner model], Rule 14).
+  Rule 12. ``recompute_state_hooks`` (user state, NOTE [Kept spans], Rule 5): each hook is
+          snapshotted when the frame starts; the recompute snapshots the caller's state,
+          restores the forward's, runs, and puts the caller's back (as Rule 7's RNG). A frame
+          also holds the kept spans its forward met (``_keep``); its recompute carries
+          ``replaying`` (the frame) and ``spans_seen`` on its pack hook, so that a span the
+          replay reaches finds what to serve.
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -79,7 +85,18 @@ from ._determinism import (
 )
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
-from ._state import ContextFn, ForwardState, is_noop_context_fn, noop_context_fn
+from ._keep import Span, bind_frame
+from ._state import (
+    ContextFn,
+    ForwardState,
+    RecomputeStateHook,
+    exit_span,
+    is_noop_context_fn,
+    leave_spans,
+    noop_context_fn,
+    span_depth,
+    state_hooks_from,
+)
 
 __all__ = [
     "Frame",
@@ -237,7 +254,10 @@ class Frame:
         "observed",
         "recompute_context",
         "saved_args",
+        "spans",
         "state",
+        "state_entry",
+        "state_hooks",
         "weak_holders",
     )
 
@@ -251,6 +271,7 @@ class Frame:
         record_metadata: bool,
         early_stop: bool,
         loggers: tuple[OpLogger, OpLogger] | None,
+        state_hooks: tuple[RecomputeStateHook, ...] = (),
     ) -> None:
         self.fn = fn
         self.kwargs = kwargs
@@ -262,6 +283,9 @@ class Frame:
         self.metadata: list[Metadata] | None = [] if record_metadata else None
         self.forward_completed = False
         self.ignore_count_mismatch = False
+        self.spans: list[Span] | None = None  # NOTE [Kept spans]
+        self.state_hooks = state_hooks  # Rule 12
+        self.state_entry = tuple(hook.snapshot() for hook in state_hooks) if state_hooks else ()
         self.observed = listener.get() is not None  # a report watches this frame
         token = current_region.set(f"inputs of {self.region()}") if self.observed else None
         # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
@@ -285,6 +309,12 @@ class Frame:
         if self.observed:
             announce(x, self.region(), "recomputed")
         return holder
+
+    def add_span(self, span: Span) -> None:
+        """A kept span ended in this frame's forward (NOTE [Kept spans])."""
+        if self.spans is None:
+            self.spans = []
+        self.spans.append(span)
 
     def region(self) -> str:
         """How reports name this region (``region_name``: set by ``checkpoint_module``)."""
@@ -310,6 +340,7 @@ class Frame:
             except CheckpointError as error:
                 debug_error(error, *loggers)
 
+        unpack_reporting.frame = self  # type: ignore[attr-defined]  # reports find the frame
         return unpack_reporting
 
     # -- backward -----------------------------------------------------------------------------
@@ -372,9 +403,15 @@ class Frame:
 
         pack._checkpoint_internal = True  # type: ignore[attr-defined]  # Rule 10
         pack._user_hooks = _compat.user_saved_tensors_hooks()  # type: ignore[attr-defined]
+        pack.replaying = self  # type: ignore[attr-defined]  # Rule 12: kept spans find us
+        pack.spans_seen = 0  # type: ignore[attr-defined]
+        state_hooks = self.state_hooks
+        outer_state = tuple(hook.snapshot() for hook in state_hooks) if state_hooks else ()
         _compat.push_saved_tensors_hooks(pack, _identity)  # Rule 3: on top of the stack
         try:
             with torch.enable_grad(), self.state.restored(), self.recompute_context:
+                for hook, snapshot in zip(state_hooks, self.state_entry, strict=True):
+                    hook.restore(snapshot)  # Rule 12
                 if _compat.dynamo_eval_frame_active():
                     _run_without_dynamo(self.fn, *args, **self.kwargs)
                 else:  # the wrapper would be a no-op: skip its ~5 us
@@ -384,6 +421,9 @@ class Frame:
         finally:
             _compat.pop_saved_tensors_hooks()
             del pack._user_hooks  # type: ignore[attr-defined]  # Rule 10: no graph-held reference
+            del pack.replaying  # type: ignore[attr-defined]
+            for hook, snapshot in zip(state_hooks, outer_state, strict=True):
+                hook.restore(snapshot)  # Rule 12: the caller's state back
         if self.ignore_count_mismatch:
             return  # Rule 6: a forward cut short by its own backward saved fewer
         check_counts(len(holders), count)
@@ -428,6 +468,7 @@ def checkpoint_without_reentrant_generator(
     early_stop: bool = True,
     *args: Any,
     respect_saved_tensors_hooks: bool | None = None,
+    recompute_state_hooks: object = None,
     **kwargs: Any,
 ) -> Generator[None, None, None]:
     """Torch's positional form of the generator (``fn``, the options, then ``fn``'s arguments),
@@ -443,6 +484,7 @@ def checkpoint_without_reentrant_generator(
         debug=debug,
         early_stop=early_stop,
         respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        recompute_state_hooks=recompute_state_hooks,
     )
 
 
@@ -457,6 +499,7 @@ def checkpoint_without_reentrant_generator_impl(
     debug: bool = False,
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
+    recompute_state_hooks: object = None,
 ) -> Generator[None, None, None]:
     """The forward phase of a non-reentrant checkpoint, as a generator (torch 2.14's contract).
 
@@ -466,6 +509,7 @@ def checkpoint_without_reentrant_generator_impl(
     pause pops the hooks too, so the caller's hook stack is exactly as before (See NOTE
     [Nestable checkpoint], Rule 8). ``checkpoint(..., use_reentrant=False)`` drives this, and so
     do ``checkpoint_module``'s hooks and third-party code written against torch's generator.
+    ``recompute_state_hooks`` (ours): user state restored for recompute (Rule 12).
     ``respect_saved_tensors_hooks`` reaches a selective-checkpoint forward context (ours or
     torch's), which routes what it keeps through the user's saved-tensors hooks when True.
     """
@@ -475,6 +519,7 @@ def checkpoint_without_reentrant_generator_impl(
             raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
         loggers = (OpLogger(), OpLogger())
     record_metadata = metadata_fn_for(determinism_check) is not None
+    state_hooks = state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint")
     forward_context: AbstractContextManager[Any]
     recompute_context: AbstractContextManager[Any]
     if loggers is not None:
@@ -497,9 +542,12 @@ def checkpoint_without_reentrant_generator_impl(
         record_metadata,
         early_stop_enabled(early_stop),
         loggers,
+        state_hooks,
     )
     completed = False
     token = current_region.set(frame.region()) if frame.observed else None
+    # A checkpoint inside a kept span is a region of its own: its ops are not the span's.
+    outside_spans = leave_spans() if span_depth() else None
     frame._user_hooks = _compat.user_saved_tensors_hooks()  # Rule 10
     _compat.push_saved_tensors_hooks(frame, frame.unpack_hook())  # Rule 1: the frame packs
     try:
@@ -511,9 +559,16 @@ def checkpoint_without_reentrant_generator_impl(
         frame._user_hooks = None  # Rule 10
         if token is not None:
             current_region.reset(token)
+        if outside_spans is not None:
+            exit_span(outside_spans)
     if not completed:
         raise RuntimeError(_MSG_CONTEXT_SUPPRESSED)
     frame.forward_completed = True
+    if frame.spans is not None and frame.early_stop:  # NOTE [Kept spans], Rule 3
+        n_holders = len(frame.weak_holders)
+        for span in frame.spans:
+            if span.start >= n_holders:
+                span.release()
     if frame.state.device_initialized_during(preserve_rng_state):
         raise RuntimeError(_MSG_DEVICE_INIT)
 
@@ -537,6 +592,7 @@ def run_generator(
 
 
 _NULL_CONTEXT: Final = contextlib.nullcontext()
+bind_frame(Frame, _NULL_CONTEXT)  # NOTE [Kept spans], Rule 1
 _MSG_DEBUG_WITH_CONTEXT_FN = (
     "debug=True is incompatible with non-default context_fn (checkpointing.checkpoint: the "
     "debug report installs its own op loggers as the forward and recompute contexts). Fix: "

@@ -47,7 +47,7 @@ from . import _compat, _compiled
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
 from ._frame import checkpoint_without_reentrant_generator_impl
-from ._state import ContextFn, noop_context_fn
+from ._state import ContextFn, noop_context_fn, state_hooks_from
 
 __all__ = ["checkpoint_module", "is_module_checkpointed", "remove_checkpoint_module"]
 
@@ -58,6 +58,7 @@ _OPTIONS: Final = (
     "debug",
     "early_stop",
     "respect_saved_tensors_hooks",
+    "recompute_state_hooks",
 )
 
 _MSG_REENTRANT = (
@@ -231,6 +232,7 @@ def checkpoint_module(
     debug: bool = False,
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
+    recompute_state_hooks: object = None,
     **unexpected: Any,
 ) -> nn.Module:
     """Checkpoint ``module`` through forward hooks: its activations are recomputed in backward.
@@ -246,8 +248,8 @@ def checkpoint_module(
         module: the module whose every call becomes one checkpointed region.
         use_reentrant: must be ``False``: ``True`` raises ``NotImplementedError`` (as torch).
         preserve_rng_state, context_fn, determinism_check, debug, early_stop,
-            respect_saved_tensors_hooks: as in ``checkpointing.checkpoint(...,
-            use_reentrant=False)``.
+            respect_saved_tensors_hooks, recompute_state_hooks: as in
+            ``checkpointing.checkpoint(..., use_reentrant=False)``.
 
     Returns:
         ``module`` itself.
@@ -279,6 +281,9 @@ def checkpoint_module(
             "debug": debug,
             "early_stop": early_stop,
             "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
+            "recompute_state_hooks": state_hooks_from(
+                recompute_state_hooks, "checkpointing.checkpoint_module"
+            ),
         }
     )
     module.register_forward_pre_hook(state.pre_hook, with_kwargs=True)

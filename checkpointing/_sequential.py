@@ -52,7 +52,7 @@ from ._schedule import (
     memory_floor,
     segment_bounds,
 )
-from ._state import ContextFn, is_noop_context_fn, noop_context_fn
+from ._state import ContextFn, is_noop_context_fn, noop_context_fn, state_hooks_from
 
 __all__ = ["checkpoint_sequential", "measure_costs", "segment_bounds", "sequential_schedule"]
 
@@ -167,6 +167,7 @@ def checkpoint_sequential(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    recompute_state_hooks: object = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``functions`` in order on ``input``, checkpointing segments chosen by ``strategy``.
@@ -196,6 +197,8 @@ def checkpoint_sequential(
             them.
         context_fn, determinism_check, debug, early_stop: handed to each segment's
             ``checkpoint`` (``context_fn`` and ``debug`` need ``use_reentrant=False``).
+        recompute_state_hooks: as for ``checkpoint``: each segment snapshots at its start and
+            restores in its recompute.
         **kwargs: ``preserve_rng_state=True``, handed to each segment.
 
     Example:
@@ -215,6 +218,8 @@ def checkpoint_sequential(
     if kwargs:
         raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
     extension = _extension_in_use(strategy, context_fn, determinism_check, debug, early_stop)
+    if extension is None and recompute_state_hooks is not None:
+        extension = "recompute_state_hooks"
     if extension is not None:  # See NOTE [Torch's path], Rules 1 and 2
         _check_use_reentrant(extension, use_reentrant, context_fn, debug)
     chain = _as_list("checkpoint_sequential", functions)
@@ -251,6 +256,9 @@ def checkpoint_sequential(
             "determinism_check": determinism_check,
             "debug": debug,
             "early_stop": early_stop,
+            "recompute_state_hooks": state_hooks_from(
+                recompute_state_hooks, "checkpointing.checkpoint_sequential"
+            ),
         },
     )
     return runner.run(schedule.segments, runner.first_args(input), nested=False)

@@ -32,8 +32,8 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from contextvars import ContextVar
-from typing import Any, TypeAlias
+from contextvars import ContextVar, Token
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -50,19 +50,25 @@ __all__ = [
     "DefaultDeviceType",
     "ForwardState",
     "GeneratorStates",
+    "RecomputeStateHook",
     "autocast_disabled",
     "check_backward_validity",
     "default_generator",
     "detach_variable",
+    "enter_span",
+    "exit_span",
     "get_device_states",
     "infer_device_type",
     "is_noop_context_fn",
     "is_recomputing",
+    "leave_spans",
     "marked_as_recompute",
     "noop_context_fn",
     "recompute_depth",
     "set_device_states",
     "shared_cpu_rng_state",
+    "span_depth",
+    "state_hooks_from",
 ]
 
 _MSG_MIXED_DEVICE_TYPES = (
@@ -107,6 +113,30 @@ def marked_as_recompute() -> Iterator[None]:
         yield
     finally:
         _recompute_depth.reset(token)
+
+
+_span_depth: ContextVar[int] = ContextVar("checkpointing_kept_span_depth", default=0)
+
+span_depth: Callable[[], int] = _span_depth.get
+"""How many kept spans (``checkpointing.keep``) are running in this context: selective
+checkpointing's modes pass the ops of a span through untouched (NOTE [Kept spans], Rule 6). One
+C-level call, for per-op paths."""
+
+
+def enter_span() -> Token[int]:
+    """Mark the start of a kept span's forward or replay (``_keep``); ``exit_span`` ends it."""
+    return _span_depth.set(_span_depth.get() + 1)
+
+
+def leave_spans() -> Token[int]:
+    """Run what follows as outside any kept span (a checkpoint inside one); ``exit_span``
+    ends it."""
+    return _span_depth.set(0)
+
+
+def exit_span(token: Token[int]) -> None:
+    """End what ``enter_span`` or ``leave_spans`` started."""
+    _span_depth.reset(token)
 
 
 def noop_context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
@@ -377,6 +407,44 @@ class _Restored:
 
 
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+
+
+@runtime_checkable
+class RecomputeStateHook(Protocol):
+    """User state (not torch's) that a recompute must see as the forward did, e.g. a counter
+    that seeds a custom random kernel: ``checkpoint(..., recompute_state_hooks=[hook])``.
+
+    ``snapshot()`` is called in forward when a region starts and when each kept span ends;
+    ``restore(state)`` in the recompute, at its start and after each skipped span. Around the
+    recompute the caller's own state is snapshotted and put back, as the RNG is."""
+
+    def snapshot(self) -> Any:
+        """The state now, in any form ``restore`` accepts."""
+
+    def restore(self, state: Any) -> None:
+        """Put back a state ``snapshot`` returned."""
+
+
+_MSG_STATE_HOOKS = (
+    "{api}: recompute_state_hooks must be objects with snapshot() and restore(state) methods "
+    "(or a list of them), got {what}. Fix: e.g. a class with `def snapshot(self): return "
+    "self.counter` and `def restore(self, state): self.counter = state`."
+)
+
+
+def state_hooks_from(value: object, api: str) -> tuple[RecomputeStateHook, ...]:
+    """``recompute_state_hooks=`` as a tuple (one hook or an iterable of them), or a clear
+    ``TypeError``."""
+    if value is None:
+        return ()
+    hooks = (value,) if isinstance(value, RecomputeStateHook) else value
+    if isinstance(hooks, str | bytes) or not isinstance(hooks, Iterable):
+        raise TypeError(_MSG_STATE_HOOKS.format(api=api, what=type(value).__name__))
+    found = tuple(hooks)
+    for hook in found:
+        if not isinstance(hook, RecomputeStateHook):
+            raise TypeError(_MSG_STATE_HOOKS.format(api=api, what=type(hook).__name__))
+    return found
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:

@@ -52,9 +52,13 @@ def _described(parameters: Any, noop: object) -> list[tuple[str, str, Any]]:
 
 def test_signature_is_torch_2_15s() -> None:
     """Parameter names, kinds and defaults are torch 2.15's on every release (context_fn
-    defaults to our no-op, which torch's code also accepts)."""
-    ours = inspect.signature(checkpointing.checkpoint).parameters
-    assert _described(ours, checkpointing.noop_context_fn) == list(releases.CHECKPOINT_PARAMETERS)
+    defaults to our no-op, which torch's code also accepts), plus our keyword-only
+    ``recompute_state_hooks=None`` before ``**kwargs``."""
+    ours = _described(
+        inspect.signature(checkpointing.checkpoint).parameters, checkpointing.noop_context_fn
+    )
+    assert ours.pop(-2) == ("recompute_state_hooks", "KEYWORD_ONLY", None)
+    assert ours == list(releases.CHECKPOINT_PARAMETERS)
 
 
 @releases.needs_torch(releases.RESPECT_HOOKS, "the decorator form and its parameters")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -488,3 +489,32 @@ def test_planner_offloads_with_a_host_budget_fits_the_budget_and_keeps_gradients
     assert report.activation_bytes <= plan.budget_bytes, str(report)
     mms = [r.shape for r in report.records if r.decision == "offloaded" and r.op == "mm"]
     assert mms == [(width, width)] * 3, str(report)
+
+
+def test_report_on_oom_prints_the_report_when_cuda_runs_out_of_memory() -> None:
+    """A real out-of-memory error (a request larger than the device): the allocator's observer
+    prints the report once, with the request, each region's held bytes and its rows; the error
+    itself leaves the block unchanged (NOTE [Out-of-memory report])."""
+
+    def region(t: Tensor) -> Tensor:
+        return t.sin().exp()
+
+    x = torch.randn(256, 256, device=CUDA, requires_grad=True)
+    out = io.StringIO()
+    free, total = torch.cuda.mem_get_info()
+    y = None
+    with pytest.raises(torch.OutOfMemoryError), checkpointing.report_on_oom(file=out):  # noqa: PT012
+        y = checkpointing.checkpoint(region, x.cos(), use_reentrant=False).sum()
+        torch.empty(total + free, dtype=torch.uint8, device=CUDA)  # more than the device has
+    text = out.getvalue()
+    assert text.count("checkpointing.report_on_oom:") == 1, text
+    assert "CUDA out of memory on device" in text, text
+    assert "bytes requested" in text, text
+    name = f"checkpoint({region.__qualname__})"
+    assert f"inputs of {name}" in text, text
+    assert "recomputed" in text, text
+    input_bytes = 256 * 256 * 4
+    assert f"{input_bytes:>16,}  inputs of {name}" in text, text
+    assert y is not None
+    y.backward()  # the graph is whole: the report recomputed nothing
+    assert x.grad is not None

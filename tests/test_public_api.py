@@ -30,6 +30,7 @@ OWN_NAMES = {
     "ActivationPlan",
     "LayerCost",
     "OffloadStats",
+    "RecomputeStateHook",
     "SavedTensorRecord",
     "SavedTensorsReport",
     "SequentialSchedule",
@@ -39,11 +40,16 @@ OWN_NAMES = {
     "gradient_checkpoint_scope",
     "gradient_checkpoint_session",
     "is_recomputing",
+    "keep",
+    "keeping",
     "plan_checkpointing",
     "remove_checkpoint_module",
+    "report_on_oom",
     "saved_tensors_report",
     "sequential_schedule",
 }
+# Our keyword-only option on torch's generator signatures (user state restored for recompute).
+STATE_HOOKS = ("recompute_state_hooks", inspect.Parameter.KEYWORD_ONLY, None)
 # Public attributes that are deliberately not in __all__: the public submodules (``integrations``
 # is a package of one module per outside library, each imported only on demand).
 PUBLIC_SUBMODULES = {"integrations", "policies"}
@@ -208,6 +214,7 @@ def test_generator_has_torchs_positional_signature() -> None:
     """``_checkpoint_without_reentrant_generator`` takes torch 2.14's arguments in its order:
     torch 2.13's positional form plus a keyword-only ``respect_saved_tensors_hooks``."""
     ours = _parameters(checkpointing._checkpoint_without_reentrant_generator)
+    assert ours.pop(-2) == STATE_HOOKS  # ours, before **kwargs: NOTE [Nestable checkpoint], 12
     theirs = _parameters(torch_checkpoint._checkpoint_without_reentrant_generator)
     respect = ("respect_saved_tensors_hooks", inspect.Parameter.KEYWORD_ONLY, None)
     if releases.has(releases.GENERATOR_IMPL):
@@ -221,6 +228,7 @@ def test_generator_impl_has_torchs_signature() -> None:
     """``_checkpoint_without_reentrant_generator_impl`` (torch 2.14) takes ``fn, args, kwargs``
     then keyword-only options, on every release."""
     ours = _parameters(checkpointing._checkpoint_without_reentrant_generator_impl)
+    assert ours.pop() == STATE_HOOKS  # ours, last: NOTE [Nestable checkpoint], Rule 12
     names = [name for name, _, _ in ours]
     assert names == [
         "fn",

@@ -91,6 +91,7 @@ def test_signature_matches_torch() -> None:
         "determinism_check",
         "debug",
         "early_stop",
+        "recompute_state_hooks",
     ]
     assert all(p.default is not inspect.Parameter.empty for p in extra)
 

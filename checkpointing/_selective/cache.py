@@ -318,6 +318,8 @@ class _CacheMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
     and dynamo's per-op wrapper pass them by, NOTE [Selective checkpoint cache], Rule 11)."""
 
     supports_higher_order_operators = True
+    # The ops of a kept span pass both modes untouched (NOTE [Kept spans], Rule 6).
+    honours_kept_spans: Final = True
     cache: _Cache
 
     @classmethod

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 from .. import _compat
 from .._compiled import say_once
 from .._errors import CheckpointError, internal_error
+from .._state import span_depth as _span_depth
 from .cache import _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
 from .ops import (
     _ALWAYS,
@@ -150,7 +151,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         if _dispatch_mode_depth() and _proxy_mode() is not None and _compat.proxy_tracing_active():
             return self._dispatch_traced(func, args, kwargs)
         op_id = id(func)
-        if op_id in _IGNORED.ids:
+        if op_id in _IGNORED.ids or _span_depth():  # a kept span's op: NOTE [Kept spans], Rule 6
             return func(*args, **kwargs)
         out = (_runners.get(op_id) or _runner(func))(*args, **kwargs)
         key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)

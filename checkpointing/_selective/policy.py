@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
 from .._errors import CheckpointError, internal_error
+from .._events import note_tag
 from .ops import Op
 
 
@@ -212,7 +213,12 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(name, str):
         raise TypeError(_MSG_TAG_NAME.format(got=name, type=type(name).__name__))
     TAG_OP(tensor, name)
+    if not _dynamo_compiling():  # a report built from the loss names the tensor's memory
+        note_tag(tensor, name)
     return tensor
+
+
+_dynamo_compiling: Final = torch.compiler.is_dynamo_compiling
 
 
 # --- Actions and plans: what an answer means --------------------------------------------------

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from .. import _compat
+from .._state import span_depth as _span_depth
 from .cache import _CONSUMED, _Cache, _CacheEntryMutated, _CacheMode, _Consumed, _StaleHostAlias
 from .ops import _IGNORED, _INDUCTOR_CODE, Op, _region_key, _runner, _runners
 
@@ -80,7 +81,7 @@ class _CachedMode(_CacheMode):
         if kwargs is None:
             kwargs = {}
         op_id = id(func)
-        if op_id in _IGNORED.ids:
+        if op_id in _IGNORED.ids or _span_depth():  # a kept span's op: NOTE [Kept spans], Rule 6
             return func(*args, **kwargs)
         key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
         replays = self.replays

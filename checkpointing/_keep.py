@@ -1,0 +1,720 @@
+"""Keep by code: spans of a checkpointed region whose saved tensors are kept, not recomputed.
+
+Owns ``keep(fn, *args, **kwargs)`` and ``keeping()`` (its context-manager and decorator form),
+the per-span record the frame holds (``Span``) and the replay side that skips a span. The frame
+(``_frame``) owns holders, recompute and early stop; this module only adds a saved-tensors hook
+on top of the frame's while a span runs, and tells the replay what to serve in its place.
+
+NOTE [Kept spans]
+  Rule 1. A span belongs to the checkpoint whose frame is the top saved-tensors hook when it
+          starts (NOTE [Nestable checkpoint], Rule 1). With anything else on top (the user's
+          hooks, the scope, torch's checkpoint, an outer span) the span is a plain call: a span
+          inside a span is inert, and outside any checkpoint ``keep(fn, x)`` is ``fn(x)``.
+  Rule 2. While a span runs in forward, a tensor it saves that is one of its tensor arguments,
+          or a view of one, goes to the frame like any saved tensor (a holder, recomputed): the
+          replay reaches the span with those arguments in hand and fills the holder from them
+          (the view rebuilt with ``as_strided``). So keeping a matmul costs its output, as a
+          selective policy keeping it does. Every other tensor the span saves is kept: a
+          detached alias and its version, compared when backward unpacks it (an in-place change
+          since then raises autograd's error instead of giving a wrong gradient).
+  Rule 3. The frame holds each span's outputs for the replay, which is served detached aliases
+          (``requires_grad`` as in forward) instead of running ``fn``: code after the span
+          needs no annotation. An output changed in place after the span raises at replay.
+          Outputs that are arguments or views of them are rebuilt from the replay's arguments,
+          not held. With early stop, a span the replay cannot reach (no holder was made at or
+          after its start) drops its outputs when the forward ends.
+  Rule 4. With ``preserve_rng_state`` the CPU generator (and those of the devices the frame
+          preserves) is read before and after the span; only a span that drew keeps its after
+          states, and the replay sets them once it has skipped the span. Draws after a span
+          replay identically whether or not it drew.
+  Rule 5. ``recompute_state_hooks``: each hook is snapshotted when a span ends and restored
+          after the replay skips it (the frame restores the entry snapshots, NOTE [Nestable
+          checkpoint], Rule 12).
+  Rule 6. Ops inside a span are invisible to selective checkpointing's modes, in forward and in
+          the replay alike (neither cached nor counted), so a policy and spans compose. A
+          checkpoint whose ``context_fn`` is not ours (torch's selective contexts, a user's
+          mode) makes every span a plain call, said once by a warning: skipping ops a foreign
+          recompute context counted would desynchronise it.
+  Rule 7. ``with keeping():`` cannot skip its body (Python runs a ``with`` block whatever its
+          context manager does). In forward everything the block saves is kept; the replay
+          runs the block again under a hook that stores nothing, and early stop ends the replay
+          before a block that nothing after it needs. To skip the work as well, give the span
+          as a function: ``keep(fn, *args)`` or ``@keeping()``.
+  Rule 8. Under ``torch.compile`` a span's traced nodes become the partitioner's "must save"
+          (NOTE [Compiled regions], Rule 6).
+
+Rejected: a dispatch mode recording each op's outputs (what selective checkpointing does, ~12
+us per op); marking saved tensors through their autograd nodes' sequence numbers (a view of an
+argument made inside the span would be kept, and a mask made inside has no node).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import torch
+
+from . import _compat, _compiled
+from ._errors import CheckpointError
+from ._events import announce, announce_kept
+from ._selective import CheckpointPolicy, OffloadStats
+from ._state import enter_span, exit_span, set_device_states
+
+if TYPE_CHECKING:
+    from ._frame import Frame
+
+__all__ = ["Span", "held_outputs", "keep", "keeping", "replay_span"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_MSG_NOT_CALLABLE = (
+    "checkpointing.keep: expected a callable as the first argument (the span to keep), got "
+    "{type_name}. Fix: keep(fn, *inputs), e.g. keep(torch.matmul, x, w)."
+)
+_MSG_POLICY = (
+    "checkpointing.keeping: policy must be CheckpointPolicy.MUST_SAVE or PREFER_SAVE (keep on "
+    "the device) or MUST_CPU_OFFLOAD or PREFER_CPU_OFFLOAD (keep in host memory), got "
+    "{policy!r}. Fix: for a span to be recomputed, do not mark it: the checkpoint recomputes "
+    "everything else."
+)
+_MSG_NAME = (
+    "checkpointing.keeping: name must be a non-empty str, got {name!r}. Fix: keeping('attn')."
+)
+_MSG_FOREIGN_CONTEXT = (
+    "checkpointing.keep: the checkpoint around this span has a context_fn that is not "
+    "checkpointing's ({what}); skipping the span in the replay would desynchronise its "
+    "recompute context, so the span is recomputed with the rest of the region. Fix: build "
+    "selective policies with checkpointing.create_selective_checkpoint_contexts or "
+    "checkpointing.policies.as_context_fn."
+)
+_MSG_REPLAY_MISMATCH = (
+    "checkpointing.keep: the replay of {region} reached {found}, but the forward's span number "
+    "{index} was {expected}. The region must take the same path in replay as in forward. Fix: "
+    "make the control flow around keep(...) depend only on the region's inputs (not on "
+    "is_recomputing(), globals or random numbers drawn outside the region)."
+)
+_MSG_OUTPUT_MUTATED = (
+    "checkpointing.keep: output {index} of the span {name} in {region} was modified in place "
+    "after the span returned it (version {then} -> {now}); the replay needs it as the span "
+    "returned it. Fix: make the in-place operation out of place (e.g. `y = y.relu()` instead "
+    "of `y.relu_()`), or move it inside the span."
+)
+_MSG_SAVED_MUTATED = (
+    "one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: a tensor saved by the kept span {name} is at version {now}; expected version "
+    "{then} instead. (checkpointing.keep keeps what a span saves for backward. Fix: make the "
+    "in-place operation after the span out of place, or clone the tensor inside the span.)"
+)
+
+_warned_foreign: set[str] = set()
+
+
+class _Kept:
+    """A tensor a span keeps for backward: a detached alias and the version it was saved at."""
+
+    __slots__ = ("alias", "counted", "version")
+
+    def __init__(self, alias: torch.Tensor, version: int, counted: bool = False) -> None:
+        self.alias = alias
+        self.version = version
+        self.counted = counted  # a host tensor under an offload policy: counted as offloaded
+
+
+class _Offloaded:
+    """A tensor a span keeps in host memory (``MUST_CPU_OFFLOAD``): the copy and where it lived."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+        self.host = host
+        self.device = device
+
+
+# How the replay rebuilds a tensor from the span's arguments: (argument index, None) for the
+# argument itself, (index, size, stride, storage offset relative to the argument's) for a view.
+_Recipe = tuple[int, tuple[int, ...] | None, tuple[int, ...], int]
+
+
+class Span:
+    """What the forward of one span left for the replay (Rules 2-5)."""
+
+    __slots__ = (
+        "name",
+        "output_recipes",
+        "output_versions",
+        "outputs",
+        "rng_after",
+        "routed",
+        "start",
+        "state_after",
+    )
+
+    def __init__(self, name: str, start: int) -> None:
+        self.name = name
+        self.start = start  # holders the frame had when the span began (Rule 3)
+        self.routed: list[_Recipe] = []  # saved arguments, in the order they were saved
+        self.outputs: Any = None
+        self.output_recipes: dict[int, _Recipe] = {}
+        self.output_versions: list[int] = []
+        self.rng_after: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None
+        self.state_after: tuple[Any, ...] | None = None
+
+    def release(self) -> None:
+        """The replay will not reach this span (Rule 3): drop what only it would use."""
+        self.outputs = None
+        self.rng_after = None
+        self.state_after = None
+
+
+def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    leaves: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            leaves.append(value)
+        elif isinstance(value, tuple | list | dict):
+            leaves.extend(t for t in _compat.tree_leaves(value) if isinstance(t, torch.Tensor))
+    return leaves
+
+
+def _storage_ranges(leaves: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+    """Where each argument's storage lies in memory, to tell its views (Rule 2)."""
+    ranges: list[tuple[int, int] | None] = []
+    for leaf in leaves:
+        try:
+            storage = leaf.untyped_storage()
+            start = storage.data_ptr()
+            ranges.append((start, start + storage.nbytes()) if start else None)
+        except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage
+            ranges.append(None)
+    return ranges
+
+
+def _recipe_for(
+    x: torch.Tensor, leaves: list[torch.Tensor], ranges: list[tuple[int, int] | None]
+) -> _Recipe | None:
+    """How to rebuild ``x`` from the span's arguments, or None if it is not one of theirs."""
+    for index, leaf in enumerate(leaves):
+        if x is leaf:
+            return (index, None, (), 0)
+    if not ranges or type(x) not in _PLAIN or x.numel() == 0:
+        return None
+    pointer = x.data_ptr()
+    for index, bounds in enumerate(ranges):
+        if bounds is not None and bounds[0] <= pointer < bounds[1]:
+            leaf = leaves[index]
+            if leaf.dtype is not x.dtype or leaf.device != x.device:
+                return None
+            offset = int(x.storage_offset()) - int(leaf.storage_offset())
+            return (index, tuple(x.shape), tuple(x.stride()), offset)
+    return None
+
+
+def _rebuild(recipe: _Recipe, leaves: list[torch.Tensor]) -> torch.Tensor:
+    index, size, stride, offset = recipe
+    leaf = leaves[index]
+    if size is None:
+        return leaf
+    return leaf.detach().as_strided(size, stride, leaf.storage_offset() + offset)
+
+
+_PLAIN: Final = (torch.Tensor, torch.nn.Parameter)
+
+
+def _rng_states(frame: Frame) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    state = frame.state
+    cpu = torch.get_rng_state() if state.cpu_rng is not None else None
+    device: list[torch.Tensor] = []
+    if state.device_rng:
+        module = getattr(torch, state.device_type)
+        device = [module.get_rng_state(index) for index in state.device_ids]
+    return cpu, device
+
+
+def _same_states(
+    a: tuple[torch.Tensor | None, list[torch.Tensor]],
+    b: tuple[torch.Tensor | None, list[torch.Tensor]],
+) -> bool:
+    if (a[0] is None) != (b[0] is None):
+        return False
+    if (
+        a[0] is not None
+        and b[0] is not None
+        and _compat.storage_bytes(a[0]) != _compat.storage_bytes(b[0])
+    ):
+        return False
+    return all(
+        _compat.storage_bytes(x) == _compat.storage_bytes(y)
+        for x, y in zip(a[1], b[1], strict=True)
+    )
+
+
+class _SpanHooks:
+    """The saved-tensors hook pair of one span in forward (Rule 2): the object itself packs,
+    and is checkpoint-internal (NOTE [Nestable checkpoint], Rule 10) so that a checkpoint or a
+    selective policy inside the span sees the user's hooks, not ours. ``region_label`` names
+    the span for reports (``saved_tensors_report`` reads it from the graph)."""
+
+    __slots__ = (
+        "_user_hooks",
+        "frame",
+        "frame_unpack",
+        "leaves",
+        "offload",
+        "ranges",
+        "region_label",
+        "span",
+    )
+    _checkpoint_internal: Final = True
+
+    def __init__(
+        self,
+        frame: Frame,
+        span: Span,
+        leaves: list[torch.Tensor],
+        offload: OffloadStats | bool,
+    ) -> None:
+        self.frame = frame
+        self.span = span
+        self.leaves = leaves
+        self.ranges = _storage_ranges(leaves) if leaves else []
+        self.offload = offload
+        self.frame_unpack = frame.unpack_hook()
+        self.region_label = f"keep({span.name}) in {frame.region()}"
+        self._user_hooks = frame._user_hooks
+
+    def __call__(self, x: torch.Tensor) -> object:
+        return self.pack(x)
+
+    def pack(self, x: torch.Tensor) -> object:
+        if self.leaves:
+            recipe = _recipe_for(x, self.leaves, self.ranges)
+            if recipe is not None:
+                self.span.routed.append(recipe)
+                return self.frame(x)  # a holder: recomputed, filled by the replay
+        if self.frame.observed:
+            announce(x, self.region_label, "offloaded" if self.offload else "saved")
+        alias = x.detach()
+        offload = self.offload
+        if offload is not False and not (x.is_leaf and x.requires_grad):  # not parameters
+            if alias.device.type != "cpu":
+                return _offload(alias, offload)
+            if isinstance(offload, OffloadStats):  # a host tensor stays, and is counted
+                offload._count_offload(alias.nbytes)
+                return _Kept(alias, alias._version, True)
+        return _Kept(alias, alias._version)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        if type(packed) is _Kept:
+            now = packed.alias._version
+            if now != packed.version:
+                raise RuntimeError(
+                    _MSG_SAVED_MUTATED.format(name=self.span.name, now=now, then=packed.version)
+                )
+            if packed.counted and isinstance(self.offload, OffloadStats):
+                self.offload._count_restore(packed.alias.nbytes)
+            return packed.alias
+        if type(packed) is _Offloaded:
+            return _restore(packed, self.offload)
+        return self.frame_unpack(packed)  # type: ignore[arg-type]  # a holder of the frame
+
+
+def _offload(tensor: torch.Tensor, stats: OffloadStats | bool) -> _Offloaded:
+    pinned = tensor.device.type == "cuda"
+    host = torch.empty_like(tensor, device="cpu", pin_memory=pinned)
+    host.copy_(tensor, non_blocking=pinned)
+    if isinstance(stats, OffloadStats):
+        stats._count_offload(tensor.nbytes)
+    return _Offloaded(host, tensor.device)
+
+
+def _restore(packed: _Offloaded, stats: OffloadStats | bool) -> torch.Tensor:
+    if isinstance(stats, OffloadStats):
+        stats._count_restore(packed.host.nbytes)
+    return packed.host.to(packed.device, non_blocking=True)
+
+
+def _discard(x: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(packed: object) -> torch.Tensor:
+    raise CheckpointError(
+        "checkpointing.keeping: a tensor saved while a `with keeping():` block was replayed "
+        "was unpacked; the forward kept its own. Fix: call backward outside the block."
+    )
+
+
+def _span_name(fn: object, name: str | None) -> str:
+    if name is not None:
+        return name
+    return str(getattr(fn, "__name__", None) or type(fn).__name__)
+
+
+def _foreign_context(frame: Frame) -> bool:
+    """Rule 6: a recompute context we cannot keep in step with a skipped span."""
+    context = frame.recompute_context
+    if context is _NO_CONTEXT or getattr(context, "honours_kept_spans", False):
+        return False
+    what = type(context).__name__
+    if what not in _warned_foreign:
+        _warned_foreign.add(what)
+        warnings.warn(_MSG_FOREIGN_CONTEXT.format(what=what), UserWarning, stacklevel=4)
+    return True
+
+
+def _frame_on_top() -> tuple[str, Any]:
+    """Which phase a span starting now is in (Rule 1): ("forward", frame), ("replay", pack of
+    the frame's recompute), or ("plain", None)."""
+    hooks = _compat.top_saved_tensors_hooks()
+    if hooks is None:
+        return "plain", None
+    pack = hooks[0]
+    if type(pack) is _FRAME_TYPE[0]:
+        return "forward", pack
+    if getattr(pack, "replaying", None) is not None:
+        return "replay", pack
+    return "plain", None
+
+
+_FRAME_TYPE: list[type] = []  # set by _frame at import (it imports this module)
+_NO_CONTEXT: Final = object()  # replaced by _frame's null context at import
+
+
+def bind_frame(frame_type: type, null_context: object) -> None:
+    """Called once by ``_frame``: the frame's type and its "no context" marker."""
+    global _NO_CONTEXT
+    _FRAME_TYPE[:] = [frame_type]
+    _NO_CONTEXT = null_context  # type: ignore[misc]  # bound once, at import
+
+
+def keep(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` and keep what it saves for backward: inside a checkpoint the
+    replay skips it and is served its outputs.
+
+    The mirror of ``checkpoint(fn, *args)``: inside any non-reentrant checkpoint (``checkpoint``,
+    the decorator, ``checkpoint_module``, the wrappers, ``checkpoint_sequential``, a plan) the
+    span runs once; the tensors it saves for backward are kept, except its own arguments (and
+    views of them), which are recomputed like the rest of the region; the replay does not run
+    ``fn`` and code after it reads the forward's outputs. Random draws after the span replay
+    identically, early stop still ends the replay early, and no dispatch mode is involved.
+    Outside any checkpoint it is ``fn(*args, **kwargs)``. See NOTE [Kept spans].
+
+    Example:
+        >>> import torch, checkpointing
+        >>> w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+        >>> def block(x):
+        ...     h = checkpointing.keep(torch.matmul, x, w1)  # kept: not recomputed
+        ...     return (h.relu() @ w2).tanh()                  # recomputed in backward
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> checkpointing.checkpoint(block, x, use_reentrant=False).sum().backward()
+    """
+    if not callable(fn):
+        raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(fn).__name__))
+    return _run_span(fn, args, kwargs, None, False)
+
+
+def _run_span(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str | None,
+    offload: OffloadStats | bool,
+) -> Any:
+    if _compiled.compiling():
+        return _compiled.kept_region(fn, args, kwargs)
+    phase, owner = _frame_on_top()
+    if phase == "forward":
+        if _foreign_context(owner):
+            return fn(*args, **kwargs)
+        return _forward_span(owner, fn, args, kwargs, _span_name(fn, name), offload)
+    if phase == "replay":
+        if _foreign_context(owner.replaying):
+            return fn(*args, **kwargs)
+        return replay_span(owner, args, kwargs, _span_name(fn, name))
+    return fn(*args, **kwargs)
+
+
+def _forward_span(
+    frame: Frame,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str,
+    offload: OffloadStats | bool,
+) -> Any:
+    span = Span(name, len(frame.weak_holders))
+    leaves = _tensor_leaves(args, kwargs)
+    hooks = _SpanHooks(frame, span, leaves, offload)
+    before = _rng_states(frame) if frame.state.preserve_rng_state else None
+    _compat.push_saved_tensors_hooks(hooks, hooks.unpack)
+    token = enter_span()
+    try:
+        outputs = fn(*args, **kwargs)
+    finally:
+        exit_span(token)
+        _compat.pop_saved_tensors_hooks()
+        hooks.leaves = []  # the graph holds the unpack hook: not the span's arguments
+        hooks._user_hooks = None  # Rule 10's mark lives while the hook is on the stack
+    if before is not None:
+        after = _rng_states(frame)
+        if not _same_states(before, after):  # Rule 4: only a span that drew
+            span.rng_after = after
+    if frame.state_hooks:
+        span.state_after = tuple(hook.snapshot() for hook in frame.state_hooks)  # Rule 5
+    _hold_outputs(span, outputs, leaves, hooks.ranges)
+    frame.add_span(span)
+    if frame.observed:  # a watching report counts what the frame holds for the replay
+        for held in held_outputs(span):
+            announce_kept(held, hooks.region_label, "span output")
+    return outputs
+
+
+def _hold_outputs(
+    span: Span,
+    outputs: Any,
+    leaves: list[torch.Tensor],
+    ranges: list[tuple[int, int] | None],
+) -> None:
+    """Rule 3: aliases of the outputs (or recipes for those that are the arguments' views)."""
+    index = 0
+
+    def hold(value: Any) -> Any:
+        nonlocal index
+        if isinstance(value, torch.Tensor):
+            position = index
+            index += 1
+            recipe = _recipe_for(value, leaves, ranges) if leaves else None
+            if recipe is not None:
+                span.output_recipes[position] = recipe
+                span.output_versions.append(-1)
+                return (_REBUILT, value.requires_grad)
+            span.output_versions.append(value._version)
+            return (value.detach(), value.requires_grad)
+        return value
+
+    span.outputs = _map_tensors(outputs, hold)
+
+
+_REBUILT: Final = object()
+
+
+def held_outputs(span: Span) -> list[torch.Tensor]:
+    """The outputs ``span`` holds for the replay (not those rebuilt from its arguments)."""
+    found: list[torch.Tensor] = []
+
+    def collect(value: Any) -> Any:
+        if (
+            isinstance(value, tuple)
+            and len(value) == 2
+            and type(value[1]) is bool
+            and isinstance(value[0], torch.Tensor)
+        ):
+            found.append(value[0])
+            return value
+        if isinstance(value, tuple | list):
+            for item in value:
+                collect(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+        return value
+
+    collect(span.outputs)
+    return found
+
+
+def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        mapped = [_map_tensors(item, fn) for item in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
+    if isinstance(value, list):
+        return [_map_tensors(item, fn) for item in value]
+    if isinstance(value, dict):
+        return type(value)((key, _map_tensors(item, fn)) for key, item in value.items())
+    return value
+
+
+def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The replay reached a span: fill its argument holders, skip it, serve its outputs."""
+    frame: Frame = pack.replaying
+    index = pack.spans_seen
+    spans = frame.spans or []
+    if index >= len(spans) or spans[index].name != name:
+        expected = f"the span {spans[index].name}" if index < len(spans) else "no span"
+        raise CheckpointError(
+            _MSG_REPLAY_MISMATCH.format(
+                region=frame.region(), found=f"the span {name}", index=index, expected=expected
+            )
+        )
+    pack.spans_seen = index + 1
+    span = spans[index]
+    leaves = _tensor_leaves(args, kwargs)
+    for recipe in span.routed:  # may end the replay here (early stop)
+        pack(_rebuild(recipe, leaves))
+    if span.rng_after is not None:  # Rule 4
+        cpu, device = span.rng_after
+        if cpu is not None:
+            torch.set_rng_state(cpu)
+        if device:
+            set_device_states(frame.state.device_ids, device, device_type=frame.state.device_type)
+    if span.state_after is not None and frame.state_hooks:  # Rule 5
+        for hook, snapshot in zip(frame.state_hooks, span.state_after, strict=True):
+            hook.restore(snapshot)
+    position = 0
+
+    def serve(value: Any) -> Any:
+        nonlocal position
+        if not (isinstance(value, tuple) and len(value) == 2 and type(value[1]) is bool):
+            return value
+        held, requires_grad = value
+        here = position
+        position += 1
+        if held is _REBUILT:
+            tensor = _rebuild(span.output_recipes[here], leaves).detach()
+        elif isinstance(held, torch.Tensor):
+            version = span.output_versions[here]
+            if held._version != version:
+                raise CheckpointError(
+                    _MSG_OUTPUT_MUTATED.format(
+                        index=here,
+                        name=span.name,
+                        region=frame.region(),
+                        then=version,
+                        now=held._version,
+                    )
+                )
+            tensor = held.detach()
+        else:
+            return value
+        return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+    if span.outputs is None:
+        internal = "the forward released this span's outputs, yet the replay reached it"
+        raise CheckpointError(f"checkpointing.keep: {internal} ({frame.region()}).")
+    return _serve_tree(span.outputs, serve)
+
+
+def _serve_tree(value: Any, serve: Callable[[Any], Any]) -> Any:
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and type(value[1]) is bool
+        and (value[0] is _REBUILT or isinstance(value[0], torch.Tensor))
+    ):
+        return serve(value)
+    if isinstance(value, tuple):
+        mapped = [_serve_tree(item, serve) for item in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
+    if isinstance(value, list):
+        return [_serve_tree(item, serve) for item in value]
+    if isinstance(value, dict):
+        return type(value)((key, _serve_tree(item, serve)) for key, item in value.items())
+    return value
+
+
+class keeping:  # a context manager named like a function, as torch's no_grad
+    """Keep what a span saves for backward: ``with keeping():`` around a block, or
+    ``@keeping()`` on a function (then the replay skips it, as ``keep``).
+
+    Args:
+        name: how reports and errors name the span (default: the function's name, or
+            "block").
+        policy: ``CheckpointPolicy.MUST_SAVE`` (default) or ``PREFER_SAVE`` keep the tensors on
+            their device; ``MUST_CPU_OFFLOAD`` or ``PREFER_CPU_OFFLOAD`` keep them in host memory
+            (a host tensor stays where it is).
+        offload_stats: counts the bytes offloaded and restored (offload policies only).
+
+    As a ``with`` block the body cannot be skipped: the replay runs it again but stores nothing
+    (NOTE [Kept spans], Rule 7); everything it saved in forward is kept, its inputs included.
+    Give the span as a function to skip its work in the replay and recompute its inputs.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> w = torch.randn(8, 8, requires_grad=True)
+        >>> @checkpointing.keeping("proj")
+        ... def project(x):
+        ...     return x @ w
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = checkpointing.checkpoint(lambda t: project(t.sin()).relu(), x, use_reentrant=False)
+        >>> y.sum().backward()
+    """
+
+    __slots__ = ("_open", "name", "offload")
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        policy: CheckpointPolicy = CheckpointPolicy.MUST_SAVE,
+        offload_stats: OffloadStats | None = None,
+    ) -> None:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(_MSG_NAME.format(name=name))
+        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            self.offload: OffloadStats | bool = False
+        elif policy in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD):
+            self.offload = offload_stats if offload_stats is not None else True
+        else:
+            raise ValueError(_MSG_POLICY.format(policy=policy))
+        self.name = name
+        self._open: list[Callable[[], None]] = []
+
+    def __call__(self, fn: _F) -> _F:
+        if not callable(fn):
+            raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(fn).__name__))
+        name, offload = self.name, self.offload
+
+        @functools.wraps(fn)
+        def kept(*args: Any, **kwargs: Any) -> Any:
+            return _run_span(fn, args, kwargs, name, offload)
+
+        return kept  # type: ignore[return-value]  # same signature as fn
+
+    def __enter__(self) -> None:
+        self._open.append(_enter_block(self.name or "block", self.offload))
+
+    def __exit__(self, *exc: object) -> None:
+        self._open.pop()()
+
+
+def _enter_block(name: str, offload: OffloadStats | bool) -> Callable[[], None]:
+    """Start a ``with keeping():`` block (Rule 7); returns what ends it."""
+    if _compiled.compiling():
+        return _nothing
+    phase, owner = _frame_on_top()
+    if phase == "plain" or _foreign_context(owner if phase == "forward" else owner.replaying):
+        return _nothing
+    if phase == "replay":
+        _compat.push_saved_tensors_hooks(_discard, _never_unpacked)
+        token = enter_span()
+
+        def end_replay() -> None:
+            exit_span(token)
+            _compat.pop_saved_tensors_hooks()
+
+        return end_replay
+    span = Span(name, len(owner.weak_holders))
+    hooks = _SpanHooks(owner, span, [], offload)
+    _compat.push_saved_tensors_hooks(hooks, hooks.unpack)
+    token = enter_span()
+
+    def end_forward() -> None:
+        exit_span(token)
+        _compat.pop_saved_tensors_hooks()
+        hooks._user_hooks = None
+
+    return end_forward
+
+
+def _nothing() -> None:
+    return None
+
+
+def spans_in(frame: Frame) -> Iterator[Span]:
+    """The spans a frame holds (for reports and tests)."""
+    return iter(frame.spans or ())

@@ -1,0 +1,89 @@
+"""The saved-tensor report: what autograd keeps for backward, and what recompute costs.
+
+Owns ``saved_tensors_report`` in its two forms, ``report_on_oom`` and the report's data
+(``SavedTensorsReport``, ``SavedTensorRecord``). JAX's ``print_saved_residuals`` is the model:
+one row per tensor, with the op that produced it, the name ``policies.tag`` gave it, shape,
+dtype, bytes, the region it belongs to and what happens to it (saved, recomputed, offloaded).
+
+One concept per module; each imports only from the ones listed before it:
+
+- ``records``: the rows, the totals, the table, and ``Tally`` (each storage counted once).
+- ``watch``: ``with saved_tensors_report() as report:``, hooks and a dispatch mode around a step
+  (its docstring: "How it watches").
+- ``graph``: ``saved_tensors_report(loss)``, a walk of the graph after forward that unpacks
+  nothing (NOTE [Report from a graph]).
+- ``oom``: ``report_on_oom``, the walk from every live graph when memory runs out (NOTE
+  [Out-of-memory report]).
+
+The two forms agree on one step: the same rows (but for the op of a tensor the graph cannot
+trace to its producer, and names of recomputed tensors) and the same kept bytes; activation
+bytes differ only for tensors made before the step without grad (``graph``, Rule 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Final, overload
+
+import torch
+
+from .graph import report_from_graph, roots_of
+from .oom import report_on_oom
+from .records import SavedTensorRecord, SavedTensorsReport
+from .watch import watch_step
+
+__all__ = ["SavedTensorRecord", "SavedTensorsReport", "report_on_oom", "saved_tensors_report"]
+
+
+class _Watch:
+    """The default of ``saved_tensors_report``'s argument: no outputs, watch the block."""
+
+    def __repr__(self) -> str:
+        return "<watch the block>"
+
+
+_WATCH: Final = _Watch()
+
+
+@overload
+def saved_tensors_report() -> AbstractContextManager[SavedTensorsReport]: ...
+
+
+@overload
+def saved_tensors_report(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+) -> SavedTensorsReport: ...
+
+
+def saved_tensors_report(
+    outputs: torch.Tensor | Sequence[torch.Tensor] | _Watch = _WATCH,
+) -> AbstractContextManager[SavedTensorsReport] | SavedTensorsReport:
+    """Report every tensor kept for backward: by watching a step, or from its loss.
+
+    ``with saved_tensors_report() as report:`` watches the block: run forward inside it, and
+    backward too to count recompute ops and FLOPs; the report is complete when the block exits.
+
+    ``saved_tensors_report(loss)`` (a tensor, or a sequence of them) returns the report at once,
+    after a forward that nothing watched: it walks the autograd graph from ``loss`` and reads
+    what each node saved without unpacking it, so no checkpointed region is recomputed and
+    backward runs afterwards as usual. It sees what the graph and our checkpoints hold
+    (recomputed, saved and offloaded tensors, RNG states, selective caches, kept spans), not
+    recompute cost (see NOTE [Report from a graph] for the rest).
+
+    Example:
+        >>> import torch, checkpointing
+        >>> lin = torch.nn.Linear(8, 8)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> with checkpointing.saved_tensors_report() as report:
+        ...     y = checkpointing.checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False)
+        ...     y.sum().backward()
+        >>> report.recompute_ops > 0
+        True
+        >>> loss = checkpointing.checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False).sum()
+        >>> sorted({r.decision for r in checkpointing.saved_tensors_report(loss).records})
+        ['recomputed', 'saved']
+    """
+    if isinstance(outputs, _Watch):
+        return watch_step()
+    return report_from_graph(roots_of(outputs))
