@@ -38,8 +38,15 @@ NOTE [Compiled regions]
           "must save" for its nodes: dynamo inlines the span, and when AOTAutograd traces it a
           wrapper marks every node the span added that sits in a checkpointed region (it
           carries torch's ``recompute`` tag) ``MUST_SAVE``. Outside a region the nodes are left
-          as they are, as eager ``keep`` is a plain call there. ``recompute_state_hooks`` have
-          nothing to restore in a compiled region (no Python re-runs) and are said once.
+          as they are, as eager ``keep`` is a plain call there. The span's arguments are made
+          before it, so they stay the partitioner's to recompute (NOTE [Kept spans], Rule 2):
+          the compiled step keeps what torch's selective checkpoint answering ``MUST_SAVE`` for
+          the span's ops keeps ("aot_eager" and "inductor"; tests/test_keep_compile.py). With
+          the "eager" backend nothing is traced by AOTAutograd: torch's region runs eagerly and
+          recomputes the span with the rest of the region. A ``with keeping():`` block is not
+          a function to hand over, so it is traced as part of the plain region.
+          ``recompute_state_hooks`` have nothing to restore in a compiled region (no Python
+          re-runs) and are said once.
 """
 
 from __future__ import annotations
@@ -93,11 +100,18 @@ _MSG_STATE_HOOKS = (
     "once). Fix: nothing, if the state only feeds Python code; a custom random kernel whose "
     "seed comes from such state should draw through torch's generators under compile."
 )
+_MSG_KEPT_OFFLOAD = (
+    "checkpointing.keeping: an offload policy (MUST_CPU_OFFLOAD/PREFER_CPU_OFFLOAD) on a kept "
+    "span under torch.compile; the compiler does not offload, so the span's tensors are kept on "
+    "the device (this is said once). Fix: to offload to host memory, run the checkpointed region "
+    "eagerly (wrap the call in torch.compiler.disable), or keep the span with the default policy."
+)
 _MESSAGES: Final = {
     "debug": _MSG_DEBUG,
     "offload": _MSG_OFFLOAD,
     "optimal": _MSG_OPTIMAL,
     "state hooks": _MSG_STATE_HOOKS,
+    "kept offload": _MSG_KEPT_OFFLOAD,
 }
 _said: set[str] = set()
 

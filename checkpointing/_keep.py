@@ -41,7 +41,9 @@ NOTE [Kept spans]
           before a block that nothing after it needs. To skip the work as well, give the span
           as a function: ``keep(fn, *args)`` or ``@keeping()``.
   Rule 8. Under ``torch.compile`` a span's traced nodes become the partitioner's "must save"
-          (NOTE [Compiled regions], Rule 6).
+          (NOTE [Compiled regions], Rule 6), whatever the region's ``context_fn``; an offload
+          policy is kept on the device and said once. A ``with keeping():`` block is not a
+          function the compiler can be handed: there it is part of the region, recomputed.
 
 Rejected: a dispatch mode recording each op's outputs (what selective checkpointing does, ~12
 us per op); marking saved tensors through their autograd nodes' sequence numbers (a view of an
@@ -424,6 +426,8 @@ def _run_span(
     offload: OffloadStats | bool,
 ) -> Any:
     if _compiled.compiling():
+        if offload is not False:
+            _compiled.say_once("kept offload")  # the compiler keeps it on the device
         return _compiled.kept_region(fn, args, kwargs)
     phase, owner = _frame_on_top()
     if phase == "forward":

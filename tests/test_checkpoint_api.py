@@ -63,10 +63,14 @@ def test_signature_is_torch_2_15s() -> None:
 
 @releases.needs_torch(releases.RESPECT_HOOKS, "the decorator form and its parameters")
 def test_signature_matches_installed_torch() -> None:
-    """Where torch has the newest signature, ours is the very same."""
-    ours = inspect.signature(checkpointing.checkpoint).parameters
+    """Where torch has the newest signature, ours is the very same, plus our keyword-only
+    ``recompute_state_hooks=None`` before ``**kwargs``."""
+    ours = _described(
+        inspect.signature(checkpointing.checkpoint).parameters, checkpointing.noop_context_fn
+    )
     theirs = inspect.signature(tc.checkpoint).parameters
-    assert _described(ours, checkpointing.noop_context_fn) == _described(theirs, tc.noop_context_fn)
+    assert ours.pop(-2) == ("recompute_state_hooks", "KEYWORD_ONLY", None)
+    assert ours == _described(theirs, tc.noop_context_fn)
 
 
 # --- use_reentrant omitted -------------------------------------------------------------------

@@ -12,6 +12,7 @@ import gc
 import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -705,6 +706,16 @@ def test_state_hooks_on_every_entry_point(entry: str) -> None:
     got = torch.autograd.grad(out.sum(), (x, *params))
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
+
+
+def test_readme_recipe_runs_as_written() -> None:
+    """README "Keep by code": its example runs as written."""
+    readme = (Path(checkpointing.__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Keep by code") :]
+    recipe = section[section.index("```python") + len("```python") : section.index("```\n", 20)]
+    namespace: dict[str, Any] = {}
+    exec(compile(recipe, "README.md", "exec"), namespace)
+    assert namespace["x"].grad is not None
 
 
 def test_keep_under_threads_is_isolated() -> None:

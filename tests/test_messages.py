@@ -240,6 +240,29 @@ def _session_exit_when_not_open(m: Any) -> None:
 
 CKPT = "checkpoint"
 SAC = "create_selective_checkpoint_contexts"
+
+
+def _kept_output_changed_in_place(module: Any) -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = module.keep(torch.matmul, x.sin(), w)
+        h.mul_(2)
+        return h.relu().sum()
+
+    module.checkpoint(block, torch.randn(2, 4, requires_grad=True), use_reentrant=False).backward()
+
+
+def _replay_reaching_another_span(module: Any) -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        span = torch.mul if module.is_recomputing() else torch.matmul
+        return module.keep(span, x.sin(), w).relu().sum()
+
+    module.checkpoint(block, torch.randn(4, 4, requires_grad=True), use_reentrant=False).backward()
+
+
 MISTAKES: dict[str, Mistake] = {
     "function is not callable": Mistake(
         lambda m: m.checkpoint(42, _x(), use_reentrant=False),
@@ -554,6 +577,47 @@ MISTAKES: dict[str, Mistake] = {
         CheckpointError,
         ("gradient_checkpoint_session", "not open", "exactly once", "Fix"),
         needs=("gradient_checkpoint_session",),
+    ),
+    "keep of a non-callable": Mistake(
+        lambda m: m.keep(3, torch.ones(1)),
+        TypeError,
+        ("checkpointing.keep", "expected a callable", "got int", "Fix"),
+        needs=("keep",),
+    ),
+    "keeping with a recompute policy": Mistake(
+        lambda m: m.keeping(policy=checkpointing.CheckpointPolicy.MUST_RECOMPUTE),
+        ValueError,
+        ("checkpointing.keeping", "MUST_SAVE", "MUST_RECOMPUTE", "Fix"),
+        needs=("keeping",),
+    ),
+    "keeping with an empty name": Mistake(
+        lambda m: m.keeping(""),
+        TypeError,
+        ("checkpointing.keeping", "non-empty str", "Fix"),
+        needs=("keeping",),
+    ),
+    "recompute_state_hooks without snapshot/restore": Mistake(
+        lambda m: m.checkpoint(
+            torch.sin,
+            torch.ones(1, requires_grad=True),
+            use_reentrant=False,
+            recompute_state_hooks=[object()],
+        ),
+        TypeError,
+        ("checkpointing.checkpoint", "snapshot() and restore(state)", "got object", "Fix"),
+        needs=("keep",),
+    ),
+    "kept span output changed in place": Mistake(
+        _kept_output_changed_in_place,
+        CheckpointError,
+        ("checkpointing.keep", "modified in place after the span", "version 0 -> 1", "Fix"),
+        needs=("keep",),
+    ),
+    "replay reaching another span": Mistake(
+        _replay_reaching_another_span,
+        CheckpointError,
+        ("checkpointing.keep", "reached the span mul", "was the span matmul", "Fix"),
+        needs=("keep",),
     ),
 }
 
