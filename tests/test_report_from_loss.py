@@ -266,9 +266,7 @@ def test_kept_span_rows_carry_the_span_region() -> None:
     assert _rows(walked) == _rows(watched)
     assert walked.kept_bytes == watched.kept_bytes
     spans = {r.region for r in walked.records if r.region.startswith("keep(")}
-    assert spans == {
-        f"keep(<lambda>) in checkpoint({block.__qualname__})"
-    }
+    assert spans == {f"keep(<lambda>) in checkpoint({block.__qualname__})"}
 
 
 def test_report_of_a_freed_graph_says_backward_freed_it() -> None:
