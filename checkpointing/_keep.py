@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import torch
 
 from . import _compat, _compiled
-from ._errors import CheckpointError
+from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._selective import CheckpointPolicy, OffloadStats
 from ._state import enter_span, exit_span, set_device_states
@@ -99,7 +99,7 @@ _MSG_REPLAY_MISMATCH = (
     "is_recomputing(), globals or random numbers drawn outside the region)."
 )
 _MSG_OUTPUT_MUTATED = (
-    "checkpointing.keep: output {index} of the span {name} in {region} was modified in place "
+    "checkpointing.keep: an output of the span {name} in {region} was modified in place "
     "after the span returned it (version {then} -> {now}); the replay needs it as the span "
     "returned it. Fix: make the in-place operation out of place (e.g. `y = y.relu()` instead "
     "of `y.relu_()`), or move it inside the span."
@@ -145,9 +145,8 @@ class Span:
 
     __slots__ = (
         "name",
-        "output_recipes",
-        "output_versions",
         "outputs",
+        "released",
         "rng_after",
         "routed",
         "start",
@@ -158,9 +157,8 @@ class Span:
         self.name = name
         self.start = start  # holders the frame had when the span began (Rule 3)
         self.routed: list[_Recipe] = []  # saved arguments, in the order they were saved
-        self.outputs: Any = None
-        self.output_recipes: dict[int, _Recipe] = {}
-        self.output_versions: list[int] = []
+        self.outputs: Any = None  # the span's return value, tensors as ``_Held``
+        self.released = False
         self.rng_after: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None
         self.state_after: tuple[Any, ...] | None = None
 
@@ -169,6 +167,7 @@ class Span:
         self.outputs = None
         self.rng_after = None
         self.state_after = None
+        self.released = True
 
 
 def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -476,6 +475,26 @@ def _forward_span(
     return outputs
 
 
+class _Held:
+    """One tensor output of a span, as the replay will be served it (Rule 3): a detached alias
+    and the version it had when the span returned, or a recipe to rebuild it from the replay's
+    arguments (``alias`` None)."""
+
+    __slots__ = ("alias", "recipe", "requires_grad", "version")
+
+    def __init__(
+        self,
+        alias: torch.Tensor | None,
+        recipe: _Recipe | None,
+        requires_grad: bool,
+        version: int,
+    ) -> None:
+        self.alias = alias
+        self.recipe = recipe
+        self.requires_grad = requires_grad
+        self.version = version
+
+
 def _hold_outputs(
     span: Span,
     outputs: Any,
@@ -483,63 +502,41 @@ def _hold_outputs(
     ranges: list[tuple[int, int] | None],
 ) -> None:
     """Rule 3: aliases of the outputs (or recipes for those that are the arguments' views)."""
-    index = 0
 
-    def hold(value: Any) -> Any:
-        nonlocal index
-        if isinstance(value, torch.Tensor):
-            position = index
-            index += 1
-            recipe = _recipe_for(value, leaves, ranges) if leaves else None
-            if recipe is not None:
-                span.output_recipes[position] = recipe
-                span.output_versions.append(-1)
-                return (_REBUILT, value.requires_grad)
-            span.output_versions.append(value._version)
-            return (value.detach(), value.requires_grad)
-        return value
+    def hold(value: torch.Tensor) -> _Held:
+        recipe = _recipe_for(value, leaves, ranges) if leaves else None
+        if recipe is not None:
+            return _Held(None, recipe, value.requires_grad, -1)
+        return _Held(value.detach(), None, value.requires_grad, value._version)
 
     span.outputs = _map_tensors(outputs, hold)
-
-
-_REBUILT: Final = object()
 
 
 def held_outputs(span: Span) -> list[torch.Tensor]:
     """The outputs ``span`` holds for the replay (not those rebuilt from its arguments)."""
     found: list[torch.Tensor] = []
 
-    def collect(value: Any) -> Any:
-        if (
-            isinstance(value, tuple)
-            and len(value) == 2
-            and type(value[1]) is bool
-            and isinstance(value[0], torch.Tensor)
-        ):
-            found.append(value[0])
-            return value
-        if isinstance(value, tuple | list):
-            for item in value:
-                collect(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                collect(item)
-        return value
+    def collect(held: _Held) -> _Held:
+        if held.alias is not None:
+            found.append(held.alias)
+        return held
 
-    collect(span.outputs)
+    _map_tensors(span.outputs, collect, _Held)
     return found
 
 
-def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
+def _map_tensors(value: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) -> Any:
+    """``value`` with every ``leaf`` inside tuples, named tuples, lists and dicts mapped by
+    ``fn`` (other objects are left as they are)."""
+    if isinstance(value, leaf):
         return fn(value)
     if isinstance(value, tuple):
-        mapped = [_map_tensors(item, fn) for item in value]
+        mapped = [_map_tensors(item, fn, leaf) for item in value]
         return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
     if isinstance(value, list):
-        return [_map_tensors(item, fn) for item in value]
+        return [_map_tensors(item, fn, leaf) for item in value]
     if isinstance(value, dict):
-        return type(value)((key, _map_tensors(item, fn)) for key, item in value.items())
+        return type(value)((key, _map_tensors(item, fn, leaf)) for key, item in value.items())
     return value
 
 
@@ -569,56 +566,33 @@ def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: 
     if span.state_after is not None and frame.state_hooks:  # Rule 5
         for hook, snapshot in zip(frame.state_hooks, span.state_after, strict=True):
             hook.restore(snapshot)
-    position = 0
+    if span.released:
+        raise CheckpointError(
+            f"checkpointing.keep: the replay of {frame.region()} reached the span {span.name}, "
+            "whose outputs the forward released as unreachable (an internal error: please "
+            "report it with the region's code)."
+        )
 
-    def serve(value: Any) -> Any:
-        nonlocal position
-        if not (isinstance(value, tuple) and len(value) == 2 and type(value[1]) is bool):
-            return value
-        held, requires_grad = value
-        here = position
-        position += 1
-        if held is _REBUILT:
-            tensor = _rebuild(span.output_recipes[here], leaves).detach()
-        elif isinstance(held, torch.Tensor):
-            version = span.output_versions[here]
-            if held._version != version:
+    def serve(held: _Held) -> torch.Tensor:
+        if held.recipe is not None:
+            tensor = _rebuild(held.recipe, leaves).detach()
+        else:
+            alias = held.alias
+            if alias is None:
+                internal_error("a held output with neither an alias nor a recipe")
+            if alias._version != held.version:
                 raise CheckpointError(
                     _MSG_OUTPUT_MUTATED.format(
-                        index=here,
                         name=span.name,
                         region=frame.region(),
-                        then=version,
-                        now=held._version,
+                        then=held.version,
+                        now=alias._version,
                     )
                 )
-            tensor = held.detach()
-        else:
-            return value
-        return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+            tensor = alias.detach()
+        return tensor.requires_grad_(True) if held.requires_grad else tensor
 
-    if span.outputs is None:
-        internal = "the forward released this span's outputs, yet the replay reached it"
-        raise CheckpointError(f"checkpointing.keep: {internal} ({frame.region()}).")
-    return _serve_tree(span.outputs, serve)
-
-
-def _serve_tree(value: Any, serve: Callable[[Any], Any]) -> Any:
-    if (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and type(value[1]) is bool
-        and (value[0] is _REBUILT or isinstance(value[0], torch.Tensor))
-    ):
-        return serve(value)
-    if isinstance(value, tuple):
-        mapped = [_serve_tree(item, serve) for item in value]
-        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
-    if isinstance(value, list):
-        return [_serve_tree(item, serve) for item in value]
-    if isinstance(value, dict):
-        return type(value)((key, _serve_tree(item, serve)) for key, item in value.items())
-    return value
+    return _map_tensors(span.outputs, serve, _Held)
 
 
 class keeping:  # a context manager named like a function, as torch's no_grad

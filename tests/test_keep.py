@@ -594,7 +594,7 @@ def test_spans_leave_nothing_behind() -> None:
         frame = unpack.args[0]
         (span,) = frame.spans
         frame_probe = weakref.ref(frame)
-        output_probe = weakref.ref(span.outputs[0])
+        output_probe = weakref.ref(span.outputs.alias)
         del unpack, frame, span
         out.sum().backward()
         del out
