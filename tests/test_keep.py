@@ -637,38 +637,32 @@ def _counter_block(rng: CounterRng, w: torch.Tensor, kept: bool):
     return block
 
 
-@pytest.mark.parametrize("kept", [False, True])
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_state_hooks_restore_user_state_for_recompute(kept: bool, use_reentrant: bool) -> None:
-    if kept and use_reentrant:
-        pytest.skip("spans belong to non-reentrant checkpoints")
+@pytest.mark.parametrize(
+    ("kept", "use_reentrant", "hooked"),
+    [(False, False, True), (True, False, True), (False, True, True), (True, False, False)],
+)
+def test_state_hooks_restore_user_state_for_recompute(
+    kept: bool, use_reentrant: bool, hooked: bool
+) -> None:
+    """With the hook, recompute sees the forward's state at its start and after each skipped
+    span, and the caller's state is left alone; without it (the control, so that this test can
+    fail) the gradients differ."""
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
     rng = CounterRng()
     block = _counter_block(rng, w, kept)
     expected = torch.autograd.grad(block(x).sum(), (x, w))
     rng.counter = 0
-    out = checkpointing.checkpoint(block, x, use_reentrant=use_reentrant, recompute_state_hooks=rng)
+    hooks = rng if hooked else None
+    out = checkpointing.checkpoint(
+        block, x, use_reentrant=use_reentrant, recompute_state_hooks=hooks
+    )
     rng.counter = 100  # the caller moves on; recompute must not see it, nor disturb it
     out.sum().backward()  # (reentrant checkpoints refuse autograd.grad)
-    got = (x.grad, w.grad)
-    for a, b in zip(got, expected, strict=True):
-        assert torch.equal(a, b)
-    assert rng.counter == 100
-
-
-def test_without_state_hooks_the_recompute_diverges() -> None:
-    """The control: the same block without the hook gives other gradients (so the test above
-    can fail)."""
-    w = torch.randn(8, 8, requires_grad=True)
-    x = torch.randn(4, 8, requires_grad=True)
-    rng = CounterRng()
-    block = _counter_block(rng, w, True)
-    expected = torch.autograd.grad(block(x).sum(), (x, w))
-    rng.counter = 0
-    out = checkpointing.checkpoint(block, x, use_reentrant=False)
-    got = torch.autograd.grad(out.sum(), (x, w))
-    assert not all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    same = [torch.equal(a, b) for a, b in zip((x.grad, w.grad), expected, strict=True)]
+    assert all(same) if hooked else not all(same)
+    if hooked:
+        assert rng.counter == 100
 
 
 @pytest.mark.parametrize("entry", ["checkpoint_module", "wrapper", "sequential"])

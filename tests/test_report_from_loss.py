@@ -12,13 +12,14 @@ from __future__ import annotations
 import gc
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from allocator_support import allocator_step
 from frame_support import assert_tensors_equal
+from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 
 import checkpointing
 from checkpointing import _events, policies, saved_tensors_report
@@ -322,22 +323,8 @@ def test_bad_outputs_are_refused_with_the_fix(
         assert phrase in message
 
 
-@pytest.fixture
-def gc_disabled() -> Iterator[None]:
-    """Disable automatic collection for the test; restore it afterwards."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was_enabled:
-            gc.enable()
-
-
-def test_report_holds_nothing_of_the_graph(gc_disabled: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_report_holds_nothing_of_the_graph() -> None:
     """Once the loss is dropped, its graph, frames, holders and tensors die, report or not; and
     building the report leaves no cyclic garbage."""
     lin = torch.nn.Linear(8, 8)
