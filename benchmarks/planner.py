@@ -1,9 +1,12 @@
-"""``plan_checkpointing`` against hand-written policies at the same memory budget.
+"""``plan_checkpointing`` against hand-written policies, against torch.compile, and against itself.
 
 Usage (from the repository root)::
 
     python benchmarks/planner.py            # W1 and W2 (reduced sizes), plot in docs/
     python benchmarks/planner.py --compile  # instead: torch.compile's activation_memory_budget
+    python benchmarks/planner.py --solve-time          # the solver on 32 tiny-Llama layers
+    PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
+    python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
 
 Method. One thread. Hand policies: full checkpointing, ``save_matmuls``, every second matmul
 saved, every n-th layer checkpointed (n = 2, 3, 4), each installed with ``checkpoint_module`` per
@@ -28,13 +31,22 @@ Reported: the median of the per-quad ratios with a bootstrap 95 % confidence int
 (``BOOTSTRAP`` resamples of the quads). *Faster*: the interval lies wholly below 1 and below the
 A/A's interval; *slower*: wholly above 1 (noted when still inside the A/A's); else *same*.
 
-``--compile`` (slow: inductor compiles the model once per budget; no timing then): W2 under
-``torch.compile`` (inductor) with ``activation_memory_budget`` 1.0, 0.5 and 0.25 beside the plan
-at budgets 0.5 and 0.25 (equal numbers mean different things: see ``compile_table``); for each,
-the bytes the step keeps for backward and the FLOPs recomputed (``FlopCounterMode`` over the
-backward, minus the eager un-checkpointed backward's; for the plans, the report's count of what
-recompute runs, which agrees with it on full checkpointing). Kept bytes: for the compiled step,
-an outer saved-tensors hook (unique storages, parameters and input left out; the compiled
+``--ab DIR`` times this checkout's default plans of W1 and W2 (A) against the plans in ``DIR``
+at the same budgets (B), written by ``--dump-plans DIR`` run on another checkout (its package
+first on ``PYTHONPATH``), in the same quads beside the same A/A control (``--quads``, default
+24 rounds): the "step time no slower than the previous planner's" check.
+
+``--compile`` (slow: inductor compiles each model once per budget; no timing then): W2, a tiny
+Hugging Face Llama, a GPT-2-style decoder with dropout and a small ViT (``--workloads``), each
+under ``torch.compile`` (inductor) at ``activation_memory_budget`` 1.0, 0.7, 0.5, 0.3 and 0.2,
+and beside each, our plans at the bytes the compiled step kept: ``objective="flops"`` at those
+bytes and at 2 % more (the target's tolerance), ``objective="time"`` at those bytes. For each:
+the bytes kept for backward, and the FLOPs recomputed: a plain FLOP-counting dispatch mode over
+the backward (``FlopCount``: the planner's formulas, attention included), minus the eager
+un-checkpointed backward's; it leaves a selective recompute's op sequence alone (torch's
+``FlopCounterMode`` does not), so ours and the compiler's are counted alike, and ours agree
+with the plans' predictions to the FLOP. Kept bytes: for the compiled step, an outer
+saved-tensors hook (unique storages, parameters, buffers and inputs left out; the compiled
 graph's saved tensors reach it); for the plans, the report (the hook misses a selective cache).
 """
 
@@ -55,17 +67,22 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import checkpointing
 from checkpointing import _compat, policies
-from checkpointing._planning.plan import _RegionContexts
+from checkpointing._planning.plan import _RegionContexts, find_regions
 from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import solve
 from checkpointing._selective import CheckpointPolicy
+
+try:
+    from checkpointing._planning.flops import op_flops
+except ImportError:  # --dump-plans on a checkout from before the planner counted FLOPs itself
+    op_flops = None
 
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MATMULS = policies.MATMUL_OPS
@@ -388,7 +405,173 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-COMPILE_BUDGETS = (1.0, 0.5, 0.25)
+COMPILE_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.2)
+OBJECTIVES = ("flops", "time")
+# The target: at the compiler's kept bytes (+-2 %), no more recomputed FLOPs. Plans are made at
+# its bytes and, for the FLOP objective, at 2 % more; a plan keeping fewer bytes is no worse.
+BYTES_TOLERANCE = 0.02
+PLANNED = (("flops", 1.0), ("flops", 1.0 + BYTES_TOLERANCE), ("time", 1.0))
+
+
+@dataclass
+class Workload:
+    """A model, one step's inputs and its loss (for the compiler comparison)."""
+
+    key: str
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor]
+
+    def loss(self, model: nn.Module | Callable[..., Any] | None = None) -> torch.Tensor:
+        run = self.model if model is None else model  # (a compiled module has no truth value)
+        return self.loss_fn(run(*self.args, **self.kwargs))
+
+    def exclude(self) -> list[torch.Tensor]:
+        """The storages that are no activations: parameters, buffers and inputs."""
+        inputs = [t for t in (*self.args, *self.kwargs.values()) if isinstance(t, torch.Tensor)]
+        return [*self.model.parameters(), *self.model.buffers(), *inputs]
+
+
+def sum_loss(output: Any) -> torch.Tensor:
+    return output.sum()
+
+
+def w2_workload() -> Workload:
+    model, x = w2(4, 2)
+    return Workload(
+        "W2 (4 x TransformerEncoderLayer 256, seq 128, batch 2)", model, (x,), {}, sum_loss
+    )
+
+
+def llama_workload() -> Workload:
+    """A tiny Hugging Face Llama (4 layers, hidden 256), its loss computed inside forward."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(1024, (2, 128), generator=torch.Generator().manual_seed(1))
+    return Workload(
+        "tiny HF Llama (4 layers, hidden 256, seq 128, batch 2)",
+        model,
+        (ids,),
+        {"labels": ids},
+        lambda output: output.loss,
+    )
+
+
+class DecoderBlock(nn.Module):
+    """A GPT-2 style block: pre-norm causal attention and GELU MLP, dropout on the attention
+    weights and on both residual branches."""
+
+    def __init__(self, dim: int, heads: int, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        p = self.p if self.training else 0.0
+        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(nn.functional.gelu(self.fc(self.norm2(x)))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int = 1024, dim: int = 256, heads: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(DecoderBlock(dim, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def decoder_workload() -> Workload:
+    torch.manual_seed(3)
+    model = Decoder().train()
+    ids = torch.randint(1024, (2, 128), generator=torch.Generator().manual_seed(1))
+    targets = ids.roll(-1, dims=1)
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return Workload(
+        "decoder (4 x GPT-2 block 256, dropout 0.1, seq 128, batch 2)", model, (ids,), {}, loss
+    )
+
+
+class VitBlock(nn.Module):
+    """A ViT block: pre-norm attention and GELU MLP, no dropout."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(nn.functional.gelu(self.fc(self.norm2(x))))
+
+
+class Vit(nn.Module):
+    def __init__(self, dim: int = 192, heads: int = 3, depth: int = 4, classes: int = 100) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=8, stride=8)
+        self.position = nn.Parameter(torch.randn(1, 16, dim) * 0.02)
+        self.blocks = nn.Sequential(*(VitBlock(dim, heads) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch(images).flatten(2).transpose(1, 2) + self.position
+        return self.head(self.norm(self.blocks(x)).mean(dim=1))
+
+
+def vit_workload() -> Workload:
+    torch.manual_seed(4)
+    model = Vit().train()
+    images = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    labels = torch.arange(16) % 100
+    return Workload(
+        "ViT (4 x block 192, 16 patches, batch 16)",
+        model,
+        (images,),
+        {},
+        lambda logits: nn.functional.cross_entropy(logits, labels),
+    )
+
+
+WORKLOADS: dict[str, Callable[[], Workload]] = {
+    "W2": w2_workload,
+    "llama": llama_workload,
+    "decoder": decoder_workload,
+    "vit": vit_workload,
+}
 
 
 def hooked_bytes(forward: Callable[[], torch.Tensor], exclude: list[torch.Tensor]) -> Any:
@@ -409,78 +592,98 @@ def hooked_bytes(forward: Callable[[], torch.Tensor], exclude: list[torch.Tensor
     return loss, sum(seen.values())
 
 
+class FlopCount(TorchDispatchMode):
+    """FLOPs of every op run inside it, by the planner's formulas (torch's counter, plus the
+    CPU attention kernel and the other matrix ops it misses). A plain mode: unlike
+    ``FlopCounterMode`` it tracks no modules, so a selective checkpoint's recompute runs the
+    same op sequence under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.flops += op_flops(func, args, kwargs, out)
+        return out
+
+
 def backward_flops(loss: torch.Tensor) -> int:
-    """FLOPs ``torch.utils.flop_counter`` counts in ``loss``'s backward (recompute included)."""
-    with FlopCounterMode(display=False) as counter:
+    """FLOPs of ``loss``'s backward, recompute included."""
+    with FlopCount() as counter:
         loss.backward()
-    return int(counter.get_total_flops())
+    return counter.flops
 
 
-def compile_side_by_side(model: nn.Module, x: torch.Tensor) -> list[dict[str, Any]]:
-    """Kept bytes and recomputed FLOPs: eager without checkpointing, our plans, and
-    ``torch.compile`` (inductor) at each ``activation_memory_budget``."""
-    exclude = [*model.parameters(), x]
+def compile_side_by_side(work: Workload) -> list[dict[str, Any]]:
+    """Kept bytes and recomputed FLOPs (backward FLOPs above the eager plain backward's) of
+    ``torch.compile`` (inductor) at each ``activation_memory_budget``, and beside each, our
+    plans at the bytes it kept, one per objective."""
+    model = work.model
+    exclude = work.exclude()
 
     def eager() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        return model(x).sum()
+        return work.loss()
 
-    loss, plain_hooked = hooked_bytes(eager, exclude)
+    loss, plain_kept = hooked_bytes(eager, exclude)
     plain_backward = backward_flops(loss)
-    rows = [{"name": "eager, no checkpoint", "kept": plain_hooked, "flops": 0, "compile_s": 0.0}]
-    # The check: for whole-block checkpoint, the report's recompute FLOPs and FlopCounterMode's
-    # backward FLOPs above the plain backward must agree.
-    full = copy.deepcopy(model)
-    HAND["full"](full)
-    with checkpointing.saved_tensors_report() as report:
-        counted = backward_flops(full(x).sum()) - plain_backward
-    check = (report.recompute_flops, counted)
-    for budget in COMPILE_BUDGETS[1:]:
-        rows.append(planned(model, x, budget))
-    compiled_rows = []
+    rows = [{"name": "eager, no checkpoint", "kept": plain_kept, "flops": 0, "predicted": 0}]
     for budget in COMPILE_BUDGETS:
         torch.compiler.reset()
         with _compat.compile_activation_memory_budget(budget):
             compiled = torch.compile(model, backend="inductor")
-            start = time.perf_counter()
-            step(compiled, x)  # compiles forward and backward under this budget
-            compile_seconds = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            work.loss(compiled).backward()  # compiles forward and backward under this budget
 
             def forward(compiled: Any = compiled) -> torch.Tensor:
                 model.zero_grad(set_to_none=True)
-                return compiled(x).sum()
+                return work.loss(compiled)
 
             loss, kept_bytes = hooked_bytes(forward, exclude)
             flops = backward_flops(loss) - plain_backward
-        compiled_rows.append(
-            {
-                "name": f"torch.compile, activation_memory_budget={budget}",
-                "kept": kept_bytes,
-                "flops": flops,
-                "compile_s": compile_seconds,
-            }
-        )
+        rows.append({"name": f"torch.compile, budget {budget}", "kept": kept_bytes, "flops": flops})
+        for objective, share in PLANNED:
+            rows.append(planned(work, int(share * kept_bytes), objective, plain_backward))
+        print(*(f"{r['name']}: {r['kept']}, {r['flops']}" for r in rows[-4:]), sep="\n")
     torch.compiler.reset()
-    rows += compiled_rows
-    for row in compiled_rows[1:]:  # the plan at the bytes torch.compile kept
-        rows.append(planned(model, x, row["kept"]))
-    rows[0]["check"] = check
     return rows
 
 
-def planned(model: nn.Module, x: torch.Tensor, budget: float | int) -> dict[str, Any]:
-    """The row of our plan at ``budget``: kept bytes and recomputed FLOPs, from the report."""
-    plan = checkpointing.plan_checkpointing(model, x, budget=budget)
+def planned(work: Workload, budget: int, objective: str, plain_backward: int) -> dict[str, Any]:
+    """Our plan at ``budget`` bytes: kept bytes (the report), recomputed FLOPs (measured as for
+    the compiler, and predicted), predicted peak."""
+    model = work.model
+    try:
+        plan = checkpointing.plan_checkpointing(
+            model,
+            work.args,
+            example_kwargs=work.kwargs,
+            loss_fn=work.loss_fn,
+            budget=budget,
+            objective=objective,  # type: ignore[arg-type]
+        )
+    except ValueError:
+        return {
+            "name": f"plan, objective={objective}",
+            "kept": None,
+            "flops": None,
+        }
     plan.apply(model)
-    with checkpointing.saved_tensors_report() as report:
-        step(model, x)
-    plan.remove(model)
-    what = f"budget={budget}" if isinstance(budget, float) else f"budget={budget:,} bytes"
+    try:
+        model.zero_grad(set_to_none=True)
+        with checkpointing.saved_tensors_report() as report:
+            loss = work.loss()
+        flops = backward_flops(loss) - plain_backward
+    finally:
+        plan.remove(model)
     return {
-        "name": f"plan_checkpointing, {what}",
+        "name": f"plan, objective={objective}, budget {budget:,} B",
         "kept": report.activation_bytes,
-        "flops": report.recompute_flops,
-        "compile_s": 0.0,
+        "flops": flops,
+        "predicted": plan.recompute_flops,
+        "plan": plan,
     }
 
 
@@ -489,38 +692,123 @@ def compile_table(key: str, rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"### {key}: plan_checkpointing beside torch.compile's activation_memory_budget",
         "",
-        "| configuration | kept bytes | of eager's | recomputed GFLOPs | compile s |",
-        "|---|---|---|---|---|",
+        "| configuration | kept bytes | of eager's | recomputed GFLOP (measured) | predicted | "
+        "<= compiler's FLOPs at <= its bytes + 2 % |",
+        "|---|---|---|---|---|---|",
     ]
+    compiled: dict[str, Any] = {}
     for row in rows:
+        if row["kept"] is None:
+            lines.append(f"| {row['name']} | below the floor | | | | no |")
+            continue
+        verdict = ""
+        if row["name"].startswith("torch.compile"):
+            compiled = row
+        elif row["name"].startswith("plan"):
+            fits = row["kept"] <= (1 + BYTES_TOLERANCE) * compiled["kept"]
+            verdict = "yes" if fits and row["flops"] <= compiled["flops"] else "no"
+        predicted = f"{row['predicted'] / 1e9:.3f}" if "predicted" in row else ""
         lines.append(
             f"| {row['name']} | {row['kept']:,} | {row['kept'] / base:.3f} | "
-            f"{row['flops'] / 1e9:.3f} | {row['compile_s']:.0f} |"
+            f"{row['flops'] / 1e9:.3f} | {predicted} | {verdict} |"
         )
     lines.append("")
-    lines.append(
-        "Our budget is a fraction of the bytes eager mode keeps without checkpointing; torch's "
-        "is a fraction of the way from its own floor (0.0: the whole compiled graph recomputed, "
-        "only its inputs kept) to its default min-cut partition (1.0), so equal numbers are not "
-        "equal budgets: compare the kept bytes. Recomputed FLOPs: for the plans, the report's "
-        "(FlopCounterMode over a SAC region's backward changes its recompute's op sequence, "
-        "and torch's SAC and ours then raise); for torch.compile, FlopCounterMode over the "
-        "backward minus the eager plain backward. The two agree on full checkpointing: "
-        f"{rows[0]['check'][0] / 1e9:.3f} and {rows[0]['check'][1] / 1e9:.3f} GFLOPs."
-    )
     return lines
 
 
-def solve_time(depth: int = 32) -> float:
-    """Seconds to solve a profiled ``depth``-block W2-style model (profile not counted)."""
-    model, x = w2(depth, 1)
-    blocks = [(str(i), b) for i, b in enumerate(model)]
-    profile = profile_step(model, blocks, (x,), {}, None, _RegionContexts({}))
-    problem = profile.problem(profile.policy_seconds_per_op)
-    start = time.process_time()
-    baseline = solve(problem, 0).baseline_bytes
-    solve(problem, int(0.3 * baseline))
-    return (time.process_time() - start) / 2
+def solve_time(depth: int = 32) -> dict[str, float]:
+    """Seconds to solve a profiled ``depth``-layer tiny HF Llama (profile not counted), per
+    objective: the mean of a solve at the floor, at 0.3 of the baseline and at 0.7."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=depth,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(1024, (2, 128), generator=torch.Generator().manual_seed(1))
+    regions = find_regions(model, None)
+    profile = profile_step(
+        model, regions, (ids,), {"labels": ids}, lambda o: o.loss, _RegionContexts({})
+    )
+    times = {}
+    for objective in OBJECTIVES:
+        problem = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
+        start = time.process_time()
+        first = solve(problem, 0)
+        for share in (0.3, 0.7):
+            solve(problem, int(share * first.baseline_bytes))
+        times[objective] = (time.process_time() - start) / 3
+    return times
+
+
+def dump_plans(directory: Path) -> None:
+    """Write the default plan of W1 and W2 at every budget as JSON (``--dump-plans``): run it
+    on an older checkout (``PYTHONPATH=that/checkout``) to time its plans with ``--ab``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"planning with {Path(checkpointing.__file__).parent}")
+    for name, build in (("W1", lambda: w1(8)), ("W2", lambda: w2(4, 1))):
+        model, x = build()
+        for budget in BUDGETS:
+            try:
+                plan = checkpointing.plan_checkpointing(model, x, budget=budget)
+            except ValueError:
+                continue
+            (directory / f"{name}_{budget}.json").write_text(plan.to_json())
+            print(f"{name} {budget}: {describe(plan)}, {plan.kept_bytes:,} bytes")
+
+
+def ab(directory: Path, rounds: int) -> None:
+    """``--ab``: this checkout's default plan (B... A) against the plan in ``directory`` at the
+    same budget (written by ``--dump-plans`` on another checkout), in quads beside the A/A
+    control, as ``run`` times plans against hand policies."""
+    for name, build in (("W1", lambda: w1(8)), ("W2", lambda: w2(4, 1))):
+        model, x = build()
+        installers: dict[str, Installer] = {"none": no_checkpoint, "none again": no_checkpoint}
+        plans = {}
+        for budget in BUDGETS:
+            path = directory / f"{name}_{budget}.json"
+            if not path.exists():
+                continue
+            old = checkpointing.ActivationPlan.from_json(path.read_text())
+            new = checkpointing.plan_checkpointing(model, x, budget=budget)
+            plans[budget] = (new, old)
+            installers[f"new {budget}"] = plan_installer(new)
+            installers[f"old {budget}"] = plan_installer(old)
+        models = {}
+        for key, install in installers.items():
+            models[key] = copy.deepcopy(model)
+            install(models[key])
+        nbytes = {key: kept(m, x) for key, m in models.items()}
+        for m in models.values():
+            for _ in range(WARM_STEPS):
+                step(m, x)
+        comparisons = [AA] + [(f"new {b}", f"old {b}") for b in plans]
+        gc.collect()
+        gc.freeze()
+        ratios, _ = quads(models, x, comparisons, rounds)
+        gc.unfreeze()
+        control = estimate(ratios[AA])
+        print(f"### {name}: this checkout's plan (new) against the saved one (old)\n")
+        print(f"A/A control: {control} ({control.count} quads)\n")
+        print(
+            "| budget | old: kept bytes, regions | new: kept bytes, regions | new / old | verdict |"
+        )
+        print("|---|---|---|---|---|")
+        for budget, (new, old) in plans.items():
+            ratio = estimate(ratios[(f"new {budget}", f"old {budget}")])
+            print(
+                f"| {budget} | {nbytes[f'old {budget}']:,}, {describe(old)} | "
+                f"{nbytes[f'new {budget}']:,}, {describe(new)} | {ratio} | "
+                f"{verdict(ratio, control)} |"
+            )
+        print()
 
 
 def main() -> None:
@@ -530,13 +818,31 @@ def main() -> None:
     parser.add_argument("--only", choices=("W1", "W2"), help="one workload only")
     parser.add_argument("--plot", default="docs/planner_pareto.png")
     parser.add_argument("--compile", action="store_true", help="the torch.compile comparison")
-    parser.add_argument("--compile-depth", type=int, default=4)
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="--compile: which (comma-separated)"
+    )
+    parser.add_argument("--solve-time", action="store_true", help="only time the solver")
+    parser.add_argument("--dump-plans", type=Path, help="write W1/W2 default plans as JSON")
+    parser.add_argument("--ab", type=Path, help="time this checkout's plans against those")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.dump_plans is not None:
+        dump_plans(args.dump_plans)
+        return
+    if args.ab is not None:
+        ab(args.ab, args.quads or 24)
+        return
+    if args.solve_time:
+        for objective, seconds in solve_time().items():
+            print(f"solve time, 32-layer tiny Llama, objective {objective}: {1e3 * seconds:.0f} ms")
+        return
     if args.compile:
-        depth = args.compile_depth
-        key = f"W2 ({depth} x TransformerEncoderLayer 256, seq 128, batch 2)"
-        print("\n".join(compile_table(key, compile_side_by_side(*w2(depth, 2)))))
+        for name in args.workloads.split(","):
+            work = WORKLOADS[name]()
+            start = time.perf_counter()
+            rows = compile_side_by_side(work)
+            print("\n".join(compile_table(work.key, rows)))
+            print(f"({time.perf_counter() - start:.0f} s)\n", flush=True)
         return
     workloads = {
         "W1": ("W1 (8 x Linear 1024 + GELU, batch 64)", lambda: w1(8), QUADS["W1"]),
@@ -555,7 +861,6 @@ def main() -> None:
         print("\n".join(table(result)))
         print(f"({time.perf_counter() - start:.0f} s)\n")
         results.append(result)
-    print(f"solve time, 32 TransformerEncoderLayer blocks: {1e3 * solve_time():.0f} ms per solve")
     if args.only is None:
         try:
             plot(results, Path(args.plot))

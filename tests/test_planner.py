@@ -541,26 +541,34 @@ def shared_storages(problem: Problem) -> bool:
 
 @given(planner_problems())
 def test_solver_fits_and_is_near_brute_force(problem: Problem) -> None:
-    """At every budget from the floor up, exact and greedy answers fit the exact byte count;
-    without storages shared between regions, the exact answer is the brute-force optimum and
-    the greedy one is within its stated bound of it."""
+    """At every budget from the floor up, answers on a fine and on a coarse byte grid fit the
+    exact byte count; without storages shared between regions, the fine grid's answer is the
+    brute-force optimum, and the coarse grid's costs no more than the brute-force optimum at a
+    budget of one grid step per region less (NOTE [Planner model], Rule 17)."""
     choices = list(all_choices(problem))
     plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
     floor = solve(problem, plain).floor_bytes
     assert floor >= min(kept_bytes(problem, c) for c in choices)
-    for budget in range(floor, plain + 1):
-        best = min(
+
+    def best_within(budget: int) -> float:
+        fitting = [
             recompute_seconds(problem, c) for c in choices if kept_bytes(problem, c) <= budget
-        )
-        for exact in (True, False):
-            solution = solve(problem, budget, allow_exact=exact)
+        ]
+        return min(fitting, default=math.inf)
+
+    for budget in range(floor, plain + 1):
+        best = best_within(budget)
+        for grid in (8192, 2):
+            solution = solve(problem, budget, grid_points=grid)
             assert solution.kept_bytes == kept_bytes(problem, solution.choices) <= budget
             assert solution.recompute_seconds >= best - 1e-12
             if shared_storages(problem):
                 continue
-            assert solution.recompute_seconds <= best + solution.bound_seconds + 1e-12
             if solution.method == "exact":
                 assert math.isclose(solution.recompute_seconds, best, abs_tol=1e-12)
+            else:
+                tighter = budget - len(problem.regions) * solution.grid_bytes
+                assert solution.recompute_seconds <= best_within(tighter) + 1e-12
 
 
 def test_policy_cost_makes_whole_regions_win() -> None:

@@ -1,7 +1,8 @@
 """Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
 
 ``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``profile.py``
-watches real steps; ``solver.py`` chooses. The rules below are shared by all three.
+watches real steps (``flops.py`` counts an op's FLOPs, ``_torch_private.py`` reads the CPU
+allocator's peak); ``solver.py`` chooses. The rules below are shared by all of them.
 
 NOTE [Planner model]
   Rule 1. Bytes are storages: a tensor kept for backward costs its whole storage, once, however
@@ -38,7 +39,10 @@ NOTE [Planner model]
           ``checkpoint_sequential`` measures its chain under it too.
   Rule 9. An op's time is its fastest over the measured steps, summed over the region's calls.
           Below ``_TRUSTED_SECONDS`` a time is mostly dispatch noise: ops whose FLOPs torch
-          counts get FLOPs / (the FLOP rate of the step's slower ops) instead.
+          counts get FLOPs / (the FLOP rate of the step's slower ops) instead. Regions of one
+          structure (type, calls, early stop, and per op its key, kind, FLOPs and output
+          sizes: the blocks of a model) then get each op's median time over them: they run
+          the same work, and one block's unlucky sample should not give it another plan.
   Rule 10. Offload (``host_budget``, accelerators only) replaces recompute of an op output
           where moving it to host and back (at ``_HOST_BYTES_PER_SECOND`` each way) is predicted
           cheaper than re-running the op, best gain per host byte first, within the host budget;
@@ -60,14 +64,17 @@ NOTE [Planner model]
           saved ones. The cost is measured on the model's own regions while profiling: each
           region's forward timed plainly and inside the forward mode ``apply`` would install,
           ``_POLICY_ROUNDS`` times each in turn (the fastest counts), the difference per op
-          doubled for the replay. (A chain of tiny ops, measured once per process, gave half
-          of it: the modes' per-op work grows with the variety of ops and tensors of a real
-          block, and one op type on four floats stays in cache.) It is measured on the CPU
-          side; on an accelerator it may partly overlap device work, so it errs towards whole
-          regions. Recompute's other costs (autograd nodes, the frame, cache misses; on W2's
-          CPU blocks about a fifth of a block's op time) are not charged: they differ little
-          between a whole region and a partly saved one, so they only make checkpointing a
-          region look a little cheaper than keeping it.
+          doubled for the replay; the median over the regions of their per-op differences, so
+          one region's unlucky rounds do not set the price (measured 8-46 us per op on W2's
+          blocks before, one number per step). The replay's half is charged for the ops
+          recompute runs (up to the early stop, Rule 16). (A chain of tiny ops, measured once
+          per process, gave half of it: the modes' per-op work grows with the variety of ops
+          and tensors of a real block, and one op type on four floats stays in cache.) It is
+          measured on the CPU side; on an accelerator it may partly overlap device work, so it
+          errs towards whole regions. Recompute's other costs (autograd nodes, the frame, cache
+          misses; on W2's CPU blocks about a fifth of a block's op time) are not charged: they
+          differ little between a whole region and a partly saved one, so they only make
+          checkpointing a region look a little cheaper than keeping it.
   Rule 14. A checkpointed region keeps what its frame keeps (NOTE [Nestable checkpoint], Rule
           11): its input activations, those received by keyword or inside a container included,
           and the RNG states it captures (``apply`` preserves them). Profiling captures them at
@@ -79,6 +86,40 @@ NOTE [Planner model]
           Device states (one per accelerator tensor among the positional inputs) are never
           shared. A state is ~5 KB on CPU: on a model of many small regions with dropout it is
           several percent of the budget.
+
+  Rule 15. Objective. The solver minimizes ``seconds weight x recompute seconds + FLOP
+          weight x recomputed FLOPs``. FLOPs are matrix work (``flops.op_flops``: torch's
+          counter plus the CPU attention kernel and the few matrix ops it misses; elementwise
+          ops count 0, as for the compiler's partitioner). ``"time"``: a second weighs 1 and
+          FLOPs break ties within the profile's noise: recomputing all of the regions' FLOPs
+          weighs the step-to-step spread of the profiled steps (clamped to 1-5 %) times the
+          regions' op time, so plans that the measured times cannot tell apart (W2 on CPU:
+          0.067 and 1.43 GFLOP within 1.6 %) are decided by FLOPs, not by noise. ``"flops"``: a
+          FLOP weighs 1 and all the seconds any plan could recompute weigh less than half a
+          FLOP: the fewest FLOPs, then the least time.
+  Rule 16. Early stop. A checkpoint's frame has a holder for every tensor autograd saves in
+          the region (parameters included) and its recompute stops once the last is filled
+          (NOTE [Nestable checkpoint]); an op's inputs are saved before it runs, its outputs
+          after. The profile notes, per region call, how many ops had run when the last save
+          happened; the ops after that cost nothing to recompute and keeping their outputs
+          saves nothing, so they are neither charged nor offered (a Llama block's down
+          projection: its input is the last save).
+  Rule 17. Solving. A region's options (plain; checkpointed keeping a set of its units) come
+          from a 0/1 knapsack over its units solved by dynamic programming over bytes, one per
+          distinct (unit sizes, unit costs): identical blocks (Rule 9) share one. The regions'
+          multiple-choice knapsack is a dynamic program over a byte grid: the greatest common
+          divisor of the options' bytes where that gives at most ``_GRID_POINTS`` steps (the
+          additive optimum, "exact"), else that many equal steps, each option's bytes rounded
+          up ("grid": it fits, and costs no more than the additive optimum one step per region
+          below the budget). No greedy fallback: 32 Llama-sized blocks (about 400 options
+          each) solve in about 0.13 s (``benchmarks/planner.py --solve-time``).
+  Rule 18. Peak. The profile measures the allocator's peak over one plain step (CPU: the
+          profiler's memory events; CUDA: ``max_memory_allocated``). A plan's peak is taken
+          as the highest working set while backward runs a region (what the regions before it
+          keep, everything the region saves, since recompute restores it, and the gradients of
+          the parameters of the regions after it), plus what the plain step needed above its
+          own highest working set (the loss, the gradients in flight, temporaries). It errs
+          high: recompute's tensors die as backward consumes them.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

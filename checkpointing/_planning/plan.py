@@ -30,8 +30,8 @@ from .._selective import (
 )
 from .._state import noop_context_fn
 from . import plan_json
-from .profile import StepProfile, input_shapes, profile_step
-from .solver import Problem, Solution, kept_storages, offloads, solve
+from .profile import ObjectiveName, StepProfile, input_shapes, profile_step
+from .solver import Problem, Solution, kept_storages, offloads, predicted_peak, solve
 
 __all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]
 
@@ -53,6 +53,7 @@ class RegionDecision:
     ops: int = 0
     kept_bytes: int = 0
     recompute_ms: float = 0.0
+    recompute_flops: int = 0
 
     def describe(self) -> str:
         """The decision in words, for the table."""
@@ -72,6 +73,11 @@ _MSG_BUDGET_TYPE = (
 _MSG_HOST_BUDGET = (
     "checkpointing.plan_checkpointing: host_budget must be None or an int >= 0 (bytes of host "
     "memory offloaded activations may use), got {got}. Fix: e.g. host_budget=8 * 1024**3."
+)
+_MSG_OBJECTIVE = (
+    "checkpointing.plan_checkpointing: objective must be one of {allowed}, got {got}. Fix: "
+    "objective='time' (least predicted recompute time, the default) or objective='flops' "
+    "(fewest recomputed FLOPs, as torch.compile's partitioner counts them)."
 )
 _MSG_MODEL_TYPE = (
     "checkpointing.plan_checkpointing: model must be an nn.Module (its submodules are the "
@@ -162,6 +168,7 @@ def plan_checkpointing(
     example_kwargs: dict[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     host_budget: int | None = None,
+    objective: ObjectiveName = "time",
 ) -> ActivationPlan:
     """Choose what to checkpoint so that the activations kept for backward fit ``budget``.
 
@@ -184,6 +191,10 @@ def plan_checkpointing(
         loss_fn: ``loss_fn(output) -> scalar``; default: the sum of the floating-point outputs.
         host_budget: bytes of host memory that offloaded outputs may use (accelerators only;
             on CPU, host memory is the device memory and nothing is offloaded).
+        objective: ``"time"`` (default): the least predicted recompute time, measured per op,
+            with FLOPs breaking ties within the profile's noise; ``"flops"``: the fewest
+            recomputed FLOPs (matrix work, as torch's FLOP counter and the compiler count
+            it), with time breaking ties.
 
     Returns:
         An ``ActivationPlan``: ``print(plan)``, ``plan.apply(model)``, ``plan.remove(model)``,
@@ -203,7 +214,7 @@ def plan_checkpointing(
         >>> model(x).sum().backward()
         >>> _ = plan.remove(model)
     """
-    _check_arguments(model, budget, example_kwargs, loss_fn, host_budget)
+    _check_arguments(model, budget, example_kwargs, loss_fn, host_budget, objective)
     named = find_regions(model, regions)
     for name, module in named:
         if is_module_checkpointed(module):
@@ -212,7 +223,7 @@ def plan_checkpointing(
     profile = profile_step(
         model, named, args, dict(example_kwargs or {}), loss_fn, _RegionContexts({})
     )
-    problem = profile.problem(profile.policy_seconds_per_op)
+    problem = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
     first = solve(problem, 0)
     floor, baseline = first.floor_bytes, first.baseline_bytes
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
@@ -229,15 +240,24 @@ def plan_checkpointing(
         if host_budget is None or profile.device.startswith("cpu")
         else offloads(problem, solution, host_budget)
     )
-    plan = ActivationPlan._from_solution(profile, problem, solution, budget_bytes, offload)
+    plan = ActivationPlan._from_solution(
+        profile, problem, solution, budget_bytes, offload, objective
+    )
     plan._model = weakref.ref(model)
     return plan
 
 
 def _check_arguments(
-    model: object, budget: object, example_kwargs: object, loss_fn: object, host_budget: object
+    model: object,
+    budget: object,
+    example_kwargs: object,
+    loss_fn: object,
+    host_budget: object,
+    objective: object,
 ) -> None:
     """Every argument's type and range, before anything runs."""
+    if not isinstance(objective, str) or objective not in _OBJECTIVES:
+        raise ValueError(_MSG_OBJECTIVE.format(allowed=_OBJECTIVES, got=describe_value(objective)))
     if not isinstance(model, nn.Module):
         raise TypeError(_MSG_MODEL_TYPE.format(got=describe_value(model)))
     if isinstance(budget, bool) or not isinstance(budget, int | float):
@@ -258,6 +278,9 @@ def _check_arguments(
             raise TypeError(_MSG_HOST_BUDGET.format(got=describe_value(host_budget)))
         if host_budget < 0:
             raise ValueError(_MSG_HOST_BUDGET.format(got=host_budget))
+
+
+_OBJECTIVES = ("time", "flops")
 
 
 def find_regions(
@@ -392,9 +415,15 @@ class ActivationPlan:
         regions: one ``RegionDecision`` per region, in model order.
         budget_bytes, baseline_bytes, floor_bytes: the budget, the bytes kept without
             checkpointing, and the fewest bytes any plan keeps.
-        kept_bytes, recompute_ms: the plan's predicted kept bytes and recompute time.
+        kept_bytes, recompute_ms, recompute_flops: the plan's predicted kept bytes, recompute
+            time and recomputed FLOPs (matrix work).
+        peak_bytes: the predicted peak of the step's memory (forward and backward: kept
+            activations, the region being recomputed, gradients), above what the model and
+            inputs hold; 0 where the device's allocator cannot be read.
         step_ms: the profiled step's time (forward and backward, without checkpointing).
-        solver: ``"exact"``, or ``"greedy"`` with ``bound_ms`` its worst-case excess.
+        objective: what the plan minimizes, ``"time"`` or ``"flops"``.
+        solver: ``"exact"``, or ``"grid"``: solved on a byte grid of ``grid_bytes``, as if
+            each region's bytes were rounded up to it.
     """
 
     def __init__(
@@ -409,10 +438,13 @@ class ActivationPlan:
         recompute_ms: float,
         step_ms: float,
         solver: str,
-        bound_ms: float,
+        grid_bytes: int,
         device: str,
         input_shapes: list[list[int]],
         frontier: list[tuple[int, float]],
+        objective: str = "time",
+        recompute_flops: int = 0,
+        peak_bytes: int = 0,
     ) -> None:
         self.regions = regions
         self.budget_bytes = budget_bytes
@@ -423,7 +455,10 @@ class ActivationPlan:
         self.recompute_ms = recompute_ms
         self.step_ms = step_ms
         self.solver = solver
-        self.bound_ms = bound_ms
+        self.grid_bytes = grid_bytes
+        self.objective = objective
+        self.recompute_flops = recompute_flops
+        self.peak_bytes = peak_bytes
         self.device = device
         self.input_shapes = input_shapes
         self._frontier = frontier
@@ -438,6 +473,7 @@ class ActivationPlan:
         solution: Solution,
         budget_bytes: int,
         offload: list[frozenset[int]],
+        objective: str,
     ) -> ActivationPlan:
         decisions = []
         for index, (region, choice) in enumerate(
@@ -446,13 +482,15 @@ class ActivationPlan:
             units = problem.regions[index].units
             moved = offload[index]
             kept = kept_storages(problem, index, choice) - problem.outside
-            recompute = 0.0
+            recompute, flops = 0.0, 0
             if choice.checkpoint:
+                recomputed = [
+                    u for i, u in enumerate(units) if i not in choice.saved and i not in moved
+                ]
                 recompute = problem.regions[index].forced_seconds + sum(
-                    u.seconds
-                    for i, u in enumerate(units)
-                    if i not in choice.saved and i not in moved
+                    u.seconds for u in recomputed
                 )
+                flops = problem.regions[index].forced_flops + sum(u.flops for u in recomputed)
                 if choice.saved or moved:
                     recompute += problem.regions[index].policy_seconds
             decisions.append(
@@ -465,6 +503,7 @@ class ActivationPlan:
                     ops=len(region.ops),
                     kept_bytes=sum(problem.storage_bytes[s] for s in kept),
                     recompute_ms=1e3 * recompute,
+                    recompute_flops=flops,
                 )
             )
         return cls(
@@ -477,10 +516,13 @@ class ActivationPlan:
             recompute_ms=sum(d.recompute_ms for d in decisions),
             step_ms=1e3 * profile.step_seconds,
             solver=solution.method,
-            bound_ms=1e3 * solution.bound_seconds,
+            grid_bytes=solution.grid_bytes,
             device=profile.device,
             input_shapes=profile.input_shapes,
             frontier=[(b, 1e3 * s) for b, s in solution.frontier],
+            objective=objective,
+            recompute_flops=sum(d.recompute_flops for d in decisions),
+            peak_bytes=predicted_peak(problem, solution.choices),
         )
 
     # -- installing ---------------------------------------------------------------------------
@@ -595,16 +637,18 @@ class ActivationPlan:
         solver = (
             "exact"
             if self.solver == "exact"
-            else f"greedy, within {self.bound_ms:.3f} ms of the additive optimum"
+            else f"on a grid of {self.grid_bytes:,} bytes per region"
         )
         lines.append(
             f"predicted: {self.kept_bytes:,} bytes kept (each storage once) <= budget "
-            f"{self.budget_bytes:,}; recompute {self.recompute_ms:.3f} ms per step "
-            f"(profiled step {self.step_ms:.3f} ms)"
+            f"{self.budget_bytes:,}; recompute {self.recompute_ms:.3f} ms and "
+            f"{self.recompute_flops / 1e9:.3f} GFLOP per step (profiled step {self.step_ms:.3f} ms)"
         )
+        if self.peak_bytes:
+            lines.append(f"predicted peak of the step: {self.peak_bytes:,} bytes")
         lines.append(
-            f"smallest reachable: {self.floor_bytes:,} bytes; solver: {solver}; "
-            f"device: {self.device}"
+            f"smallest reachable: {self.floor_bytes:,} bytes; objective: {self.objective}; "
+            f"solver: {solver}; device: {self.device}"
         )
         return "\n".join(lines)
 
@@ -633,7 +677,10 @@ class ActivationPlan:
                 "recompute_ms": self.recompute_ms,
                 "step_ms": self.step_ms,
                 "solver": self.solver,
-                "bound_ms": self.bound_ms,
+                "grid_bytes": self.grid_bytes,
+                "objective": self.objective,
+                "recompute_flops": self.recompute_flops,
+                "peak_bytes": self.peak_bytes,
                 "device": self.device,
                 "input_shapes": self.input_shapes,
                 "frontier": self._frontier,

@@ -66,7 +66,7 @@ def read(source: object) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         raise TypeError(_MSG_SOURCE.format(observed=describe_value(source)))
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(_MSG_JSON.format(why=f"not a plan (expected format {FORMAT!r})"))
-    fields = _object(_PLAN)(data, "")
+    fields = _object(_PLAN, _PLAN_LATER)(data, "")
     regions = fields.pop("regions")
     seen: dict[str, int] = {}
     for index, region in enumerate(regions):
@@ -132,7 +132,12 @@ def _keys(value: object, field: str) -> tuple[tuple[str, int], ...]:
     return tuple(_list(_pair(_text, _count, "an [op name, occurrence] pair"))(value, field))
 
 
-def _object(schema: dict[str, _Check]) -> _Check:
+def _object(
+    schema: dict[str, _Check], later: dict[str, tuple[_Check, Any]] | None = None
+) -> _Check:
+    """Every field of ``schema`` checked; those of ``later`` (added to the format since its
+    first plans) checked where present, else their defaults."""
+
     def check(value: object, field: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise _bad(field or "(the plan)", "a JSON object", value)
@@ -142,6 +147,9 @@ def _object(schema: dict[str, _Check]) -> _Check:
             if key not in value:
                 raise ValueError(_MSG_MISSING.format(field=where))
             read[key] = item(value[key], where)
+        for key, (item, default) in (later or {}).items():
+            where = f"{field}.{key}" if field else key
+            read[key] = item(value[key], where) if key in value else default
         return read
 
     return check
@@ -157,6 +165,8 @@ _REGION: Final[dict[str, _Check]] = {
     "kept_bytes": _count,
     "recompute_ms": _number,
 }
+# Fields added after the format's first plans: read where present, else these defaults.
+_REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {"recompute_flops": (_count, 0)}
 _PLAN: Final[dict[str, _Check]] = {
     "budget_bytes": _count,
     "baseline_bytes": _count,
@@ -166,9 +176,14 @@ _PLAN: Final[dict[str, _Check]] = {
     "recompute_ms": _number,
     "step_ms": _number,
     "solver": _text,
-    "bound_ms": _number,
     "device": _text,
     "input_shapes": _list(_list(_count)),
     "frontier": _list(_pair(_count, _number, "a [bytes, ms] pair")),
-    "regions": _list(_object(_REGION)),
+    "regions": _list(_object(_REGION, _REGION_LATER)),
+}
+_PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
+    "grid_bytes": (_count, 0),
+    "objective": (_text, "time"),
+    "recompute_flops": (_count, 0),
+    "peak_bytes": (_count, 0),
 }

@@ -19,16 +19,17 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import flop_registry
 
 from .. import _compat
 from .._selective import SAC_IGNORED_OPS, draws_random
 from .._state import ForwardState
-from .solver import Problem, RegionChoices, Unit
+from ._torch_private import cpu_allocation_peak
+from .flops import op_flops
+from .solver import Objective, Problem, RegionChoices, Unit
 
 __all__ = [
     "OpCall",
@@ -47,6 +48,11 @@ _TRUSTED_SECONDS: Final = 20e-6
 _DEFAULT_FLOP_RATE: Final = 1e10  # FLOP/s when no op of the step was slow enough to measure it
 _PROFILE_STEPS: Final = 3  # measured steps, after one warm-up step
 _POLICY_ROUNDS: Final = 10  # forward passes timed plainly and under a selective policy (Rule 13)
+# Rule 15: the step-to-step spread of the profiled steps, clamped to this range, is the share of
+# the regions' time within which FLOPs break ties under objective "time".
+_TIE_SPREAD: Final = (0.01, 0.05)
+
+ObjectiveName = Literal["time", "flops"]
 
 StorageKey = tuple[torch.device, int]
 
@@ -75,6 +81,11 @@ class RegionProfile:
     inputs: set[int] = field(default_factory=set)
     states: set[int] = field(default_factory=set)
     """The RNG states a checkpoint of the region would keep (Rule 14)."""
+    grad_bytes: int = 0
+    """Bytes of the gradients of the region's own parameters (the backward allocates them)."""
+    stop: int = 0
+    """How many ops of one call recompute runs: those up to the last one during which autograd
+    saved a tensor; early stop ends recompute there (Rule 16)."""
 
 
 @dataclass(slots=True)
@@ -90,30 +101,65 @@ class StepProfile:
     step_seconds: float
     policy_seconds_per_op: float = 0.0
     """What a selective policy adds per op of a region call, forward and recompute (Rule 13)."""
+    peak_bytes: int = 0
+    """The allocator's peak over one plain step, above what it held before (Rule 18; 0: not
+    measured)."""
 
-    def problem(self, policy_seconds_per_op: float) -> Problem:
-        """The solver's view of this step (Rules 4-6 decide which ops are units); a selective
-        policy costs ``policy_seconds_per_op`` per op of a region call (Rule 13)."""
+    step_spread: float = 0.0
+    """How far the measured steps' times spread: (slowest - fastest) / fastest."""
+
+    def objective(self, name: ObjectiveName) -> Objective:
+        """Rule 15: the weights of a second and of a FLOP of recompute. ``"time"``: seconds,
+        with FLOPs breaking ties within the profile's noise (recomputing every FLOP of the
+        regions' forward weighs as much as that share of its time); ``"flops"``: FLOPs, with
+        seconds breaking ties (all of the regions' time weighs less than half a FLOP)."""
+        seconds = sum(op.seconds for r in self.regions for op in r.ops)
+        flops = sum(op.flops for r in self.regions for op in r.ops)
+        if name == "flops":
+            ops = sum(len(r.ops) * r.calls for r in self.regions)
+            most = 2 * seconds + self.policy_seconds_per_op * ops  # no plan recomputes more
+            return Objective(seconds=0.5 / max(most, 1e-12), flops=1.0)
+        noise = min(max(self.step_spread, _TIE_SPREAD[0]), _TIE_SPREAD[1])
+        return Objective(seconds=1.0, flops=noise * seconds / max(flops, 1))
+
+    def problem(self, policy_seconds_per_op: float, objective: Objective | None = None) -> Problem:
+        """The solver's view of this step (Rules 4-6 decide which ops are units; ops after a
+        region's early stop cost nothing and are no units, Rule 16); a selective policy costs
+        ``policy_seconds_per_op`` per op of a region call, forward and replay (Rule 13)."""
         regions = []
         for region in self.regions:
             written = {s for c in region.ops if c.kind in ("inplace", "random") for s in c.storages}
             units: list[Unit] = []
-            forced = 0.0
-            for call in region.ops:
+            forced_seconds, forced_flops = 0.0, 0
+            needed = region.ops[: region.stop]
+            for call in needed:
                 if call.kind == "unit" and not written.intersection(call.storages):
-                    units.append(Unit((call.op, call.index), call.seconds, call.storages))
+                    units.append(
+                        Unit((call.op, call.index), call.seconds, call.storages, call.flops)
+                    )
                 else:
-                    forced += call.seconds
+                    forced_seconds += call.seconds
+                    forced_flops += call.flops
+            # Half the per-op cost in forward (every op), half in the replay (the ops it runs).
+            policy = policy_seconds_per_op / 2 * (len(region.ops) + len(needed)) * region.calls
             regions.append(
                 RegionChoices(
                     frozenset(region.saved),
                     frozenset(region.inputs | region.states),
-                    forced,
+                    forced_seconds,
                     tuple(units),
-                    policy_seconds_per_op * len(region.ops) * region.calls,
+                    policy,
+                    forced_flops,
+                    region.grad_bytes,
                 )
             )
-        return Problem(tuple(regions), dict(self.storage_bytes), frozenset(self.outside))
+        return Problem(
+            tuple(regions),
+            dict(self.storage_bytes),
+            frozenset(self.outside),
+            objective or Objective(),
+            self.peak_bytes,
+        )
 
 
 class _Step:
@@ -124,8 +170,10 @@ class _Step:
         self.ids: dict[StorageKey, int] = {}
         self.storage_bytes: dict[int, int] = {}
         self.profiles = [RegionProfile(name, type(m).__qualname__) for name, m in regions]
-        self.stack: list[tuple[RegionProfile, dict[object, int], list[OpCall]]] = []
-        self.calls: dict[int, list[list[OpCall]]] = {}
+        # Per running region call: its profile, op occurrence counts, ops, and (a one-element
+        # list, updated in place) how many ops had run when autograd last saved a tensor.
+        self.stack: list[tuple[RegionProfile, dict[object, int], list[OpCall], list[int]]] = []
+        self.calls: dict[int, list[tuple[list[OpCall], int]]] = {}
         self.outside: set[int] = set()
         self.flop_samples: list[tuple[int, float]] = []
         # Rule 14: the captured RNG states, alive for the step (no address reused), by identity.
@@ -144,7 +192,7 @@ class _Step:
                 profile.inputs.add(storage)
         if torch.is_grad_enabled():  # a frame captures nothing under no_grad
             profile.states.update(self.capture_rng(args))
-        self.stack.append((profile, {}, []))
+        self.stack.append((profile, {}, [], [0]))
 
     def capture_rng(self, args: tuple[Any, ...]) -> Iterator[int]:
         """Rule 14: the ids of the RNG states a frame entered here would keep, captured as the
@@ -163,8 +211,8 @@ class _Step:
             yield known[1]
 
     def leave(self, index: int) -> None:
-        _profile, _counts, ops = self.stack.pop()
-        self.calls.setdefault(index, []).append(ops)
+        _profile, _counts, ops, stop = self.stack.pop()
+        self.calls.setdefault(index, []).append((ops, stop[0]))
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any, seconds: float) -> None:
         """Record one op: its fresh storages get ids (Rule 1); its kind (Rules 4-6)."""
@@ -177,13 +225,12 @@ class _Step:
             storage = self.ids[key] = len(self.storage_bytes)  # a reused address: a new id
             self.storage_bytes[storage] = tensor.untyped_storage().nbytes()
             fresh.append(storage)
-        count = flop_registry.get(func.overloadpacket)
-        flops = int(count(*args, **kwargs, out_val=out)) if count is not None else 0
+        flops = op_flops(func, args, kwargs, out)
         if flops and seconds >= _TRUSTED_SECONDS:
             self.flop_samples.append((flops, seconds))
         if not self.stack:
             return
-        _profile, counts, ops = self.stack[-1]
+        _profile, counts, ops, _stop = self.stack[-1]
         index = counts.get(func, 0)
         counts[func] = index + 1
         if draws_random(func, args, kwargs) or _compat.op_mutates_inputs(func):
@@ -196,6 +243,11 @@ class _Step:
         ops.append(OpCall(str(func), index, seconds, flops, kind, tuple(fresh)))
 
     def on_saved(self, tensor: torch.Tensor) -> None:
+        """Rule 16: a frame has a holder for every tensor saved in its region, parameters
+        included, so recompute runs up to the op during which the last one is saved. An op's
+        inputs are saved before it runs (the recorder has not seen it yet), its outputs after."""
+        if self.stack:
+            self.stack[-1][3][0] = len(self.stack[-1][2])
         storage = self.activation(tensor)
         if storage is None:
             return
@@ -328,11 +380,44 @@ def profile_step(
         for _ in range(1 + _PROFILE_STEPS):
             steps.append(_one_step(model, regions, args, kwargs, loss_fn, leaves, wrt, synchronize))
         profile = _combine(steps[1:], input_shapes(args, kwargs), str(device))
+        for region, (_name, module) in zip(profile.regions, regions, strict=True):
+            region.grad_bytes = sum(p.nbytes for p in module.parameters() if p.requires_grad)
+        profile.peak_bytes = _plain_peak(model, args, kwargs, loss_fn, wrt, device)
         if policy_modes is not None:
             profile.policy_seconds_per_op = _policy_seconds_per_op(
                 model, regions, args, kwargs, profile, policy_modes, synchronize
             )
     return profile
+
+
+def _plain_peak(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    wrt: list[torch.Tensor],
+    device: torch.device,
+) -> int:
+    """Rule 18: the allocator's peak over one plain step (forward, loss, backward with the
+    gradients kept to its end), above what it held before; 0 on devices it cannot read."""
+
+    def run() -> None:
+        output = model(*args, **kwargs)
+        loss = default_loss(output) if loss_fn is None else loss_fn(output)
+        del output
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        del loss, grads
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    if device.type == "cpu":
+        return cpu_allocation_peak(run)
+    return 0
 
 
 def _policy_seconds_per_op(
@@ -346,7 +431,7 @@ def _policy_seconds_per_op(
 ) -> float:
     """Rule 13, on the model's own regions: each region's forward timed plainly and inside the
     policy's forward mode, ``_POLICY_ROUNDS`` times each in turn (the fastest counts); the
-    difference per op, doubled for the recompute mode's replay of every op."""
+    difference per op (the median over the regions), doubled for the recompute mode's replay."""
     plain = [math.inf] * len(regions)
     selective = [math.inf] * len(regions)
     for round_ in range(_POLICY_ROUNDS):
@@ -357,9 +442,14 @@ def _policy_seconds_per_op(
             best = selective if under_policy else plain
             for index, taken in enumerate(seconds):
                 best[index] = min(best[index], taken)
-    ops = sum(len(r.ops) * r.calls for r in profile.regions)
-    added = sum(s - p for s, p in zip(selective, plain, strict=True) if p < math.inf)
-    return 2 * max(0.0, added) / max(ops, 1)
+    # Per region, what the mode added per op of its calls; the median over the regions, so that
+    # one region's unlucky rounds (a context switch on a shared machine) do not set the price.
+    per_op = [
+        (s - p) / (len(r.ops) * r.calls)
+        for s, p, r in zip(selective, plain, profile.regions, strict=True)
+        if p < math.inf and r.ops and r.calls
+    ]
+    return 2 * max(0.0, statistics.median(per_op)) if per_op else 0.0
 
 
 def _region_forwards(
@@ -477,29 +567,22 @@ _MSG_CALLS_DIFFER = (
 
 def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: str) -> StepProfile:
     """The last step's structure with each op's fastest time over the steps, the calls of a
-    region summed op by op."""
+    region summed op by op; identical regions then share their ops' median times (Rule 9)."""
     last, _ = steps[-1]
     for index, profile in enumerate(last.profiles):
-        calls = last.calls.get(index, [])
+        calls = [ops for ops, _stop in last.calls.get(index, [])]
         profile.calls = len(calls)
         if not calls:
             continue
-        for number, ops in enumerate(calls[1:], start=1):
-            if [(c.op, c.index) for c in ops] != [(c.op, c.index) for c in calls[0]]:
-                raise ValueError(
-                    _MSG_CALLS_DIFFER.format(
-                        name=profile.name,
-                        calls=len(calls),
-                        first=len(calls[0]),
-                        index=number,
-                        other=len(ops),
-                    )
-                )
+        _check_calls_agree(profile.name, calls)
+        profile.stop = max(stop for _ops, stop in last.calls[index])
         # Each op's time: its fastest over the steps, summed over the region's calls.
         seconds = [0.0] * len(calls[0])
         for call in range(len(calls)):
             for position in range(len(seconds)):
-                seconds[position] += min(s.calls[index][call][position].seconds for s, _ in steps)
+                seconds[position] += min(
+                    s.calls[index][call][0][position].seconds for s, _ in steps
+                )
         profile.ops = [
             OpCall(
                 first.op,
@@ -514,14 +597,57 @@ def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: 
         for op, total in zip(profile.ops, seconds, strict=True):
             op.seconds = total
     _estimate_small_times(last)
+    _share_identical_times(last.profiles, last.storage_bytes)
+    step_seconds = [seconds for _, seconds in steps]
     return StepProfile(
         regions=last.profiles,
         storage_bytes=last.storage_bytes,
         outside=last.outside,
         input_shapes=shapes,
         device=device,
-        step_seconds=min(seconds for _, seconds in steps),
+        step_seconds=min(step_seconds),
+        step_spread=(max(step_seconds) - min(step_seconds)) / max(min(step_seconds), 1e-12),
     )
+
+
+def _check_calls_agree(name: str, calls: list[list[OpCall]]) -> None:
+    for number, ops in enumerate(calls[1:], start=1):
+        if [(c.op, c.index) for c in ops] != [(c.op, c.index) for c in calls[0]]:
+            raise ValueError(
+                _MSG_CALLS_DIFFER.format(
+                    name=name, calls=len(calls), first=len(calls[0]), index=number, other=len(ops)
+                )
+            )
+
+
+def structure(region: RegionProfile, storage_bytes: dict[int, int]) -> tuple[object, ...]:
+    """Rule 9: what makes two regions identical for the planner: the type, the calls, the early
+    stop, and per op its key, kind, FLOPs and the sizes of its fresh storages."""
+    return (
+        region.type_name,
+        region.calls,
+        region.stop,
+        tuple(
+            (op.op, op.index, op.kind, op.flops, tuple(storage_bytes[s] for s in op.storages))
+            for op in region.ops
+        ),
+    )
+
+
+def _share_identical_times(regions: list[RegionProfile], storage_bytes: dict[int, int]) -> None:
+    """Rule 9: regions of one structure (the blocks of a model, as a rule) run the same work, so
+    each op gets the median of its times over them: one block's noisy sample does not decide
+    its plan, and identical blocks pose the solver one problem (solved once)."""
+    groups: dict[tuple[object, ...], list[RegionProfile]] = {}
+    for region in regions:
+        groups.setdefault(structure(region, storage_bytes), []).append(region)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        for position in range(len(group[0].ops)):
+            median = statistics.median(r.ops[position].seconds for r in group)
+            for region in group:
+                region.ops[position].seconds = median
 
 
 def _estimate_small_times(step: _Step) -> None:

@@ -1,21 +1,32 @@
 """The budget solver: which regions to checkpoint and which op outputs inside them to keep.
 
 Owns ``Problem`` (a profiled step in the solver's terms: storages, and per region what it keeps
-plainly, what it keeps checkpointed, and its ops that may be saved), ``solve``, the exact byte
-count of a choice, and which outputs to offload instead of recomputing (``offloads``). Knows
-nothing about torch: profiling belongs to ``profile``, installing and printing to ``plan``. See
-NOTE [Planner model] in ``checkpointing._planning``, Rules 7 and 10.
+plainly, what it keeps checkpointed, and its ops that may be saved), ``Objective`` (what a
+second and a FLOP of recompute weigh), ``solve``, the exact byte count of a choice, and which
+outputs to offload instead of recomputing (``offloads``). Knows nothing about torch's ops:
+profiling belongs to ``profile``, installing and printing to ``plan``. See NOTE [Planner model]
+in ``checkpointing._planning``, Rules 7, 10 and 15-17.
 
-Method. Each region offers a few options: run plainly (keeps what autograd saves in it, costs no
-recompute) or checkpoint it keeping some of its ops' outputs (keeps its inputs and those outputs,
-recomputes the other ops, and pays the selective policy's per-op cost, Rule 13, unless it keeps
-none). A region's options are the Pareto set of a 0/1 knapsack over its ops,
-computed exactly while it stays small (``_REGION_POINTS``), else from the ops in order of time
-saved per byte. Across regions it is a multiple-choice knapsack on an additive upper bound of the
-bytes (Rule 7): solved exactly by merging Pareto sets while they stay small (``_FRONT_POINTS``),
-else greedily along each region's lower convex hull, which is within the largest single hull step
-of the additive optimum (the LP-relaxation bound). Either way a last pass spends what the exact
-byte count leaves of the budget, so the plan never predicts more than the budget.
+Method (Rule 17). Each region offers options: run plainly (keeps what autograd saves in it,
+costs nothing) or checkpoint it keeping some of its ops' outputs (keeps its inputs and those
+outputs, recomputes the other ops up to its early stop, and pays the selective policy's cost,
+Rule 13, unless it keeps none). A region's checkpointed options are the Pareto set of a 0/1
+knapsack over its units, solved by dynamic programming over bytes: on the grid of the greatest
+common divisor of the units' sizes (exact) while that has at most ``_UNIT_POINTS`` points, else
+on ``_UNIT_POINTS`` equal steps, sizes rounded up. Regions of one structure and costs (the
+blocks of a model) share one such front: it is computed once. Across regions it is a
+multiple-choice knapsack on an additive upper bound of the bytes (Rule 7), solved by dynamic
+programming over a byte grid: the greatest common divisor of the options' sizes (then the answer
+is the additive optimum, ``method == "exact"``) while that has at most ``grid_points`` points,
+else ``grid_points`` equal steps with every option's bytes rounded up (``method == "grid"``:
+the answer fits, and costs no more than the additive optimum at a budget of one grid step per
+region less). A last pass spends what the exact byte count leaves of the budget, so the plan
+never predicts more than the budget.
+
+Rejected: merging Pareto sets across regions (exact, but the sets outgrow any limit on a Llama
+block's 300 options, and the greedy fallback it needed lost up to a hull step per region), and
+a greedy walk along each region's lower convex hull (blind to the options inside the hull,
+which are most of a block's good ones under the early stop).
 
 Storages that two regions or more keep when checkpointed (an RNG state they share, an input
 they all receive: Rule 14) are charged once, up front, in the additive count, not once per
@@ -26,54 +37,84 @@ plain run (zero recompute, chosen whenever the budget holds it).
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Final, Literal
 
 import torch
 
-__all__ = ["Choice", "Problem", "RegionChoices", "Solution", "Unit", "offloads", "solve"]
+__all__ = [
+    "Choice",
+    "Objective",
+    "Problem",
+    "RegionChoices",
+    "Solution",
+    "Unit",
+    "offloads",
+    "solve",
+]
 
 # Host<->device bandwidth assumed for offload, each way (PCIe 4 x16 in practice reaches ~12-25
 # GB/s; the lower end keeps offload from looking cheaper than it is).
 _HOST_BYTES_PER_SECOND: Final = 10e9
-_REGION_POINTS: Final = 512  # a region's exact Pareto set may have this many points
-_FRONT_POINTS: Final = 4096  # the merged Pareto set across regions may have this many
-_MERGE_PAIRS: Final = 400_000  # candidate pairs per merge step before the greedy takes over
+_UNIT_POINTS: Final = 1 << 15  # a region's unit knapsack: at most this many byte steps
+_GRID_POINTS: Final = 8192  # the regions' knapsack: at most this many byte steps
+_FRONTIER_POINTS: Final = 64  # points of the trade-off curve a solution reports
 
-Method = Literal["exact", "greedy"]
+Method = Literal["exact", "grid"]
 
 
 @dataclass(frozen=True, slots=True)
 class Unit:
-    """An op of a region whose output may be saved: its key, its time, its fresh storages."""
+    """An op of a region whose output may be saved: its key, its time, its fresh storages, and
+    its FLOPs (Rule 15)."""
 
     key: tuple[str, int]
     seconds: float
     storages: tuple[int, ...]
+    flops: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RegionChoices:
     """What one region keeps plainly (``saved``) and checkpointed (``inputs`` plus the saved
-    units' storages), what recompute costs beyond the units (``forced_seconds``), and what a
-    selective policy adds to a step of the region when it keeps a unit (``policy_seconds``)."""
+    units' storages), what recompute costs beyond the units (``forced_seconds``,
+    ``forced_flops``), and what a selective policy adds to a step of the region when it keeps a
+    unit (``policy_seconds``)."""
 
     saved: frozenset[int]
     inputs: frozenset[int]
     forced_seconds: float
     units: tuple[Unit, ...]
     policy_seconds: float = 0.0
+    forced_flops: int = 0
+    grad_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """Rule 15: what one second and one FLOP of recompute weigh; the solver minimizes the sum."""
+
+    seconds: float = 1.0
+    flops: float = 0.0
+
+    def cost(self, seconds: float, flops: int) -> float:
+        return self.seconds * seconds + self.flops * flops
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """A profiled step: regions, bytes per storage id, storages kept outside every region."""
+    """A profiled step: regions, bytes per storage id, storages kept outside every region, and
+    the objective."""
 
     regions: tuple[RegionChoices, ...]
     storage_bytes: dict[int, int]
     outside: frozenset[int]
+    objective: Objective = Objective()
+    plain_peak: int = 0
+    """The allocator's peak over the plain step (Rule 18; 0: unknown)."""
     shared: frozenset[int] = field(init=False)
     """Storages two regions or more keep when checkpointed, charged once up front."""
     charged: frozenset[int] = field(init=False)
@@ -101,24 +142,18 @@ class Choice:
 class Solution:
     """The solver's answer, with the exact bytes it keeps and what it predicts recompute costs.
 
-    ``bound_seconds`` is 0 for an exact solve; for a greedy one, how much more recompute time
-    than the best plan under the additive byte bound the answer may predict at most."""
+    ``grid_bytes``: the byte step of the regions' knapsack (``method == "grid"``: the answer
+    costs no more than the best one at a budget of ``grid_bytes`` per region less)."""
 
     choices: tuple[Choice, ...]
     kept_bytes: int
     recompute_seconds: float
+    recompute_flops: int
     method: Method
-    bound_seconds: float
+    grid_bytes: int
     floor_bytes: int
     baseline_bytes: int
     frontier: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Option:
-    nbytes: int  # additive: the region's own bytes, storages kept outside every region excluded
-    seconds: float
-    choice: Choice
 
 
 def kept_storages(problem: Problem, index: int, choice: Choice) -> frozenset[int]:
@@ -140,85 +175,360 @@ def kept_bytes(problem: Problem, choices: Sequence[Choice]) -> int:
     return sum(problem.storage_bytes[s] for s in kept)
 
 
+def _region_recompute(region: RegionChoices, choice: Choice) -> tuple[float, int]:
+    """(seconds, FLOPs) recompute costs in one region under ``choice``."""
+    if not choice.checkpoint:
+        return 0.0, 0
+    seconds, flops = region.forced_seconds, region.forced_flops
+    for position, unit in enumerate(region.units):
+        if position not in choice.saved:
+            seconds += unit.seconds
+            flops += unit.flops
+    if choice.saved:
+        seconds += region.policy_seconds
+    return seconds, flops
+
+
 def recompute_seconds(problem: Problem, choices: Sequence[Choice]) -> float:
-    """Predicted recompute time: every op of a checkpointed region that is not saved, plus the
-    selective policy's cost in the regions that save some (Rule 13)."""
-    total = 0.0
-    for region, choice in zip(problem.regions, choices, strict=True):
-        if choice.checkpoint:
-            total += region.forced_seconds + sum(
-                u.seconds for i, u in enumerate(region.units) if i not in choice.saved
-            )
-            if choice.saved:
-                total += region.policy_seconds
-    return total
+    """Predicted recompute time: every op of a checkpointed region up to its early stop that is
+    not saved, plus the selective policy's cost in the regions that save some (Rule 13)."""
+    return sum(_region_recompute(r, c)[0] for r, c in zip(problem.regions, choices, strict=True))
+
+
+def recompute_flops(problem: Problem, choices: Sequence[Choice]) -> int:
+    """Predicted recompute FLOPs (Rule 15)."""
+    return sum(_region_recompute(r, c)[1] for r, c in zip(problem.regions, choices, strict=True))
+
+
+def recompute_cost(problem: Problem, choices: Sequence[Choice]) -> float:
+    """What the solver minimizes: the objective's weighing of seconds and FLOPs."""
+    return problem.objective.cost(
+        recompute_seconds(problem, choices), recompute_flops(problem, choices)
+    )
+
+
+def predicted_peak(problem: Problem, choices: Sequence[Choice]) -> int:
+    """Rule 18: the step's peak bytes under ``choices`` (0 where the plain peak is unknown)."""
+    if not problem.plain_peak:
+        return 0
+    plain = [Choice(False)] * len(problem.regions)
+    start = problem.plain_peak - _highest_working_set(problem, plain)
+    # The plain step's extra is the loss's, then a region's backward temporaries; those grow as
+    # the region's saved tensors are consumed and freed: half of it on top of a working set.
+    highest = _highest_working_set(problem, choices) + max(0, start) // 2
+    return max(kept_bytes(problem, choices) + start, highest)
+
+
+def _highest_working_set(problem: Problem, choices: Sequence[Choice]) -> int:
+    """Rule 18: the most bytes live while backward runs a region: what the regions before it
+    keep, all it saves (recompute has restored it), and the gradients of the parameters of
+    the regions after it."""
+    kept_before = set(problem.outside)
+    grads_after = sum(r.grad_bytes for r in problem.regions)
+    highest = 0
+    for index, (region, choice) in enumerate(zip(problem.regions, choices, strict=True)):
+        mine = kept_storages(problem, index, choice)
+        grads_after -= region.grad_bytes
+        working = kept_before | region.saved | mine
+        highest = max(highest, sum(problem.storage_bytes[s] for s in working) + grads_after)
+        kept_before |= mine
+    return highest
 
 
 def _bytes(problem: Problem, storages: Iterable[int]) -> int:
     return sum(problem.storage_bytes[s] for s in storages if s not in problem.charged)
 
 
-def region_options(problem: Problem, index: int) -> list[_Option]:
+# -- one region: the Pareto set of its options -----------------------------------------------
+
+
+class _Front:
+    """The 0/1 knapsack over a region's units by dynamic programming over bytes: for every
+    byte step, the most cost a set of units saves, with what it saves in seconds and FLOPs,
+    its real bytes, and a table to read the set back. Shared by regions of equal unit sizes
+    and costs (Rule 17): computed once for all the blocks of a model."""
+
+    def __init__(self, units: tuple[Unit, ...], sizes: tuple[int, ...], gains: tuple[float, ...]):
+        useful = [s for s, g in zip(sizes, gains, strict=True) if g > 0 and s > 0]
+        total = sum(useful)
+        step = reduce(math.gcd, useful, 0) or 1
+        if total // step > _UNIT_POINTS:
+            step = -(-total // _UNIT_POINTS)
+        self.weights = [-(-s // step) for s in sizes]
+        width = sum(w for w, g in zip(self.weights, gains, strict=True) if g > 0) + 1
+        best = torch.zeros(width, dtype=torch.float64)
+        saved_seconds = torch.zeros(width, dtype=torch.float64)
+        saved_flops = torch.zeros(width, dtype=torch.int64)
+        real = torch.zeros(width, dtype=torch.int64)
+        self.take = torch.zeros((len(sizes), width), dtype=torch.bool)
+        for position, unit in enumerate(units):
+            weight, gain, size = self.weights[position], gains[position], sizes[position]
+            if gain <= 0:
+                continue
+            if weight == 0:  # its storages are charged anyway: kept for free, always
+                self.take[position] = True
+                best += gain
+                saved_seconds += unit.seconds
+                saved_flops += unit.flops
+                continue
+            better = best[:-weight] + gain > best[weight:]
+            for column, added in (
+                (best, gain),
+                (saved_seconds, unit.seconds),
+                (saved_flops, unit.flops),
+                (real, size),
+            ):
+                column[weight:] = torch.where(better, column[:-weight] + added, column[weight:])
+            self.take[position, weight:] = better
+        # Pareto points: the steps where the best saving grows (a set weighing exactly that).
+        grows = torch.ones(width, dtype=torch.bool)
+        grows[1:] = best[1:] > best[:-1]
+        grows &= best > 0  # the empty set is the region's option without a policy
+        self.points = torch.nonzero(grows).flatten()
+        self.gains = best[self.points]
+        self.saved_seconds = saved_seconds[self.points]
+        self.saved_flops = saved_flops[self.points]
+        self.real_bytes = real[self.points]
+        self._sets: dict[int, frozenset[int]] = {}
+
+    def units_at(self, point: int) -> frozenset[int]:
+        """The units of the best set weighing ``point`` steps (read back once, then kept)."""
+        known = self._sets.get(point)
+        if known is None:
+            chosen = []
+            remaining = point
+            for position in range(len(self.weights) - 1, -1, -1):
+                if bool(self.take[position, remaining]):
+                    chosen.append(position)
+                    remaining -= self.weights[position]
+            known = self._sets[point] = frozenset(chosen)
+        return known
+
+
+class _Fronts:
+    """The unit fronts of a problem's regions, one per distinct (sizes, costs)."""
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[tuple[int, ...], tuple[float, ...]], _Front] = {}
+
+    def get(
+        self, units: tuple[Unit, ...], sizes: tuple[int, ...], gains: tuple[float, ...]
+    ) -> _Front:
+        key = (sizes, gains)
+        front = self.known.get(key)
+        if front is None:
+            front = self.known[key] = _Front(units, sizes, gains)
+        return front
+
+
+_PLAIN: Final = -2  # an option's ``point``: run the region plainly
+_NOTHING: Final = -1  # checkpoint it keeping nothing (no policy); >= 0: a point of its front
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """One region's Pareto set of options as columns, fewest bytes (costliest) first."""
+
+    nbytes: torch.Tensor  # additive: the region's own bytes, storages charged up front excluded
+    cost: torch.Tensor
+    seconds: torch.Tensor
+    flops: torch.Tensor
+    point: torch.Tensor
+    front: _Front | None
+
+    def choice(self, option: int) -> Choice:
+        point = int(self.point[option])
+        if point == _PLAIN:
+            return Choice(False)
+        if point == _NOTHING or self.front is None:
+            return Choice(True)
+        return Choice(True, self.front.units_at(point))
+
+
+def region_options(problem: Problem, index: int, fronts: _Fronts | None = None) -> _Options:
     """Region ``index``'s Pareto set of options, fewest bytes first (costliest first)."""
     region = problem.regions[index]
+    objective = problem.objective
     inputs = _bytes(problem, region.inputs)
-    everything = region.forced_seconds + sum(u.seconds for u in region.units)
-    options = [_Option(_bytes(problem, region.saved), 0.0, Choice(False))]
-    for nbytes, gain, saved in _unit_front(problem, region):
-        policy = region.policy_seconds if saved else 0.0
-        options.append(_Option(inputs + nbytes, everything - gain + policy, Choice(True, saved)))
-    return _pareto(options)
+    all_seconds = region.forced_seconds + sum(u.seconds for u in region.units)
+    all_flops = region.forced_flops + sum(u.flops for u in region.units)
+    all_cost = objective.cost(all_seconds, all_flops)
+    nbytes = torch.tensor([_bytes(problem, region.saved), inputs], dtype=torch.int64)
+    cost = torch.tensor([0.0, all_cost], dtype=torch.float64)
+    seconds = torch.tensor([0.0, all_seconds], dtype=torch.float64)
+    flops = torch.tensor([0, all_flops], dtype=torch.int64)
+    point = torch.tensor([_PLAIN, _NOTHING], dtype=torch.int64)
+    front = None
+    if region.units:
+        sizes = tuple(_bytes(problem, u.storages) for u in region.units)
+        gains = tuple(objective.cost(u.seconds, u.flops) for u in region.units)
+        front = (fronts or _Fronts()).get(region.units, sizes, gains)
+        policy = objective.cost(region.policy_seconds, 0)
+        nbytes = torch.cat([nbytes, inputs + front.real_bytes])
+        cost = torch.cat([cost, all_cost - front.gains + policy])
+        seconds = torch.cat([seconds, all_seconds - front.saved_seconds + region.policy_seconds])
+        flops = torch.cat([flops, all_flops - front.saved_flops])
+        point = torch.cat([point, front.points])
+    keep = _pareto(nbytes, cost)
+    return _Options(nbytes[keep], cost[keep], seconds[keep], flops[keep], point[keep], front)
 
 
-def _unit_front(problem: Problem, region: RegionChoices) -> list[tuple[int, float, frozenset[int]]]:
-    """(bytes, time saved, units) of the 0/1 knapsack's Pareto set over the region's units;
-    exact while small, else prefixes of the units in order of time saved per byte."""
-    sizes = [_bytes(problem, u.storages) for u in region.units]
-    front: list[tuple[int, float, frozenset[int]]] = [(0, 0.0, frozenset())]
-    for position, (unit, size) in enumerate(zip(region.units, sizes, strict=True)):
-        if unit.seconds <= 0:
-            continue
-        grown = [(b + size, g + unit.seconds, s | {position}) for b, g, s in front]
-        front = _pareto_points(front + grown)
-        if len(front) > _REGION_POINTS:
-            return _prefix_front(region, sizes)
-    return front
+def _pareto(nbytes: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
+    """Positions of the options no other beats on both bytes and cost, fewest bytes first."""
+    by_cost = torch.argsort(cost, stable=True)
+    order = by_cost[torch.argsort(nbytes[by_cost], stable=True)]
+    sorted_cost = cost[order]
+    keep = torch.ones(len(order), dtype=torch.bool)
+    if len(order) > 1:
+        keep[1:] = sorted_cost[1:] < torch.cummin(sorted_cost, dim=0).values[:-1]
+    return order[keep]
 
 
-def _prefix_front(
-    region: RegionChoices, sizes: list[int]
-) -> list[tuple[int, float, frozenset[int]]]:
-    order = sorted(
-        range(len(region.units)),
-        key=lambda i: -region.units[i].seconds / max(sizes[i], 1),
+# -- across regions: the multiple-choice knapsack --------------------------------------------
+
+
+class _Table:
+    """Rule 17: the least cost at every byte step of the additive count, region by region, with
+    back-pointers to read the options back."""
+
+    _ROWS: Final = 64  # options compared at once (bounds the temporary's memory)
+
+    def __init__(self, options: list[_Options], grid_points: int) -> None:
+        sizes = torch.unique(torch.cat([o.nbytes for o in options])).tolist()
+        total = sum(int(o.nbytes.max()) for o in options)
+        step = reduce(math.gcd, sizes, 0) or 1
+        self.exact = total // step <= grid_points
+        if not self.exact:
+            step = -(-total // grid_points)
+        self.step = step
+        self.bins: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []  # per region, the options on distinct byte steps
+        for region in options:
+            bins = -(-region.nbytes // step)
+            # Options come fewest bytes (costliest) first: the last on each step is its cheapest.
+            last = torch.ones(len(bins), dtype=torch.bool)
+            last[:-1] = bins[1:] != bins[:-1]
+            self.rows.append(torch.nonzero(last).flatten())
+            self.bins.append(bins)
+        width = sum(int(b.max()) for b in self.bins) + 1
+        best = torch.full((width,), math.inf, dtype=torch.float64)
+        best[0] = 0.0
+        self.back: list[torch.Tensor] = []
+        low = high = 0  # the byte steps reachable so far
+        for bins, rows, region in zip(self.bins, self.rows, options, strict=True):
+            shift = int(bins[rows].max())
+            padded = torch.cat([torch.full((shift,), math.inf, dtype=torch.float64), best])
+            columns = torch.arange(low + int(bins[rows].min()), high + shift + 1)
+            new = torch.full((len(columns),), math.inf, dtype=torch.float64)
+            back = torch.zeros(len(columns), dtype=torch.int64)
+            for first in range(0, len(rows), self._ROWS):
+                chunk = rows[first : first + self._ROWS]
+                source = columns[None, :] - bins[chunk, None] + shift
+                least, which = (padded[source] + region.cost[chunk, None]).min(dim=0)
+                better = least < new
+                new = torch.where(better, least, new)
+                back = torch.where(better, chunk[which], back)
+            low, high = int(columns[0]), int(columns[-1])
+            best = torch.full((width,), math.inf, dtype=torch.float64)
+            best[low : high + 1] = new
+            full_back = torch.zeros(width, dtype=torch.int64)
+            full_back[low : high + 1] = back
+            self.back.append(full_back)
+        self.best = best
+
+    def read_back(self, ends: torch.Tensor) -> list[torch.Tensor]:
+        """Per region, the option chosen on the way to each byte step in ``ends``."""
+        chosen = []
+        position = ends.clone()
+        for back, bins in zip(reversed(self.back), reversed(self.bins), strict=True):
+            option = back[position]
+            chosen.append(option)
+            position = position - bins[option]
+        chosen.reverse()
+        return chosen
+
+    def answer(self, room: int) -> list[int] | None:
+        """The options of least cost whose additive bytes stay within ``room``; None if none."""
+        if room < 0:
+            return None
+        reach = self.best[: room // self.step + 1]
+        if not bool(torch.isfinite(reach).any()):
+            return None
+        end = torch.argmin(reach).reshape(1)
+        return [int(o[0]) for o in self.read_back(end)]
+
+    def frontier_ends(self) -> torch.Tensor:
+        """Up to ``_FRONTIER_POINTS`` byte steps where the least cost falls, evenly spread."""
+        running = torch.cummin(self.best, dim=0).values
+        falls = torch.ones(len(self.best), dtype=torch.bool)
+        falls[1:] = self.best[1:] < running[:-1]
+        falls &= torch.isfinite(self.best)
+        ends = torch.nonzero(falls).flatten()
+        if len(ends) > _FRONTIER_POINTS:
+            picks = torch.linspace(0, len(ends) - 1, _FRONTIER_POINTS).round().long()
+            ends = ends[picks]
+        return ends
+
+
+def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> Solution:
+    """The choice of least recompute cost (Rule 15) whose exact kept bytes fit ``budget`` (the
+    caller checks the budget against ``Solution.floor_bytes``: below it, the fewest-bytes
+    choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
+    fronts = _Fronts()
+    options = [region_options(problem, i, fronts) for i in range(len(problem.regions))]
+    lowest = [o.choice(0) for o in options]
+    plain = [Choice(False)] * len(options)
+    baseline = kept_bytes(problem, plain)
+    floor = min(kept_bytes(problem, lowest), baseline)  # shared storages: see the docstring
+    budget = max(budget, floor)
+    table = _Table(options, grid_points)
+    charged = sum(problem.storage_bytes[s] for s in problem.charged)
+    if baseline <= budget:
+        choices = plain  # nothing to recompute: no choice is cheaper
+    else:
+        found = table.answer(budget - charged)
+        picked = [0] * len(options) if found is None else found
+        choices = _fill(problem, options, picked, budget)
+    frontier = _frontier(problem, options, table, charged, baseline, floor, lowest)
+    return Solution(
+        choices=tuple(choices),
+        kept_bytes=kept_bytes(problem, choices),
+        recompute_seconds=recompute_seconds(problem, choices),
+        recompute_flops=recompute_flops(problem, choices),
+        method="exact" if table.exact else "grid",
+        grid_bytes=table.step,
+        floor_bytes=floor,
+        baseline_bytes=baseline,
+        frontier=frontier,
     )
-    front = [(0, 0.0, frozenset[int]())]
-    for position in order:
-        b, g, s = front[-1]
-        front.append((b + sizes[position], g + region.units[position].seconds, s | {position}))
-    return _pareto_points(front)
 
 
-def _pareto_points(
-    points: list[tuple[int, float, frozenset[int]]],
-) -> list[tuple[int, float, frozenset[int]]]:
-    """Keep the points no other point beats on both bytes (fewer) and time saved (more)."""
-    points.sort(key=lambda p: (p[0], -p[1]))
-    kept: list[tuple[int, float, frozenset[int]]] = []
-    for point in points:
-        if not kept or point[1] > kept[-1][1]:
+def _frontier(
+    problem: Problem,
+    options: list[_Options],
+    table: _Table,
+    charged: int,
+    baseline: int,
+    floor: int,
+    lowest: list[Choice],
+) -> tuple[tuple[int, float], ...]:
+    """(bytes, seconds) along the least-cost curve, most bytes first: the plain run and the
+    floor exactly, the points between by the additive count (an upper bound), the points no
+    other beats on both kept."""
+    points = {(baseline, 0.0), (floor, recompute_seconds(problem, lowest))}
+    ends = table.frontier_ends()
+    if len(ends):
+        chosen = table.read_back(ends)
+        pairs = list(zip(options, chosen, strict=True))
+        nbytes = charged + torch.stack([o.nbytes[c] for o, c in pairs]).sum(dim=0)
+        seconds = torch.stack([o.seconds[c] for o, c in pairs]).sum(dim=0)
+        for b, t in zip(nbytes.tolist(), seconds.tolist(), strict=True):
+            points.add((min(max(int(b), floor), baseline), float(t)))
+    kept: list[tuple[int, float]] = []
+    for point in sorted(points):
+        if not kept or point[1] < kept[-1][1]:
             kept.append(point)
-    return kept
-
-
-def _pareto(options: list[_Option]) -> list[_Option]:
-    """Options no other option beats on both bytes and recompute time, fewest bytes first."""
-    options.sort(key=lambda o: (o.nbytes, o.seconds))
-    kept: list[_Option] = []
-    for option in options:
-        if not kept or option.seconds < kept[-1].seconds:
-            kept.append(option)
-    return kept
+    return tuple(reversed(kept))
 
 
 class _Kept:
@@ -254,171 +564,26 @@ class _Kept:
         return False
 
 
-def solve(problem: Problem, budget: int, *, allow_exact: bool = True) -> Solution:
-    """The choice of least predicted recompute time whose exact kept bytes fit ``budget``
-    (the caller checks the budget against ``Solution.floor_bytes``: below it, the fewest-bytes
-    choice is returned, over the budget). ``allow_exact=False`` forces the greedy (tests)."""
-    options = [region_options(problem, i) for i in range(len(problem.regions))]
-    lowest = [o[0].choice for o in options]
-    plain = [Choice(False)] * len(options)
-    baseline = kept_bytes(problem, plain)
-    floor = min(kept_bytes(problem, lowest), baseline)  # shared storages: see the docstring
-    if budget < floor:
-        budget = floor
-    path, bound = _hull_path(problem, options)
-    frontier = _pareto_frontier(
-        (kept_bytes(problem, c), recompute_seconds(problem, c)) for c in [*path, plain]
-    )
-    method: Method = "exact"
-    if baseline <= budget:
-        choices, bound = plain, 0.0  # nothing to recompute: no choice is cheaper
-    else:
-        found = _exact(problem, options, budget) if allow_exact else None
-        if found is None:
-            method = "greedy"
-            found = _greedy(problem, options, budget)
-        else:
-            bound = 0.0
-        choices = _fill(problem, options, found, budget)
-    return Solution(
-        choices=tuple(choices),
-        kept_bytes=kept_bytes(problem, choices),
-        recompute_seconds=recompute_seconds(problem, choices),
-        method=method,
-        bound_seconds=bound,
-        floor_bytes=floor,
-        baseline_bytes=baseline,
-        frontier=frontier,
-    )
-
-
-def _pareto_frontier(points: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """The points no other beats on both bytes and time, most bytes first. (A shared storage,
-    charged up front, can make a step that adds bytes additively drop some exactly.)"""
-    kept: list[tuple[int, float]] = []
-    for point in sorted(set(points)):
-        if not kept or point[1] < kept[-1][1]:
-            kept.append(point)
-    return tuple(reversed(kept))
-
-
-def _exact(problem: Problem, options: list[list[_Option]], budget: int) -> list[Choice] | None:
-    """The additive multiple-choice knapsack, exactly, by merging Pareto sets with
-    back-pointers; None when the sets grow past the limits (or nothing fits additively)."""
-    room = budget - sum(problem.storage_bytes[s] for s in problem.charged)
-    front_bytes = torch.zeros(1, dtype=torch.int64)
-    front_cost = torch.zeros(1, dtype=torch.float64)
-    pointers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for region_options_ in options:
-        count = len(region_options_)
-        if len(front_bytes) * count > _MERGE_PAIRS:
-            return None
-        option_bytes = torch.tensor([o.nbytes for o in region_options_], dtype=torch.int64)
-        option_cost = torch.tensor([o.seconds for o in region_options_], dtype=torch.float64)
-        all_bytes = (front_bytes[:, None] + option_bytes[None, :]).flatten()
-        all_cost = (front_cost[:, None] + option_cost[None, :]).flatten()
-        # Sort by cost, then stably by bytes: fewest bytes first, cheapest first among equals.
-        by_cost = torch.argsort(all_cost, stable=True)
-        order = by_cost[torch.argsort(all_bytes[by_cost], stable=True)]
-        sorted_cost = all_cost[order]
-        best_before = torch.cummin(sorted_cost, dim=0).values
-        keep = torch.ones(len(order), dtype=torch.bool)
-        keep[1:] = sorted_cost[1:] < best_before[:-1]
-        chosen = order[keep]
-        if len(chosen) > _FRONT_POINTS:
-            return None
-        pointers.append((chosen // count, chosen % count))
-        front_bytes, front_cost = all_bytes[chosen], all_cost[chosen]
-    fits = torch.nonzero(front_bytes <= room).flatten()
-    if len(fits) == 0:
-        return None
-    point = int(fits[torch.argmin(front_cost[fits])])
-    choices: list[Choice] = []
-    for (previous, option), region_options_ in zip(
-        reversed(pointers), reversed(options), strict=True
-    ):
-        choices.append(region_options_[int(option[point])].choice)
-        point = int(previous[point])
-    choices.reverse()
-    return choices
-
-
-def _hull(region_options_: list[_Option]) -> list[int]:
-    """Positions of the options on the lower convex hull of (bytes, seconds)."""
-    hull: list[int] = []
-    for position, option in enumerate(region_options_):
-        while len(hull) >= 2:
-            a, b = region_options_[hull[-2]], region_options_[hull[-1]]
-            # b is above the segment a -> option: drop it
-            cross = (b.nbytes - a.nbytes) * (option.seconds - a.seconds) - (
-                b.seconds - a.seconds
-            ) * (option.nbytes - a.nbytes)
-            if cross <= 0:
-                hull.pop()
-            else:
-                break
-        hull.append(position)
-    return hull
-
-
-def _steps(options: list[list[_Option]]) -> list[tuple[float, int, int]]:
-    """Every hull step of every region, best time saved per byte first:
-    (-efficiency, region, hull position to move to)."""
-    steps = []
-    for index, region_options_ in enumerate(options):
-        hull = _hull(region_options_)
-        for before, after in itertools.pairwise(hull):
-            a, b = region_options_[before], region_options_[after]
-            steps.append(((b.seconds - a.seconds) / (b.nbytes - a.nbytes), index, after))
-    steps.sort()
-    return steps
-
-
-def _hull_path(problem: Problem, options: list[list[_Option]]) -> tuple[list[list[Choice]], float]:
-    """Choices along the greedy path from the fewest bytes to the least time, and the largest
-    single step's time (the greedy's bound)."""
-    choices = [o[0].choice for o in options]
-    path = [list(choices)]
-    bound = 0.0
-    for _, index, position in _steps(options):
-        previous = _seconds_of(options[index], choices[index])
-        choices[index] = options[index][position].choice
-        bound = max(bound, previous - options[index][position].seconds)
-        path.append(list(choices))
-    return path, bound
-
-
-def _seconds_of(region_options_: list[_Option], choice: Choice) -> float:
-    """The predicted recompute time of a region's option ``choice``."""
-    return next(o.seconds for o in region_options_ if o.choice == choice)
-
-
-def _greedy(problem: Problem, options: list[list[_Option]], budget: int) -> list[Choice]:
-    """Hull steps in order of time saved per byte, each taken while the exact bytes fit; a
-    region whose step does not fit takes no further step."""
-    kept = _Kept(problem, [o[0].choice for o in options])
-    blocked: set[int] = set()
-    for _, index, position in _steps(options):
-        if index in blocked:
-            continue
-        if not kept.try_move(index, options[index][position].choice, budget):
-            blocked.add(index)
-    return kept.choices
-
-
 def _fill(
-    problem: Problem, options: list[list[_Option]], choices: list[Choice], budget: int
+    problem: Problem, options: list[_Options], picked: list[int], budget: int
 ) -> list[Choice]:
-    """Spend what the exact count leaves: per region, the cheapest option that still fits."""
-    kept = _Kept(problem, list(choices))
-    current = [_seconds_of(o, c) for o, c in zip(options, choices, strict=True)]
-    order = sorted(range(len(options)), key=lambda i: -current[i])
+    """Spend what the exact count leaves: region by region, costliest first, the cheapest
+    option whose additive bytes grow by no more than is left (the exact bytes then grow by no
+    more either); if the picked options do not fit, the fewest-bytes ones first."""
+    kept = _Kept(problem, [o.choice(p) for o, p in zip(options, picked, strict=True)])
+    if kept.total > budget:
+        for index, region in enumerate(options):
+            kept.move(index, region.choice(0))
+            picked[index] = 0
+    order = sorted(range(len(options)), key=lambda i: -float(options[i].cost[picked[i]]))
     for index in order:
-        for option in reversed(options[index]):  # least time first
-            if option.seconds >= current[index]:
-                break
-            if kept.try_move(index, option.choice, budget):
-                break
+        region, current = options[index], picked[index]
+        grow = region.nbytes - region.nbytes[current]
+        fits = (region.cost < region.cost[current]) & (grow <= budget - kept.total)
+        if bool(fits.any()):
+            better = int(torch.argmin(torch.where(fits, region.cost, math.inf)))
+            if kept.try_move(index, region.choice(better), budget):
+                picked[index] = better
     return kept.choices
 
 
