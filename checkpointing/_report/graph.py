@@ -23,8 +23,9 @@ NOTE [Report from a graph]
               value, "saved" in "(saved-tensors hooks)", with a note.
   Rule 3. Each frame met through a holder adds what it keeps outside the graph (NOTE [Nestable
           checkpoint], Rule 11): its saved inputs (classified as in Rule 2, so a nested
-          region's inputs are its parent's holders), its RNG states, keyword and nested inputs;
-          and, when its recompute context is a selective checkpoint's, the cache's live
+          region's inputs are its parent's holders), its RNG states, keyword and nested inputs,
+          the outputs its kept spans hold for the replay ("span output", NOTE [Kept spans],
+          Rule 3); and, when its recompute context is a selective checkpoint's, the cache's live
           entries: "saved" and "offloaded" rows in region "sac", as the watched report names
           them. Entries already handed out to a recompute are gone, and not listed.
   Rule 4. Bytes: each storage counts once (``records.Tally``). Every kept storage is an
