@@ -31,7 +31,10 @@ plus the loss). On CPU both come from the profiler's allocator events (``_memory
 Gradients: one step per variant from one seed, compared with the un-checkpointed step bit for
 bit; that step is run twice, to show whether the kernels repeat themselves at all (flash
 attention's backward does not, by default); a mismatch prints max |diff| / max |plain| beside
-that plain-against-plain noise.
+that plain-against-plain noise. The offload row's notes add, from its memory step, the copy
+time the overlap did not hide (``OffloadStats.unhidden_copy_seconds``, CUDA events around each
+wait of the compute stream for a restore) and its step time over ours saving the same matmuls
+("offload vs keep": the policy's own offload, no planner ``host_budget``).
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class Case:
     grads: str = ""
     offload_stats: OffloadStats | None = field(default=None, repr=False)
     offloaded: tuple[int, int] = (0, 0)  # bytes to host and back in the memory step
+    # in the memory step: seconds the compute stream waited for restores (CUDA events), the
+    # restores that waited, all restores
+    unhidden: tuple[float, int, int] = (0.0, 0, 0)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -301,9 +307,13 @@ def run_workload(workload: Workload, cases: list[Case], args: argparse.Namespace
         stats = case.offload_stats
         if stats is not None:
             stats.reset()
+            stats.time_copies = True  # CUDA events around each wait: the memory step only
         case.held, case.peak = device_bytes(workload, case.forward, args.device)
         if stats is not None:
+            stats.time_copies = False
             case.offloaded = (stats.offloaded_bytes, stats.restored_bytes)
+            seconds = stats.unhidden_copy_seconds  # read after the step's synchronization
+            case.unhidden = (seconds, stats.waited_restores, stats.restored_tensors)
     check_gradients(workload, cases)
     print(
         f"# {workload.key}: timing {timed - started:.0f} s ({args.repeats} rounds), memory and "
@@ -359,13 +369,30 @@ def table(cases: list[Case]) -> list[str]:
 
 
 def notes(cases: list[Case]) -> list[str]:
-    """What the table does not show: the bytes the offload row moved in its memory step."""
-    return [
-        f"- {case.side} {case.label}: {size(case.offloaded[0])} to host and "
-        f"{size(case.offloaded[1])} back in one step (OffloadStats)"
-        for case in cases
-        if case.offload_stats is not None
-    ]
+    """What the table does not show: the bytes the offload row moved in its memory step, the
+    copy time the overlap did not hide, and offload's step time against keeping the same
+    tensors on the device (ours, the same policy with save instead of offload; no planner, no
+    ``host_budget``)."""
+    found = {(c.label, c.side): c for c in cases}
+    lines = []
+    for case in cases:
+        if case.offload_stats is None:
+            continue
+        seconds, waited, restores = case.unhidden
+        lines.append(
+            f"- {case.side} {case.label}: {size(case.offloaded[0])} to host and "
+            f"{size(case.offloaded[1])} back in one step (OffloadStats); unhidden copy time "
+            f"{ms(seconds)} ms in that step ({waited} of {restores} restores waited)"
+        )
+        kept = found.get(("SAC save matmuls", case.side))
+        if kept is not None and case.times and kept.times:
+            per_round = [a / b for a, b in zip(case.times, kept.times, strict=True)]
+            lines.append(
+                f"- {case.side} offload vs keep: {case.label} / SAC save matmuls = "
+                f"{_ratio(_median(case), _median(kept))} step time "
+                f"(per round {min(per_round):.2f}-{max(per_round):.2f})"
+            )
+    return lines
 
 
 def checks(key: str, cases: list[Case]) -> list[str]:

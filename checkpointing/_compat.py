@@ -579,3 +579,78 @@ def attach_cuda_oom_observer(observer: Callable[[int, int, int, int], None]) -> 
         return False
     attach(observer)
     return True
+
+
+# --- Host copies off the critical path (``_offload``'s CUDA backend) ------------------------------
+# The stream, event and pinned-memory calls of offload, each in one place (2.11-2.15). All are
+# public ``torch.cuda`` APIs except the end-of-backward callback; they live here so that
+# ``_offload`` names no CUDA call itself and its tests can swap the whole set for a fake.
+
+
+def cuda_current_stream(device: torch.device) -> Any:
+    """The stream work on ``device`` is queued on now (``torch.cuda.current_stream``)."""
+    return torch.cuda.current_stream(device)
+
+
+def cuda_new_stream(device: torch.device) -> Any:
+    """A side stream of ``device`` (``torch.cuda.Stream``), for copies off the compute stream."""
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch's stub is untyped
+
+
+def cuda_record_event(stream: Any, timing: bool = False) -> Any:
+    """An event recorded on ``stream`` now; ``timing`` makes it usable by ``cuda_elapsed``."""
+    event = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]  # untyped
+    event.record(stream)
+    return event
+
+
+def cuda_wait_event(stream: Any, event: Any) -> None:
+    """Work queued on ``stream`` from now on starts after ``event`` (never blocks the host)."""
+    stream.wait_event(event)
+
+
+def cuda_event_done(event: Any) -> bool:
+    """Whether the device has passed ``event`` (a query: never blocks)."""
+    return bool(event.query())
+
+
+def cuda_elapsed_seconds(start: Any, end: Any) -> float:
+    """Seconds between two timing events, waiting for ``end`` on the host (read after a step)."""
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1000.0
+
+
+def cuda_pinned_bytes(nbytes: int) -> torch.Tensor:
+    """A page-locked host buffer of ``nbytes`` bytes (uint8), for non-blocking copies."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def cuda_copy_to_host(host: torch.Tensor, source: torch.Tensor, stream: Any) -> None:
+    """Queue ``host.copy_(source)`` on ``stream`` without blocking the host."""
+    with torch.cuda.stream(stream):
+        host.copy_(source, non_blocking=True)
+
+
+def cuda_copy_to_device(host: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
+    """A new ``device`` tensor with ``host``'s strides, allocated for ``stream`` and filled on it
+    by a non-blocking copy (the caller makes other streams wait and records their use)."""
+    with torch.cuda.stream(stream):
+        restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+        restored.copy_(host, non_blocking=True)
+    return restored
+
+
+def cuda_record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    """Tell the caching allocator ``stream`` uses ``tensor``: its block is not reused before the
+    work queued on ``stream`` at the time it is freed has run (``Tensor.record_stream``)."""
+    tensor.record_stream(stream)
+
+
+def at_backward_end(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward running in this thread ends; False outside a backward
+    (2.11-2.15: ``Variable._execution_engine.queue_callback``, as FSDP uses it)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    return True

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import torch
 
-from . import _compat, _compiled
+from . import _compat, _compiled, _offload
 from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._selective import CheckpointPolicy, OffloadStats
@@ -126,13 +126,23 @@ class _Kept:
 
 
 class _Offloaded:
-    """A tensor a span keeps in host memory (``MUST_CPU_OFFLOAD``): the copy and where it lived."""
+    """A tensor a span keeps in host memory (``MUST_CPU_OFFLOAD``): the copy (a transfer of the
+    offload engine on CUDA, NOTE [Host copies off the critical path], else a host tensor) and
+    where it lived."""
 
-    __slots__ = ("device", "host")
+    __slots__ = ("device", "host", "nbytes", "transfer")
 
-    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self,
+        host: torch.Tensor | None,
+        transfer: _offload.Transfer | None,
+        device: torch.device,
+        nbytes: int,
+    ) -> None:
         self.host = host
+        self.transfer = transfer
         self.device = device
+        self.nbytes = nbytes
 
 
 # How the replay rebuilds a tensor from the span's arguments: (argument index, None) for the
@@ -300,8 +310,8 @@ class _SpanHooks:
         alias = x.detach()
         offload = self.offload
         if offload is not False and not (x.is_leaf and x.requires_grad):  # not parameters
-            if alias.device.type != "cpu":
-                return _offload(alias, offload)
+            if alias.device.type != "cpu" or _offload.claims(alias):
+                return _offload_kept(alias, offload, self)
             if isinstance(offload, OffloadStats):  # a host tensor stays, and is counted
                 offload._count_offload(alias.nbytes)
                 return _Kept(alias, alias._version, True)
@@ -322,19 +332,46 @@ class _SpanHooks:
         return self.frame_unpack(packed)  # type: ignore[arg-type]  # a holder of the frame
 
 
-def _offload(tensor: torch.Tensor, stats: OffloadStats | bool) -> _Offloaded:
-    pinned = tensor.device.type == "cuda"
-    host = torch.empty_like(tensor, device="cpu", pin_memory=pinned)
-    host.copy_(tensor, non_blocking=pinned)
+_MSG_OFFLOADED_MUTATED = (
+    "one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: a tensor a kept span offloaded to host memory was changed in place before its "
+    "copy had finished, so the copy cannot be trusted. (checkpointing.keeping(policy="
+    "MUST_CPU_OFFLOAD) copies what a span saves off the compute stream. Fix: make the in-place "
+    "operation after the span out of place, or clone the tensor inside the span.)"
+)
+
+
+def _offload_kept(tensor: torch.Tensor, stats: OffloadStats | bool, owner: object) -> _Offloaded:
+    """Offload one tensor a span saves: through the offload engine where it moves the tensor
+    (in ``owner``'s group, for prefetch), else a plain copy."""
+    nbytes = tensor.nbytes
     if isinstance(stats, OffloadStats):
-        stats._count_offload(tensor.nbytes)
-    return _Offloaded(host, tensor.device)
+        stats._count_offload(nbytes)
+    if _offload.claims(tensor):
+        engine = _offload.engine()
+        transfer = engine.offload(tensor, engine.group_for(owner))
+        return _Offloaded(None, transfer, tensor.device, nbytes)
+    return _Offloaded(tensor.to("cpu"), None, tensor.device, nbytes)
 
 
 def _restore(packed: _Offloaded, stats: OffloadStats | bool) -> torch.Tensor:
-    if isinstance(stats, OffloadStats):
-        stats._count_restore(packed.host.nbytes)
-    return packed.host.to(packed.device, non_blocking=True)
+    """The device tensor back: the first restore of a span starts prefetching the rest of its
+    group (Rule 5 of NOTE [Host copies off the critical path]); the host copy stays for another
+    backward through a retained graph."""
+    transfer = packed.transfer
+    counter = stats if isinstance(stats, OffloadStats) else OffloadStats()
+    if transfer is not None:
+        if transfer.state == _offload.HOST:
+            _offload.begin(transfer.group)
+        try:
+            return transfer.engine.take(transfer, counter, consume=False)
+        except _offload.Stale:
+            raise RuntimeError(_MSG_OFFLOADED_MUTATED) from None
+    counter._count_restore(packed.nbytes)
+    host = packed.host
+    if host is None:
+        internal_error("an offloaded span tensor with neither a host copy nor a transfer")
+    return host.to(packed.device)
 
 
 def _discard(x: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from frame_support import assert_tensors_equal
 from torch import Tensor, nn
 
 import checkpointing
-from checkpointing import OffloadStats, policies
+from checkpointing import CheckpointPolicy, OffloadStats, _offload, policies
 from checkpointing._compat import TorchDispatchMode, tree_leaves
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -329,7 +329,8 @@ def test_offload_copies_to_pinned_memory_counts_bytes_and_keeps_no_device_copy()
     saved = _offload_step(policies.save_ops(aten.mm.default))
     recomputed = _offload_step(policies.save_nothing())
     stats, host = OffloadStats(), _HostStorages()
-    offloaded = _offload_step(policies.offload_ops(aten.mm.default), stats, host)
+    with _offload.installed(_offload.Engine(_offload.CudaBackend())):  # an empty pinned pool
+        offloaded = _offload_step(policies.offload_ops(aten.mm.default), stats, host)
 
     assert_tensors_equal(offloaded.grads, plain.grads, "offload")
     assert (stats.offloaded_tensors, stats.offloaded_bytes) == (3 * regions, 3 * regions * mm_bytes)
@@ -518,3 +519,163 @@ def test_report_on_oom_prints_the_report_when_cuda_runs_out_of_memory() -> None:
     assert y is not None
     y.backward()  # the graph is whole: the report recomputed nothing
     assert x.grad is not None
+
+
+# --- Host copies off the critical path (NOTE [Host copies off the critical path]) ----------------
+
+
+def _settled(engine: _offload.Engine) -> dict[str, int]:
+    torch.cuda.synchronize()
+    engine.poll()
+    return engine.pending()
+
+
+_CLEAN = {"in_flight": 0, "retiring": 0, "held_bytes": 0, "timings": 0}
+
+
+def _offload_stack(x: Tensor, w: Tensor, stats: OffloadStats | None, regions: int = 4) -> Tensor:
+    context_fn = policies.as_context_fn(policies.offload_ops(aten.mm.default), offload_stats=stats)
+    h = x
+    for _ in range(regions):
+        if stats is None:
+            h = _three_matmuls(h, w)
+        else:
+            h = checkpointing.checkpoint(
+                _three_matmuls, h, w, use_reentrant=False, context_fn=context_fn
+            )
+    return h.sum()
+
+
+def _grads_of(loss_fn: Callable[[Tensor, Tensor], Tensor], n: int = 512) -> list[Tensor]:
+    x, w = _leaves((n, n), (n, n))
+    loss_fn(x, w).backward()
+    return [x.grad, w.grad]  # type: ignore[list-item]  # both leaves got one
+
+
+def test_overlapped_offload_gradients_are_the_plain_runs_and_nothing_is_held() -> None:
+    """Side-stream copies and prefetch: gradients bit for bit the plain run's, every restore
+    counted, and once the device is done nothing is in flight, prefetched or retiring."""
+    engine = _offload.Engine(_offload.CudaBackend())
+    with _offload.installed(engine):
+        stats = OffloadStats(time_copies=True)
+        got = _grads_of(lambda x, w: _offload_stack(x, w, stats))
+        assert _settled(engine) == _CLEAN
+    assert_tensors_equal(got, _grads_of(lambda x, w: _offload_stack(x, w, None)), "overlap")
+    assert stats.restored_tensors == 8
+    assert stats.waited_restores <= stats.restored_tensors
+    assert stats.unhidden_copy_seconds >= 0.0
+
+
+def _mutating_region(x: Tensor, w: Tensor) -> Tensor:
+    h = x @ w  # offloaded
+    h.mul_(2)  # written in place right after: may run before the side-stream copy
+    return (h.sin() @ w).sum()
+
+
+def test_tensor_overwritten_in_place_after_offload_restores_the_offload_value() -> None:
+    """An mm output offloaded then multiplied in place: the recompute gets the value it had
+    when it was offloaded (the snapshot, or the op run again), so gradients are the plain
+    run's bit for bit."""
+    context_fn = policies.as_context_fn(policies.offload_ops(aten.mm.default))
+
+    def ours(x: Tensor, w: Tensor) -> Tensor:
+        return checkpointing.checkpoint(
+            _mutating_region, x, w, use_reentrant=False, context_fn=context_fn
+        )
+
+    for _ in range(3):
+        assert_tensors_equal(_grads_of(ours), _grads_of(_mutating_region), "in place")
+
+
+def test_backward_on_another_stream_gets_the_plain_runs_gradients() -> None:
+    """Forward on the default stream, backward on a user stream: the restores are waited for on
+    the stream that uses them."""
+    x, w = _leaves((512, 512), (512, 512))
+    stats = OffloadStats()
+    loss = _offload_stack(x, w, stats)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    assert_tensors_equal(
+        [x.grad, w.grad], _grads_of(lambda a, b: _offload_stack(a, b, None)), "other stream"
+    )
+    assert stats.restored_tensors == 8
+
+
+def test_kept_span_offload_survives_two_backwards_with_retain_graph() -> None:
+    """keeping(policy=MUST_CPU_OFFLOAD): a retained graph's second backward restores the span's
+    host copies again; gradients are the plain run's twice over."""
+
+    def region(x: Tensor, w: Tensor) -> Tensor:
+        with checkpointing.keeping("mm", policy=CheckpointPolicy.MUST_CPU_OFFLOAD):
+            h = (x @ w).sin()
+        return (h @ w).tanh()
+
+    def run(checkpointed: bool) -> list[Tensor]:
+        x, w = _leaves((256, 256), (256, 256))
+        h = x
+        for _ in range(3):
+            h = (
+                checkpointing.checkpoint(region, h, w, use_reentrant=False)
+                if checkpointed
+                else region(h, w)
+            )
+        loss = h.sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [x.grad, w.grad]  # type: ignore[list-item]  # both leaves got one
+
+    engine = _offload.Engine(_offload.CudaBackend())
+    with _offload.installed(engine):
+        got = run(True)
+    assert_tensors_equal(got, run(False), "two backwards")
+    assert _settled(engine) == _CLEAN
+
+
+def test_exception_mid_backward_leaves_nothing_pending() -> None:
+    """A hook raising halfway through backward: once the graph is gone, nothing is prefetched,
+    in flight or retiring, and the device memory is back where it was."""
+    engine = _offload.Engine(_offload.CudaBackend())
+    with _offload.installed(engine):
+        x, w = _leaves((512, 512), (512, 512))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        h = _offload_stack(x, w, OffloadStats(), regions=2)
+        top = checkpointing.checkpoint(
+            _three_matmuls,
+            x + h,
+            w,
+            use_reentrant=False,
+            context_fn=policies.as_context_fn(policies.offload_ops(aten.mm.default)),
+        )
+
+        def fail(grad: Tensor) -> Tensor:
+            raise ValueError("boom")
+
+        h.register_hook(fail)
+        with pytest.raises(ValueError, match="boom"):
+            top.sum().backward()
+        del h, top
+        x.grad = w.grad = None
+        assert _settled(engine) == _CLEAN
+        assert torch.cuda.memory_allocated() == base
+        assert engine.pool.free_bytes <= engine.pool.limit
+
+
+def test_offload_steps_reuse_the_pinned_pool_and_leak_nothing() -> None:
+    """Twenty steps after a warm-up: pinned buffers are made in the first step only, the pool
+    stays within its bound, and after each step no device memory of ours is held."""
+    engine = _offload.Engine(_offload.CudaBackend(), pool_bytes=64 << 20)
+    x, w = _leaves((512, 512), (512, 512))
+    with _offload.installed(engine):
+        _offload_stack(x, w, OffloadStats()).backward()  # warm-up: cuBLAS workspaces, grads
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        for _ in range(20):
+            _offload_stack(x, w, OffloadStats()).backward()
+            assert _settled(engine) == _CLEAN
+            assert torch.cuda.memory_allocated() == base
+            assert engine.pool.free_bytes <= engine.pool.limit
+    assert engine.pool.made == 12

@@ -19,12 +19,15 @@ docstring says where the others live)
           version seen when it was cached; handing it out after an in-place change raises
           unless ``allow_cache_entry_mutation=True``.
   Rule 7. Offload (``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``; torch recomputes these in
-          eager mode): a device output is copied to host memory (pinned and non-blocking on
-          CUDA) and only the host copy is cached; recompute gets a fresh tensor on the original
-          device with the original dtype, layout and (dense) strides. The copy is a snapshot,
-          so it needs no version check. A host tensor is kept as an alias, like save; if it was
-          changed in place since, recompute runs the op instead (torch's own treatment of these
-          values), never raising. ``OffloadStats`` counts both directions.
+          eager mode): a device output is copied to host memory and only the host copy is
+          cached; recompute gets a fresh tensor on the original device with the original dtype,
+          layout and (dense) strides. On CUDA the copies run off the compute stream and restores
+          are prefetched when the recompute starts (NOTE [Host copies off the critical path]);
+          other devices copy the plain way. The copy is a snapshot: an in-place change of the
+          output before its copy was seen done makes it stale, and recompute runs the op
+          instead. A host tensor is kept as an alias, like save; if it was changed in place
+          since, recompute runs the op instead (torch's own treatment of these values), never
+          raising. ``OffloadStats`` counts both directions, and the restores that waited.
   Rule 13. What a policy saves is held by the cache, not by autograd, so the user's
           saved-tensors hooks (``save_on_cpu`` and the like) never see it unless the checkpoint
           says ``respect_saved_tensors_hooks=True``: then each saved output goes through the
@@ -38,8 +41,8 @@ Rejected: wrapping every output through a pytree map like torch (a tree walk per
 tensors, the common case, are wrapped directly and only containers are mapped, by ``_map_leaves``
 rather than torch's ``tree_map``, which leaves 7 cyclic objects per call (SPEC §6, "No garbage":
 a Llama attention layer under ``save_matmuls()`` left 14 per call, a map to keep and one to take).
-Keeping the device tensor next to its host copy to version-check it (it would keep the memory
-offload frees).
+Keeping the device tensor next to its host copy to version-check it until recompute (it would
+keep the memory offload frees); it is kept only while its copy is in flight.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
-from .. import _compat
+from .. import _compat, _offload
 from .._compat import TorchDispatchMode
+from .._errors import internal_error
 from .._events import announce
 from .ops import _OpFacts
 from .policy import _Action, _OpPlan
@@ -73,6 +77,12 @@ class OffloadStats:
     offload decision stays where it is (like save) and is still counted, so the numbers follow
     the policy's decisions on any device. Safe to update from forward and backward threads.
 
+    ``waited_restores`` counts the restores whose copy had not finished when the recompute
+    needed the tensor (the compute stream waited for it); with ``time_copies=True`` CUDA events
+    measure those waits, and ``unhidden_copy_seconds`` adds them up: the copy time the overlap
+    did not hide. Read it once the device has finished the step (after
+    ``torch.cuda.synchronize()``). Host tensors are never copied, so on CPU both stay 0.
+
     Example:
         >>> import torch, checkpointing
         >>> from checkpointing.policies import as_context_fn, offload_ops
@@ -90,13 +100,32 @@ class OffloadStats:
     offloaded_bytes: int = 0
     restored_tensors: int = 0
     restored_bytes: int = 0
+    waited_restores: int = 0
+    time_copies: bool = False
+    _unhidden: float = field(default=0.0, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def unhidden_copy_seconds(self) -> float:
+        """Seconds the compute stream waited for restores (``time_copies=True``; else 0)."""
+        _offload.poll_all()
+        return self._unhidden
 
     def reset(self) -> None:
         """Set every counter back to zero (e.g. between training steps)."""
         with self._lock:
             self.offloaded_tensors = self.offloaded_bytes = 0
             self.restored_tensors = self.restored_bytes = 0
+            self.waited_restores = 0
+            self._unhidden = 0.0
+
+    def _count_wait(self) -> None:
+        with self._lock:
+            self.waited_restores += 1
+
+    def _add_unhidden(self, seconds: float) -> None:
+        with self._lock:
+            self._unhidden += seconds
 
     def _count_offload(self, nbytes: int) -> None:
         with self._lock:
@@ -172,50 +201,41 @@ class _HostAlias:
 
 
 class _HostCopy:
-    """An offloaded device output: only its host copy is kept (Rule 7)."""
+    """An offloaded device output: only its host copy is kept (Rule 7). A ``transfer`` where the
+    offload engine moves it (CUDA), else a host tensor copied the plain way."""
 
-    __slots__ = ("device", "host", "nbytes", "ready")
+    __slots__ = ("_plain", "device", "nbytes", "transfer")
 
-    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
+    def __init__(self, tensor: torch.Tensor, nbytes: int, group: _offload.Group | None) -> None:
         self.device = tensor.device
         self.nbytes = nbytes
-        self.ready: torch.cuda.Event | None = None
-        host = _pinned_copy(tensor) if _can_pin(tensor) else None
-        if host is not None:
-            # The copy is queued on the current stream; recompute waits for this event.
-            self.ready = torch.cuda.current_stream(tensor.device).record_event()
+        self.transfer: _offload.Transfer | None = None
+        self._plain: torch.Tensor | None = None
+        if group is not None:
+            self.transfer = _offload.engine().offload(tensor, group)
         else:
-            host = tensor.to("cpu")
-        self.host = host
+            self._plain = tensor.to("cpu")
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host copy (reports read it; it may still be being filled on the device)."""
+        transfer = self.transfer
+        if transfer is not None:
+            return transfer.host
+        plain = self._plain
+        if plain is None:
+            internal_error("a host copy with neither a transfer nor a plain copy")
+        return plain
 
     def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
-        if self.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
-            restored = torch.empty_like(self.host, device=self.device)
-            restored.copy_(self.host, non_blocking=True)
-        else:
-            restored = self.host.to(self.device)
+        transfer = self.transfer
+        if transfer is not None:
+            try:
+                return transfer.engine.take(transfer, stats, consume=True)
+            except _offload.Stale:
+                raise _StaleHostAlias from None
         stats._count_restore(self.nbytes)
-        return restored
-
-
-def _can_pin(tensor: torch.Tensor) -> bool:
-    """Pinned, non-blocking copies for plain dense CUDA tensors; others copy the plain way."""
-    return (
-        tensor.device.type == "cuda"
-        and tensor.layout is torch.strided
-        and type(tensor) is torch.Tensor
-    )
-
-
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A pinned host tensor with ``tensor``'s strides, filled by a non-blocking copy; None where
-    pinned memory cannot be had (then the caller falls back to a plain copy)."""
-    try:
-        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-    except RuntimeError:
-        return None
-    return host.copy_(tensor, non_blocking=True)
+        return self.host.to(self.device)
 
 
 class _Tree:
@@ -293,14 +313,23 @@ class _OpRecord:
 
 class _Cache:
     """A region's cache, shared by its two modes (Rule 3): by key, a record, or for keys of
-    the COUNT plan only the forward's call count; and the pair's ``OffloadStats``."""
+    the COUNT plan only the forward's call count; the pair's ``OffloadStats``; and the group of
+    its offload transfers, made at its first (NOTE [Host copies off the critical path])."""
 
-    __slots__ = ("_stats", "counts", "records")
+    __slots__ = ("_stats", "counts", "offload_group", "records")
 
     def __init__(self, stats: OffloadStats | None) -> None:
         self.records: dict[object, _OpRecord] = {}
         self.counts: dict[object, int] = {}
         self._stats = stats
+        self.offload_group: _offload.Group | None = None
+
+    def group(self) -> _offload.Group:
+        """This region's offload group, made (and linked to the last region's) on first need."""
+        group = self.offload_group
+        if group is None:
+            group = self.offload_group = _offload.engine().new_group()
+        return group
 
     @property
     def stats(self) -> OffloadStats:
@@ -310,6 +339,16 @@ class _Cache:
         if stats is None:
             stats = self._stats = OffloadStats()
         return stats
+
+
+# The caches whose mode is open in this thread, innermost last: an offload made while a forward
+# mode runs joins the group of the innermost (a group only orders prefetches).
+_open = threading.local()
+
+
+def _open_cache() -> _Cache | None:
+    stack: list[_Cache] | None = getattr(_open, "stack", None)
+    return stack[-1] if stack else None
 
 
 class _CacheMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -334,6 +373,19 @@ class _CacheMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
     def offload_stats(self) -> OffloadStats:
         return self.cache.stats
 
+    def __enter__(self) -> Any:
+        stack = getattr(_open, "stack", None)
+        if stack is None:
+            stack = _open.stack = []
+        stack.append(self.cache)
+        return super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
+        finally:
+            _open.stack.pop()
+
 
 def _keep_tensor(
     tensor: torch.Tensor, action: _Action, stats: OffloadStats, hooks: _compat.HookPair | None
@@ -346,9 +398,13 @@ def _keep_tensor(
     announce(tensor, _REGION, "offloaded")
     nbytes = tensor.numel() * tensor.element_size()
     stats._count_offload(nbytes)
+    if _offload.claims(tensor):
+        cache = _open_cache()
+        group = cache.group() if cache is not None else _offload.engine().new_group()
+        return _HostCopy(tensor, nbytes, group)
     if tensor.device.type in ("cpu", "meta"):
         return _HostAlias(tensor, nbytes)
-    return _HostCopy(tensor, nbytes)
+    return _HostCopy(tensor, nbytes, None)
 
 
 def _keep(

@@ -3,7 +3,8 @@
 Owns ``_CachedMode`` (the second context of ``create_selective_checkpoint_contexts``) and the
 errors of a recompute that does not match its forward: per op it finds the forward's entry by
 (key, call index), hands it out once, or runs the op again where the forward kept nothing. The
-keys and runners are ``ops``', the entries and their checks ``cache``'s.
+keys and runners are ``ops``', the entries and their checks ``cache``'s. Its ``__enter__`` starts
+bringing the region's offloaded outputs back (NOTE [Host copies off the critical path], Rule 5).
 
 NOTE [Selective checkpoint cache] (Rule 6, on handing entries out; the package docstring says
 where the others live)
@@ -25,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from .. import _compat
+from .. import _compat, _offload
 from .._state import span_depth as _span_depth
 from .cache import _CONSUMED, _Cache, _CacheEntryMutated, _CacheMode, _Consumed, _StaleHostAlias
 from .ops import _IGNORED, _INDUCTOR_CODE, Op, _region_key, _runner, _runners
@@ -67,8 +68,17 @@ class _CachedMode(_CacheMode):
 
     def __enter__(self) -> _CachedMode:
         self.replays.clear()  # Rule 6: every recompute starts from index 0.
+        group = self.cache.offload_group
+        if group is not None:  # NOTE [Host copies off the critical path], Rule 5
+            _offload.begin(group)
         super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        group = self.cache.offload_group
+        if group is not None:  # NOTE [Host copies off the critical path], Rule 5
+            _offload.end(group)
 
     @_compat.skip_dynamo_in_code  # Rule 11
     def __torch_dispatch__(
