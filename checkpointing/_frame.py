@@ -410,8 +410,9 @@ class Frame:
         _compat.push_saved_tensors_hooks(pack, _identity)  # Rule 3: on top of the stack
         try:
             with torch.enable_grad(), self.state.restored(), self.recompute_context:
-                for hook, snapshot in zip(state_hooks, self.state_entry, strict=True):
-                    hook.restore(snapshot)  # Rule 12
+                if state_hooks:
+                    for hook, snapshot in zip(state_hooks, self.state_entry, strict=True):
+                        hook.restore(snapshot)  # Rule 12
                 if _compat.dynamo_eval_frame_active():
                     _run_without_dynamo(self.fn, *args, **self.kwargs)
                 else:  # the wrapper would be a no-op: skip its ~5 us
@@ -422,8 +423,9 @@ class Frame:
             _compat.pop_saved_tensors_hooks()
             del pack._user_hooks  # type: ignore[attr-defined]  # Rule 10: no graph-held reference
             del pack.replaying  # type: ignore[attr-defined]
-            for hook, snapshot in zip(state_hooks, outer_state, strict=True):
-                hook.restore(snapshot)  # Rule 12: the caller's state back
+            if state_hooks:
+                for hook, snapshot in zip(state_hooks, outer_state, strict=True):
+                    hook.restore(snapshot)  # Rule 12: the caller's state back
         if self.ignore_count_mismatch:
             return  # Rule 6: a forward cut short by its own backward saved fewer
         check_counts(len(holders), count)
@@ -519,7 +521,11 @@ def checkpoint_without_reentrant_generator_impl(
             raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
         loggers = (OpLogger(), OpLogger())
     record_metadata = metadata_fn_for(determinism_check) is not None
-    state_hooks = state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint")
+    state_hooks = (
+        ()
+        if recompute_state_hooks is None
+        else state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint")
+    )
     forward_context: AbstractContextManager[Any]
     recompute_context: AbstractContextManager[Any]
     if loggers is not None:

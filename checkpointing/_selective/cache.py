@@ -341,16 +341,6 @@ class _Cache:
         return stats
 
 
-# The caches whose mode is open in this thread, innermost last: an offload made while a forward
-# mode runs joins the group of the innermost (a group only orders prefetches).
-_open = threading.local()
-
-
-def _open_cache() -> _Cache | None:
-    stack: list[_Cache] | None = getattr(_open, "stack", None)
-    return stack[-1] if stack else None
-
-
 class _CacheMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
     """What the forward mode and the recompute mode of a pair share: their ``_Cache``, its
     ``OffloadStats`` and how torch treats them (they see higher-order ops; compile internals
@@ -373,25 +363,17 @@ class _CacheMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
     def offload_stats(self) -> OffloadStats:
         return self.cache.stats
 
-    def __enter__(self) -> Any:
-        stack = getattr(_open, "stack", None)
-        if stack is None:
-            stack = _open.stack = []
-        stack.append(self.cache)
-        return super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
-        finally:
-            _open.stack.pop()
-
 
 def _keep_tensor(
-    tensor: torch.Tensor, action: _Action, stats: OffloadStats, hooks: _compat.HookPair | None
+    tensor: torch.Tensor,
+    action: _Action,
+    stats: OffloadStats,
+    hooks: _compat.HookPair | None,
+    cache: _Cache | None,
 ) -> _Leaf:
     """The entry for one output tensor under a save or offload decision, announced; a saved
-    one goes through the user's saved-tensors ``hooks`` when given (Rule 13)."""
+    one goes through the user's saved-tensors ``hooks`` when given (Rule 13); an offloaded one
+    joins the offload group of the region's ``cache``."""
     if action is _Action.SAVE:
         announce(tensor, _REGION, "saved")
         return _Saved(tensor) if hooks is None else _Packed(tensor, hooks)
@@ -399,7 +381,6 @@ def _keep_tensor(
     nbytes = tensor.numel() * tensor.element_size()
     stats._count_offload(nbytes)
     if _offload.claims(tensor):
-        cache = _open_cache()
         group = cache.group() if cache is not None else _offload.engine().new_group()
         return _HostCopy(tensor, nbytes, group)
     if tensor.device.type in ("cpu", "meta"):
@@ -408,12 +389,17 @@ def _keep_tensor(
 
 
 def _keep(
-    out: Any, action: _Action, stats: OffloadStats, hooks: _compat.HookPair | None = None
+    out: Any,
+    action: _Action,
+    stats: OffloadStats,
+    hooks: _compat.HookPair | None = None,
+    cache: _Cache | None = None,
 ) -> _Entry:
-    """The entry for an op's output (a tensor, or a container of them) under ``action``."""
+    """The entry for an op's output (a tensor, or a container of them) under ``action``, in the
+    region whose cache is ``cache``."""
     if isinstance(out, torch.Tensor):
-        return _keep_tensor(out, action, stats, hooks)
-    return _Tree(_map_leaves(out, torch.Tensor, _keep_tensor, action, stats, hooks))
+        return _keep_tensor(out, action, stats, hooks, cache)
+    return _Tree(_map_leaves(out, torch.Tensor, _keep_tensor, action, stats, hooks, cache))
 
 
 def _save_traced(out: Any) -> _Entry:

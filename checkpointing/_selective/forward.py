@@ -231,7 +231,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
     def _entry(self, out: Any, action: _Action) -> _Entry:
         """The cache entry for ``out`` under a keep ``action`` (Rule 13 for saves)."""
         hooks = self._hooks_for_saves() if action is _Action.SAVE else None
-        return _keep(out, action, self.offload_stats, hooks)
+        return _keep(out, action, self.offload_stats, hooks, self.cache)
 
     def _hooks_for_saves(self) -> _compat.HookPair | None:
         """Rule 13: the user's saved-tensors hooks a save goes through, or None; warns when

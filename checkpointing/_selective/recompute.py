@@ -75,7 +75,7 @@ class _CachedMode(_CacheMode):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
         group = self.cache.offload_group
         if group is not None:  # NOTE [Host copies off the critical path], Rule 5
             _offload.end(group)
