@@ -748,23 +748,25 @@ def solve_time(depth: int = 32) -> dict[str, float]:
     return times
 
 
-def dump_plans(directory: Path) -> None:
-    """Write the default plan of W1 and W2 at every budget as JSON (``--dump-plans``): run it
-    on an older checkout (``PYTHONPATH=that/checkout``) to time its plans with ``--ab``."""
+def dump_plans(directory: Path, objective: str | None) -> None:
+    """Write the plan of W1 and W2 at every budget as JSON (``--dump-plans``; the default
+    objective, or ``--objective``): run it on an older checkout (``PYTHONPATH=that/checkout``),
+    or with the other objective, to time its plans with ``--ab``."""
     directory.mkdir(parents=True, exist_ok=True)
     print(f"planning with {Path(checkpointing.__file__).parent}")
+    options = {} if objective is None else {"objective": objective}
     for name, build in (("W1", lambda: w1(8)), ("W2", lambda: w2(4, 1))):
         model, x = build()
         for budget in BUDGETS:
             try:
-                plan = checkpointing.plan_checkpointing(model, x, budget=budget)
+                plan = checkpointing.plan_checkpointing(model, x, budget=budget, **options)
             except ValueError:
                 continue
             (directory / f"{name}_{budget}.json").write_text(plan.to_json())
             print(f"{name} {budget}: {describe(plan)}, {plan.kept_bytes:,} bytes")
 
 
-def ab(directory: Path, rounds: int) -> None:
+def ab(directory: Path, rounds: int, objective: str | None) -> None:
     """``--ab``: this checkout's default plan (B... A) against the plan in ``directory`` at the
     same budget (written by ``--dump-plans`` on another checkout), in quads beside the A/A
     control, as ``run`` times plans against hand policies."""
@@ -777,7 +779,8 @@ def ab(directory: Path, rounds: int) -> None:
             if not path.exists():
                 continue
             old = checkpointing.ActivationPlan.from_json(path.read_text())
-            new = checkpointing.plan_checkpointing(model, x, budget=budget)
+            options = {} if objective is None else {"objective": objective}
+            new = checkpointing.plan_checkpointing(model, x, budget=budget, **options)
             plans[budget] = (new, old)
             installers[f"new {budget}"] = plan_installer(new)
             installers[f"old {budget}"] = plan_installer(old)
@@ -824,13 +827,16 @@ def main() -> None:
     parser.add_argument("--solve-time", action="store_true", help="only time the solver")
     parser.add_argument("--dump-plans", type=Path, help="write W1/W2 default plans as JSON")
     parser.add_argument("--ab", type=Path, help="time this checkout's plans against those")
+    parser.add_argument(
+        "--objective", choices=("time", "flops"), help="--dump-plans/--ab: plan with this one"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.dump_plans is not None:
-        dump_plans(args.dump_plans)
+        dump_plans(args.dump_plans, args.objective)
         return
     if args.ab is not None:
-        ab(args.ab, args.quads or 24)
+        ab(args.ab, args.quads or 24, args.objective)
         return
     if args.solve_time:
         for objective, seconds in solve_time().items():
