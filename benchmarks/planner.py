@@ -67,13 +67,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import checkpointing
 from checkpointing import _compat, policies
+from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.plan import _RegionContexts, find_regions
 from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import solve
@@ -590,23 +590,6 @@ def hooked_bytes(forward: Callable[[], torch.Tensor], exclude: list[torch.Tensor
     with saved_tensors_hooks(pack, lambda t: t):
         loss = forward()
     return loss, sum(seen.values())
-
-
-class FlopCount(TorchDispatchMode):
-    """FLOPs of every op run inside it, by the planner's formulas (torch's counter, plus the
-    CPU attention kernel and the other matrix ops it misses). A plain mode: unlike
-    ``FlopCounterMode`` it tracks no modules, so a selective checkpoint's recompute runs the
-    same op sequence under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.flops += op_flops(func, args, kwargs, out)
-        return out
 
 
 def backward_flops(loss: torch.Tensor) -> int:

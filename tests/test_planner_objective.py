@@ -29,28 +29,13 @@ from test_planner import (
     transformer,
 )
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
 from checkpointing._planning import solver
-from checkpointing._planning.flops import op_flops
+from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import Objective, Problem, RegionChoices, Unit, solve
-
-
-class FlopCount(TorchDispatchMode):
-    """The FLOPs of every op run inside it, by the planner's formulas."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.flops += op_flops(func, args, kwargs, out)
-        return out
 
 
 def backward_flops(model: nn.Module, x: torch.Tensor, loss_fn: Any) -> int:

@@ -16,7 +16,9 @@ from typing import Any, Final
 import torch
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["EXTRA_FLOPS", "op_flops"]
+from .._compat import TorchDispatchMode
+
+__all__ = ["EXTRA_FLOPS", "FlopCount", "op_flops"]
 
 _Formula = Callable[..., int]
 
@@ -25,28 +27,33 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
 
 
+def _attention_pairs(query: Any, key: Any, value: Any) -> tuple[int, int, int, int] | None:
+    """(batch x heads, query-key pairs, query depth, value depth) of an attention call, or
+    None when the shapes are not an attention's."""
+    q, k, v = _shape(query), _shape(key), _shape(value)
+    if len(q) < 2 or len(k) < 2 or len(v) < 1:
+        return None
+    return math.prod(q[:-2]), q[-2] * k[-2], q[-1], v[-1]
+
+
 def _attention(query: Any, key: Any, value: Any, *_: Any, **__: Any) -> int:
     """Scores (query x key) and their weighting of the values: two batched matmuls over every
     (query, key) pair; a causal mask is not discounted (torch's formulas do not either)."""
-    q, k, v = _shape(query), _shape(key), _shape(value)
-    if len(q) < 2 or len(k) < 2 or len(v) < 1:
+    found = _attention_pairs(query, key, value)
+    if found is None:
         return 0
-    batch_heads = math.prod(q[:-2])
-    queries, depth = q[-2], q[-1]
-    keys, value_depth = k[-2], v[-1]
-    return 2 * batch_heads * queries * keys * (depth + value_depth)
+    batch_heads, pairs, depth, value_depth = found
+    return 2 * batch_heads * pairs * (depth + value_depth)
 
 
 def _attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *_: Any, **__: Any) -> int:
     """The scores again, then the gradients of values, weights, queries and keys: five matmuls
     over every (query, key) pair."""
-    q, k, v = _shape(query), _shape(key), _shape(value)
-    if len(q) < 2 or len(k) < 2 or len(v) < 1:
+    found = _attention_pairs(query, key, value)
+    if found is None:
         return 0
-    batch_heads = math.prod(q[:-2])
-    queries, depth = q[-2], q[-1]
-    keys, value_depth = k[-2], v[-1]
-    return 2 * batch_heads * queries * keys * (3 * depth + 2 * value_depth)
+    batch_heads, pairs, depth, value_depth = found
+    return 2 * batch_heads * pairs * (3 * depth + 2 * value_depth)
 
 
 def _matrix_vector(matrix: Any, vector: Any, *_: Any, **__: Any) -> int:
@@ -91,3 +98,21 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
     if extra is not None:
         return int(extra(*args, **kwargs))
     return 0
+
+
+class FlopCount(TorchDispatchMode):
+    """The FLOPs of every op run inside it, by ``op_flops``. A plain mode: unlike torch's
+    ``FlopCounterMode`` it tracks no modules, so a selective checkpoint's recompute runs the same
+    op sequence under it (the planner's tests and benchmark count recomputed FLOPs with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.flops = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.flops += op_flops(func, args, kwargs, out)
+        return out
