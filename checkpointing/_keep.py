@@ -305,11 +305,12 @@ class _SpanHooks:
             if recipe is not None:
                 self.span.routed.append(recipe)
                 return self.frame(x)  # a holder: recomputed, filled by the replay
-        if self.frame.observed:
-            announce(x, self.region_label, "offloaded" if self.offload else "saved")
         alias = x.detach()
         offload = self.offload
-        if offload is not False and not (x.is_leaf and x.requires_grad):  # not parameters
+        offloading = offload is not False and not (x.is_leaf and x.requires_grad)  # no params
+        if self.frame.observed:
+            announce(x, self.region_label, "offloaded" if offloading else "saved")
+        if offloading:
             if alias.device.type != "cpu" or _offload.claims(alias):
                 return _offload_kept(alias, offload, self)
             if isinstance(offload, OffloadStats):  # a host tensor stays, and is counted
