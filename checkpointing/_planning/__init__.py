@@ -1,8 +1,9 @@
 """Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
 
-``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``profile.py``
-watches real steps (``flops.py`` counts an op's FLOPs, ``_torch_private.py`` reads the CPU
-allocator's peak); ``solver.py`` chooses. The rules below are shared by all of them.
+``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
+region's random draws (Rule 19); ``profile.py`` watches real steps (``flops.py`` counts an op's
+FLOPs, ``_torch_private.py`` reads the CPU allocator's peak); ``solver.py`` chooses.
+The rules below are shared by all of them.
 
 NOTE [Planner model]
   Rule 1. Bytes are storages: a tensor kept for backward costs its whole storage, once, however
@@ -24,10 +25,12 @@ NOTE [Planner model]
           version-checked against its later writes, a saved writer would not re-apply its write
           to the recomputed base.
   Rule 6. Random ops (and everything in their in-place group, e.g. dropout's mask) are
-          recomputed (NOTE [Selective checkpoint cache], Rule 10).
+          recomputed (NOTE [Selective checkpoint cache], Rule 10), unless the region keeps
+          its draws as a group (Rule 19).
   Rule 7. What a choice keeps: the storages saved outside every region, plus per region either
           what autograd saves in it (not checkpointed) or its inputs, its RNG states and its
-          saved ops' outputs (checkpointed, Rule 14). The exact count is their union; the
+          saved ops' outputs (checkpointed, Rule 14), and its random ops' outputs if it keeps its
+          draws (Rule 19). The exact count is their union; the
           solver's knapsack uses the sum per region, an upper bound (a storage kept by two
           regions counts twice, except what several checkpointed regions keep, charged once up
           front), and every answer is checked, and finished, against the exact union.
@@ -50,6 +53,8 @@ NOTE [Planner model]
   Rule 11. ``apply`` installs ``checkpoint_module`` (non-reentrant; names and ``state_dict``
           keys untouched) on each checkpointed region, with a selective policy only where it
           keeps or offloads something: a region that keeps nothing runs as plain checkpoint.
+          A region that keeps its draws gets the draws modes (Rule 19), under the selective
+          ones where it keeps outputs too.
   Rule 12. Inputs whose shapes differ from the profiled ones warn once per ``apply`` ("re-plan"):
           the bytes and times describe the profiled shapes only. Calls under ``no_grad`` keep
           nothing and never warn. Positional inputs are compared in order, keyword ones by name
@@ -120,6 +125,31 @@ NOTE [Planner model]
           the parameters of the regions after it), plus what the plain step needed above its
           own highest working set (the loss, the gradients in flight, temporaries). It errs
           high: recompute's tensors die as backward consumes them.
+  Rule 19. Random draws as a group. A checkpointed region may keep the outputs of all of its
+          random ops (``RegionDecision.keep_draws``), all or none: recompute restores the RNG
+          state and replays the draws in order, so keeping some would shift the later ones
+          (NOTE [Selective checkpoint cache], Rule 10); with all kept it draws nothing.
+          Selective checkpointing recomputes random ops whatever its policy says, so the
+          keeping is the planner's own pair of modes (``draws``), entered below the selective
+          ones: its forward mode keeps each draw's outputs (an in-place draw's values as a
+          copy, since dropout's mask is scaled in place after it is drawn), its recompute mode
+          answers the random ops from them, in order, once. The group costs the bytes of the
+          random ops' storages (all of the region's, those after the early stop too: the mode
+          cannot see the stop) and saves their seconds and FLOPs up to the early stop
+          (attention with dropout where it is one op, as on CUDA: its matrix work; on CPU the
+          draws are ``bernoulli_`` calls, time without FLOPs). It is charged the selective
+          policy's cost (Rule 13) where the region keeps no outputs; where it keeps outputs
+          too, the draws modes' own per-op cost (a second Python mode) is not charged. The RNG
+          states are still captured and counted (Rule 14): over, never under. It is not
+          offered where an out-of-place draw's output is written in place later in the region
+          (the kept tensor must be unchanged; the recompute mode checks its version) or where
+          a draw writes a region input.
+  Rule 20. The tail as regions. By default (``regions=None``) the modules the model calls
+          after its last block (every call of one starting after the blocks' last call ended:
+          a Llama's final norm and LM head) are regions too, outermost ones, found by one
+          forward before profiling; the solver checkpoints them or not like the blocks. Work
+          after the blocks that no module call holds (a loss computed in the model's own
+          ``forward``, as Hugging Face models do) stays outside every region.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

@@ -30,7 +30,8 @@ from .._selective import (
 )
 from .._state import noop_context_fn
 from . import plan_json
-from .profile import ObjectiveName, StepProfile, input_shapes, profile_step
+from .draws import draw_contexts
+from .profile import ObjectiveName, StepProfile, input_shapes, profile_step, tail_regions
 from .solver import Problem, Solution, kept_storages, offloads, predicted_peak, solve
 
 __all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]
@@ -54,12 +55,16 @@ class RegionDecision:
     kept_bytes: int = 0
     recompute_ms: float = 0.0
     recompute_flops: int = 0
+    keep_draws: bool = False
+    """Keep the outputs of all of the region's random ops; recompute draws nothing (Rule 19)."""
 
     def describe(self) -> str:
         """The decision in words, for the table."""
         if not self.checkpoint:
             return "keep (no checkpoint)"
         parts = [f"save {len(self.save)}/{self.ops} ops" if self.save else "recompute all"]
+        if self.keep_draws:
+            parts.append("keep draws")
         if self.offload:
             parts.append(f"offload {len(self.offload)}")
         return "checkpoint, " + ", ".join(parts)
@@ -186,7 +191,8 @@ def plan_checkpointing(
             checkpointing; or an int: bytes. Activation bytes are the storages autograd keeps
             for backward, each once, except the parameters, buffers and example inputs.
         regions: a predicate on submodules naming the regions (the outermost matches);
-            default: the blocks of the model's longest ``nn.ModuleList``/``nn.Sequential``.
+            default: the blocks of the model's longest ``nn.ModuleList``/``nn.Sequential``,
+            and the modules called after the last block (a final norm, an LM head).
         example_kwargs: keyword arguments of one step.
         loss_fn: ``loss_fn(output) -> scalar``; default: the sum of the floating-point outputs.
         host_budget: bytes of host memory that offloaded outputs may use (accelerators only;
@@ -220,9 +226,14 @@ def plan_checkpointing(
         if is_module_checkpointed(module):
             raise ValueError(_MSG_CHECKPOINTED.format(name=name))
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    profile = profile_step(
-        model, named, args, dict(example_kwargs or {}), loss_fn, _RegionContexts({})
-    )
+    kwargs = dict(example_kwargs or {})
+    if regions is None:  # Rule 20: what runs after the blocks is a region too
+        named += [
+            (name, module)
+            for name, module in tail_regions(model, named, args, kwargs)
+            if not is_module_checkpointed(module)
+        ]
+    profile = profile_step(model, named, args, kwargs, loss_fn, _RegionContexts({}))
     problem = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
     first = solve(problem, 0)
     floor, baseline = first.floor_bytes, first.baseline_bytes
@@ -336,25 +347,41 @@ class _KeyedPolicy:
 
 
 class _RegionContexts:
-    """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``.
-    Pickled with the model (``torch.save``) by op names: torch's op objects do not pickle."""
+    """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``
+    (where it keeps or offloads outputs), over the draws modes where it keeps its random draws
+    (Rule 19). Pickled with the model (``torch.save``) by op names: torch's op objects do not
+    pickle."""
 
-    __slots__ = ("decisions",)
+    __slots__ = ("decisions", "keep_draws")
 
-    def __init__(self, decisions: dict[tuple[Op, int], CheckpointPolicy]) -> None:
+    def __init__(
+        self, decisions: dict[tuple[Op, int], CheckpointPolicy], *, keep_draws: bool = False
+    ) -> None:
         self.decisions = decisions
+        self.keep_draws = keep_draws
 
-    def __call__(self) -> tuple[_compat.TorchDispatchMode, _compat.TorchDispatchMode]:
-        return create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
+    def __call__(self) -> tuple[Any, Any]:
+        if not self.keep_draws:
+            return create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
+        selective = (
+            create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
+            if self.decisions
+            else None
+        )
+        return draw_contexts(selective)
 
     def __reduce__(self) -> tuple[Any, ...]:
         named = [(str(op), index, policy) for (op, index), policy in self.decisions.items()]
-        return _region_contexts_by_name, (named,)
+        return _region_contexts_by_name, (named, self.keep_draws)
 
 
-def _region_contexts_by_name(named: list[tuple[str, int, CheckpointPolicy]]) -> _RegionContexts:
+def _region_contexts_by_name(
+    named: list[tuple[str, int, CheckpointPolicy]], keep_draws: bool = False
+) -> _RegionContexts:
     """A pickled ``_RegionContexts`` back, its ops resolved by name."""
-    return _RegionContexts({(resolve_op(op), index): policy for op, index, policy in named})
+    return _RegionContexts(
+        {(resolve_op(op), index): policy for op, index, policy in named}, keep_draws=keep_draws
+    )
 
 
 class _ShapeCheck:
@@ -491,7 +518,11 @@ class ActivationPlan:
                     u.seconds for u in recomputed
                 )
                 flops = problem.regions[index].forced_flops + sum(u.flops for u in recomputed)
-                if choice.saved or moved:
+                draws = problem.regions[index].draws
+                if choice.draws and draws is not None:
+                    recompute -= draws.seconds
+                    flops -= draws.flops
+                if choice.saved or moved or choice.draws:
                     recompute += problem.regions[index].policy_seconds
             decisions.append(
                 RegionDecision(
@@ -504,6 +535,7 @@ class ActivationPlan:
                     kept_bytes=sum(problem.storage_bytes[s] for s in kept),
                     recompute_ms=1e3 * recompute,
                     recompute_flops=flops,
+                    keep_draws=choice.draws,
                 )
             )
         return cls(
@@ -704,13 +736,13 @@ class ActivationPlan:
 def _context_fn(region: RegionDecision) -> Any:
     """Rule 11: a region that keeps nothing runs as plain checkpoint (no selective modes)."""
     if not region.save and not region.offload:
-        return noop_context_fn
+        return _RegionContexts({}, keep_draws=True) if region.keep_draws else noop_context_fn
     decisions: dict[tuple[Op, int], CheckpointPolicy] = {}
     for name, index in region.save:
         decisions[(resolve_op(name), index)] = CheckpointPolicy.MUST_SAVE
     for name, index in region.offload:
         decisions[(resolve_op(name), index)] = CheckpointPolicy.MUST_CPU_OFFLOAD
-    return _RegionContexts(decisions)
+    return _RegionContexts(decisions, keep_draws=region.keep_draws)
 
 
 def _describe_model(model: nn.Module | None) -> str:

@@ -166,7 +166,10 @@ _REGION: Final[dict[str, _Check]] = {
     "recompute_ms": _number,
 }
 # Fields added after the format's first plans: read where present, else these defaults.
-_REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {"recompute_flops": (_count, 0)}
+_REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {
+    "recompute_flops": (_count, 0),
+    "keep_draws": (_flag, False),
+}
 _PLAN: Final[dict[str, _Check]] = {
     "budget_bytes": _count,
     "baseline_bytes": _count,

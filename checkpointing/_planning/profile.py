@@ -38,6 +38,7 @@ __all__ = [
     "default_loss",
     "input_shapes",
     "profile_step",
+    "tail_regions",
     "tensors",
     "untouched",
 ]
@@ -142,6 +143,7 @@ class StepProfile:
                     forced_flops += call.flops
             # Half the per-op cost in forward (every op), half in the replay (the ops it runs).
             policy = policy_seconds_per_op / 2 * (len(region.ops) + len(needed)) * region.calls
+            draws = _draws(region, needed)
             regions.append(
                 RegionChoices(
                     frozenset(region.saved),
@@ -151,6 +153,7 @@ class StepProfile:
                     policy,
                     forced_flops,
                     region.grad_bytes,
+                    draws,
                 )
             )
         return Problem(
@@ -160,6 +163,34 @@ class StepProfile:
             objective or Objective(),
             self.peak_bytes,
         )
+
+
+def _draws(region: RegionProfile, needed: list[OpCall]) -> Unit | None:
+    """Rule 19: the region's random ops as one group, or None where keeping them cannot help
+    (none runs before the early stop) or cannot be exact: an output of an out-of-place draw
+    written in place later (the replay hands out the forward's tensor, which must be unchanged),
+    or a draw into a region input (its snapshot would be a storage the count does not see)."""
+    random = [c for c in region.ops if c.kind == "random"]
+    useful = [c for c in needed if c.kind == "random"]
+    if not useful:
+        return None
+    made: set[int] = set()
+    drawn: set[int] = set()  # storages an out-of-place draw made
+    for call in region.ops:
+        if call.kind == "random":
+            drawn.update(s for s in call.storages if s not in made)
+        elif call.kind == "inplace" and drawn.intersection(call.storages):
+            return None
+        made.update(call.storages)
+    storages = tuple(dict.fromkeys(s for c in random for s in c.storages))
+    if region.inputs.intersection(storages):
+        return None
+    return Unit(
+        ("random", 0),
+        sum(c.seconds for c in useful),
+        storages,
+        sum(c.flops for c in useful),
+    )
 
 
 class _Step:
@@ -346,6 +377,52 @@ def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int
     (not in call order), 0-d tensors (a scalar such as a loss's token count) left out."""
     named = tuple(kwargs[name] for name in sorted(kwargs))
     return [list(t.shape) for t in tensors((args, named)) if t.dim() > 0]
+
+
+def tail_regions(
+    model: nn.Module,
+    blocks: Sequence[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> list[tuple[str, nn.Module]]:
+    """Rule 20: the modules the model calls after its last block (a Llama's final norm and LM
+    head), outermost first in call order: every call of one starts after the blocks' last call
+    ended, so it is none of the blocks, inside none, and encloses none. Found by one forward
+    with grad enabled (the graph dropped), the model left as found (Rule 8)."""
+    starts: dict[int, int] = {}  # a module's first call, by the count of calls before it
+    ends = [-1]
+    count = [0]
+    block_ids = {id(m) for _name, m in blocks}
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        starts.setdefault(id(module), count[0])
+        count[0] += 1
+
+    def leave(module: nn.Module, _args: Any, _out: Any) -> None:
+        if id(module) in block_ids:
+            ends[0] = count[0]
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+    inputs = list(tensors((args, kwargs)))
+    try:
+        with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    after = [
+        (starts[id(m)], name, m)
+        for name, m in model.named_modules()
+        if name and starts.get(id(m), -1) >= ends[0] >= 0 and id(m) not in block_ids
+    ]
+    found: list[tuple[str, nn.Module]] = []
+    for _start, name, module in sorted(after, key=lambda c: c[0]):
+        if not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, module))
+    return found
 
 
 ModesFactory = Callable[[], tuple[Any, Any]]

@@ -10,7 +10,8 @@ in ``checkpointing._planning``, Rules 7, 10 and 15-17.
 Method (Rule 17). Each region offers options: run plainly (keeps what autograd saves in it,
 costs nothing) or checkpoint it keeping some of its ops' outputs (keeps its inputs and those
 outputs, recomputes the other ops up to its early stop, and pays the selective policy's cost,
-Rule 13, unless it keeps none). A region's checkpointed options are the Pareto set of a 0/1
+Rule 13, unless it keeps none), each also keeping the outputs of all of its random ops where
+it has some (Rule 19). A region's checkpointed options are the Pareto set of a 0/1
 knapsack over its units, solved by dynamic programming over bytes: on the grid of the greatest
 common divisor of the units' sizes (exact) while that has at most ``_UNIT_POINTS`` points, else
 on ``_UNIT_POINTS`` equal steps, sizes rounded up. Regions of one structure and costs (the
@@ -91,6 +92,9 @@ class RegionChoices:
     policy_seconds: float = 0.0
     forced_flops: int = 0
     grad_bytes: int = 0
+    draws: Unit | None = None
+    """The region's random ops as one group (Rule 19): kept all together or none; its seconds
+    and FLOPs are in ``forced_seconds``/``forced_flops`` unless kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,8 @@ class Choice:
 
     checkpoint: bool
     saved: frozenset[int] = frozenset()
+    draws: bool = False
+    """Keep the outputs of all of the region's random ops (Rule 19)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +170,8 @@ def kept_storages(problem: Problem, index: int, choice: Choice) -> frozenset[int
     kept = set(region.inputs)
     for position in choice.saved:
         kept.update(region.units[position].storages)
+    if choice.draws and region.draws is not None:
+        kept.update(region.draws.storages)
     return frozenset(kept)
 
 
@@ -184,7 +192,10 @@ def _region_recompute(region: RegionChoices, choice: Choice) -> tuple[float, int
         if position not in choice.saved:
             seconds += unit.seconds
             flops += unit.flops
-    if choice.saved:
+    if choice.draws and region.draws is not None:
+        seconds -= region.draws.seconds
+        flops -= region.draws.flops
+    if choice.saved or choice.draws:
         seconds += region.policy_seconds
     return seconds, flops
 
@@ -335,29 +346,33 @@ class _Options:
     flops: torch.Tensor
     point: torch.Tensor
     front: _Front | None
+    draws: torch.Tensor  # bool: the option keeps the region's random draws (Rule 19)
 
     def choice(self, option: int) -> Choice:
         point = int(self.point[option])
+        draws = bool(self.draws[option])
         if point == _PLAIN:
             return Choice(False)
         if point == _NOTHING or self.front is None:
-            return Choice(True)
-        return Choice(True, self.front.units_at(point))
+            return Choice(True, draws=draws)
+        return Choice(True, self.front.units_at(point), draws)
 
 
 def region_options(problem: Problem, index: int, fronts: _Fronts | None = None) -> _Options:
-    """Region ``index``'s Pareto set of options, fewest bytes first (costliest first)."""
+    """Region ``index``'s Pareto set of options, fewest bytes first (costliest first): plain,
+    checkpointed keeping nothing or a point of its units' front, each of those also with its
+    random draws kept where it has some (Rule 19)."""
     region = problem.regions[index]
     objective = problem.objective
     inputs = _bytes(problem, region.inputs)
     all_seconds = region.forced_seconds + sum(u.seconds for u in region.units)
     all_flops = region.forced_flops + sum(u.flops for u in region.units)
     all_cost = objective.cost(all_seconds, all_flops)
-    nbytes = torch.tensor([_bytes(problem, region.saved), inputs], dtype=torch.int64)
-    cost = torch.tensor([0.0, all_cost], dtype=torch.float64)
-    seconds = torch.tensor([0.0, all_seconds], dtype=torch.float64)
-    flops = torch.tensor([0, all_flops], dtype=torch.int64)
-    point = torch.tensor([_PLAIN, _NOTHING], dtype=torch.int64)
+    nbytes = torch.tensor([inputs], dtype=torch.int64)
+    cost = torch.tensor([all_cost], dtype=torch.float64)
+    seconds = torch.tensor([all_seconds], dtype=torch.float64)
+    flops = torch.tensor([all_flops], dtype=torch.int64)
+    point = torch.tensor([_NOTHING], dtype=torch.int64)
     front = None
     if region.units:
         sizes = tuple(_bytes(problem, u.storages) for u in region.units)
@@ -369,8 +384,44 @@ def region_options(problem: Problem, index: int, fronts: _Fronts | None = None) 
         seconds = torch.cat([seconds, all_seconds - front.saved_seconds + region.policy_seconds])
         flops = torch.cat([flops, all_flops - front.saved_flops])
         point = torch.cat([point, front.points])
+    columns = _with_draws(problem, region, (nbytes, cost, seconds, flops, point))
+    nbytes, cost, seconds, flops, point, draws = columns
+    nbytes = torch.cat([torch.tensor([_bytes(problem, region.saved)]), nbytes])
+    cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), cost])
+    seconds = torch.cat([torch.tensor([0.0], dtype=torch.float64), seconds])
+    flops = torch.cat([torch.tensor([0]), flops])
+    point = torch.cat([torch.tensor([_PLAIN]), point])
+    draws = torch.cat([torch.tensor([False]), draws])
     keep = _pareto(nbytes, cost)
-    return _Options(nbytes[keep], cost[keep], seconds[keep], flops[keep], point[keep], front)
+    return _Options(
+        nbytes[keep], cost[keep], seconds[keep], flops[keep], point[keep], front, draws[keep]
+    )
+
+
+_Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _with_draws(
+    problem: Problem, region: RegionChoices, columns: _Columns
+) -> tuple[torch.Tensor, ...]:
+    """Rule 19: the checkpointed options (bytes, cost, seconds, FLOPs, point) and, where the
+    region draws, each of them again with its draws kept (their bytes added, their seconds and
+    FLOPs saved, the policy's cost paid where the option had no policy); and which keep them."""
+    nbytes, cost, seconds, flops, point = columns
+    group = region.draws
+    if group is None:
+        return (*columns, torch.zeros(len(point), dtype=torch.bool))
+    objective = problem.objective
+    unpaid = point == _NOTHING
+    policy_cost = unpaid * objective.cost(region.policy_seconds, 0)
+    return (
+        torch.cat([nbytes, nbytes + _bytes(problem, group.storages)]),
+        torch.cat([cost, cost - objective.cost(group.seconds, group.flops) + policy_cost]),
+        torch.cat([seconds, seconds - group.seconds + unpaid * region.policy_seconds]),
+        torch.cat([flops, flops - group.flops]),
+        torch.cat([point, point]),
+        torch.arange(2 * len(point)) >= len(point),
+    )
 
 
 def _pareto(nbytes: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
@@ -610,6 +661,10 @@ def offloads(problem: Problem, solution: Solution, host_budget: int) -> list[fro
             gains[index] += problem.regions[index].units[position].seconds
     for index, choice in enumerate(solution.choices):
         # A region that saves nothing runs without a policy; offloading would install one.
-        if not choice.saved and gains[index] <= problem.regions[index].policy_seconds:
+        if (
+            not choice.saved
+            and not choice.draws
+            and gains[index] <= problem.regions[index].policy_seconds
+        ):
             chosen[index].clear()
     return [frozenset(c) for c in chosen]

@@ -1,0 +1,171 @@
+"""Keeping a planned region's random draws as a group (NOTE [Planner model], Rule 19).
+
+Owns ``draw_contexts``: the pair of dispatch modes ``apply`` installs, below the selective
+modes where the region also keeps op outputs, on a region whose plan keeps its draws. In
+forward, the first keeps every random op's outputs (an out-of-place draw's output as it is, the
+values an in-place draw wrote as a copy, since the region's later in-place ops change them); in
+recompute, the second hands them out in order, one per random op, and draws nothing. Which ops
+draw is ``_selective``'s (``draws_random``); deciding to keep the group is ``solver``'s.
+
+Why below the selective modes: selective checkpointing recomputes random ops whatever its policy
+says (NOTE [Selective checkpoint cache], Rule 10), so its recompute mode runs them again and the
+call reaches this mode, which answers it from the forward; the selective modes count and check
+the op sequence as always. All or none: with every draw answered from the forward, the replay
+draws nothing, so no later draw can shift.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import _compat
+from .._selective import draws_random
+from .profile import tensors
+
+__all__ = ["draw_contexts"]
+
+_MSG_EXTRA_BACKWARD = (
+    "checkpointing.ActivationPlan: a region whose plan keeps its random draws was recomputed a "
+    "second time; its kept draws are handed out once. Fix: run the forward again before another "
+    "backward, or re-plan with a budget that does not keep the region's draws."
+)
+_MSG_CHANGED = (
+    "checkpointing.ActivationPlan: the output of {op}, kept for recompute because the plan keeps "
+    "the region's random draws, was changed in place after the forward ({found}). Fix: re-plan "
+    "(plan_checkpointing sees in-place writes inside a region), or do not modify the region's "
+    "outputs in place."
+)
+_MSG_OTHER_DRAWS = (
+    "checkpointing.ActivationPlan: recompute of a region that keeps its random draws ran {op} as "
+    "draw {index}, but the forward made {count} draws. The region's op sequence must not depend "
+    "on anything but its inputs. Fix: re-plan, or keep the region's draws no more."
+)
+
+# One kept output: ("arg", position of the written input among the call's tensors, its values
+# then), ("out", the tensor, its version then), or ("value", a non-tensor output).
+_Kept = tuple[str, Any, Any]
+
+
+class _Draws:
+    """One region call's draws, in order: per random op, its outputs and whether a tuple."""
+
+    __slots__ = ("kept", "replayed")
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[tuple[_Kept, ...], bool] | None] = []
+        self.replayed = 0
+
+
+class _KeepDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Forward: runs every op; keeps what each random op produced."""
+
+    def __init__(self, draws: _Draws) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.draws = draws
+
+    def __torch_dispatch__(
+        self, func: Any, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if draws_random(func, args, kwargs):
+            inputs = list(tensors((args, kwargs)))
+            outs = out if isinstance(out, tuple | list) else (out,)
+            self.draws.kept.append((tuple(_keep(o, inputs) for o in outs), outs is out))
+        return out
+
+
+def _keep(out: Any, inputs: list[torch.Tensor]) -> _Kept:
+    if not isinstance(out, torch.Tensor):
+        return ("value", out, None)
+    written = next((i for i, t in enumerate(inputs) if t is out), None)
+    if written is not None:  # an in-place draw: its values now, before later writes
+        return ("arg", written, out.detach().clone())
+    return ("out", out, out._version)
+
+
+class _ReplayDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Recompute: answers every random op from the forward, in order; runs the others."""
+
+    def __init__(self, draws: _Draws) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.draws = draws
+
+    def __enter__(self) -> _ReplayDraws:
+        self.draws.replayed = 0
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        return self
+
+    def __torch_dispatch__(
+        self, func: Any, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not draws_random(func, args, kwargs):
+            return func(*args, **kwargs)
+        draws = self.draws
+        index = draws.replayed
+        draws.replayed = index + 1
+        if index >= len(draws.kept):
+            raise RuntimeError(_MSG_OTHER_DRAWS.format(op=func, index=index, count=len(draws.kept)))
+        entry = draws.kept[index]
+        if entry is None:
+            raise RuntimeError(_MSG_EXTRA_BACKWARD)
+        draws.kept[index] = None  # handed out once: recompute's tensors die as backward runs
+        kept, is_tuple = entry
+        inputs = list(tensors((args, kwargs)))
+        outs = tuple(_restore(func, k, inputs) for k in kept)
+        return outs if is_tuple else outs[0]
+
+
+def _restore(func: Any, kept: _Kept, inputs: list[torch.Tensor]) -> Any:
+    kind, value, extra = kept
+    if kind == "value":
+        return value
+    if kind == "arg":
+        target = inputs[value]
+        with torch.no_grad():
+            target.copy_(extra)
+        return target
+    if value._version != extra:
+        raise RuntimeError(
+            _MSG_CHANGED.format(op=func, found=f"version {extra} then, {value._version} now")
+        )
+    return value
+
+
+class _Stacked(contextlib.ExitStack):
+    """The draws mode with a selective checkpoint's mode on top of it; passes the frame's
+    ``respect_saved_tensors_hooks`` on to the selective mode."""
+
+    def __init__(self, below: Any, above: Any) -> None:
+        super().__init__()
+        self.below, self.above = below, above
+
+    @property
+    def respect_saved_tensors_hooks(self) -> bool | None:
+        value: bool | None = self.above.respect_saved_tensors_hooks
+        return value
+
+    @respect_saved_tensors_hooks.setter
+    def respect_saved_tensors_hooks(self, value: bool | None) -> None:
+        self.above.respect_saved_tensors_hooks = value
+
+    def __enter__(self) -> _Stacked:
+        super().__enter__()
+        self.enter_context(self.below)
+        self.enter_context(self.above)
+        return self
+
+
+def draw_contexts(selective: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """The forward and recompute contexts of one call of a region that keeps its draws: the
+    draws modes alone, or under the ``selective`` pair when the region keeps outputs too."""
+    draws = _Draws()
+    forward, replay = _KeepDraws(draws), _ReplayDraws(draws)
+    if selective is None:
+        return forward, replay
+    return _Stacked(forward, selective[0]), _Stacked(replay, selective[1])
