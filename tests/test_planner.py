@@ -110,14 +110,20 @@ class TinyLlama(nn.Module):
         self.head_dim = dim // heads
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
-        angles = torch.outer(torch.arange(t).float(), inv).repeat(1, 2)
-        cos, sin = angles.cos(), angles.sin()
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.head(self.norm(x))
+        return self.head(self.norm(run_layers(self.embed, self.layers, tokens, self.head_dim)))
+
+
+def run_layers(
+    embed: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    """Embed ``tokens`` and run them through the decoder ``layers`` with rotary angles."""
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(tokens.shape[1]).float(), inv).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    x = embed(tokens)
+    for layer in layers:
+        x = layer(x, cos, sin)
+    return x
 
 
 def llama_loss(logits: torch.Tensor) -> torch.Tensor:

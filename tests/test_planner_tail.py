@@ -18,6 +18,7 @@ from test_planner import (
     llama_loss,
     loss_of,
     measured,
+    run_layers,
 )
 from torch import nn
 
@@ -37,14 +38,7 @@ class Inner(nn.Module):
         self.head_dim = llama.head_dim
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
-        angles = torch.outer(torch.arange(t).float(), inv).repeat(1, 2)
-        cos, sin = angles.cos(), angles.sin()
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        return self.norm(run_layers(self.embed, self.layers, tokens, self.head_dim))
 
 
 class ForCausalLM(nn.Module):
