@@ -2,7 +2,7 @@
 
 ``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
 region's random draws (Rule 19); ``profile.py`` watches real steps (``flops.py`` counts an op's
-FLOPs, ``_torch_private.py`` reads the CPU allocator's peak); ``solver.py`` chooses.
+FLOPs; the CPU allocator's peak is read through ``_compat``); ``solver.py`` chooses.
 The rules below are shared by all of them.
 
 NOTE [Planner model]

@@ -27,7 +27,6 @@ from torch import nn
 from .. import _compat
 from .._selective import SAC_IGNORED_OPS, draws_random
 from .._state import ForwardState
-from ._torch_private import cpu_allocation_peak
 from .flops import op_flops
 from .solver import Objective, Problem, RegionChoices, Unit
 
@@ -493,7 +492,7 @@ def _plain_peak(
         torch.cuda.synchronize(device)
         return max(0, torch.cuda.max_memory_allocated(device) - before)
     if device.type == "cpu":
-        return cpu_allocation_peak(run)
+        return _compat.cpu_allocation_peak(run)
     return 0
 
 
