@@ -275,7 +275,6 @@ class _SpanHooks:
         "leaves",
         "offload",
         "ranges",
-        "region_label",
         "span",
     )
     _checkpoint_internal: Final = True
@@ -293,8 +292,12 @@ class _SpanHooks:
         self.ranges = _storage_ranges(leaves) if leaves else []
         self.offload = offload
         self.frame_unpack = frame.unpack_hook()
-        self.region_label = f"keep({span.name}) in {frame.region()}"
         self._user_hooks = frame._user_hooks
+
+    @property
+    def region_label(self) -> str:
+        """How reports name the span; worked out when asked, not per span."""
+        return f"keep({self.span.name}) in {self.frame.region()}"
 
     def __call__(self, x: torch.Tensor) -> object:
         return self.pack(x)
