@@ -14,9 +14,15 @@ NOTE [Host copies off the critical path]
           the tensor exists and never delays the compute stream.
   Rule 2. The device tensor stays referenced by its transfer until the host has seen the copy's
           event complete (checked lazily, never by blocking: at later offloads, at restores, at
-          the end of a backward). A transfer handed out or dropped before that gives its device
-          tensor to the allocator with ``record_stream(d2h)``: its block is not reused before
-          the copy has run. No early free, no use after free.
+          the end of a backward), or until the forward is two regions further on: when a
+          region's group is made, the copies of the region before the previous one are fenced
+          (the producer's stream waits for them; a version change seen then makes them stale,
+          Rule 3; a later write is queued behind the copy) and their device tensors let go. So
+          at most two regions' copies hold device memory while the host runs ahead of the
+          device, and a forward never ends holding more. A transfer handed out or dropped
+          before its copy is seen done gives its device tensor to the allocator with
+          ``record_stream(d2h)``: its block is not reused before the copy has run. No early
+          free, no use after free.
   Rule 3. The host copy is a snapshot only once the host has seen its copy complete with the
           device tensor's version unchanged. A version change seen first (an in-place write
           queued after the offload, possibly running before the copy) makes the transfer stale:
@@ -184,6 +190,7 @@ class Transfer:
         "source",
         "stale",
         "state",
+        "stream",
         "version",
     )
 
@@ -196,6 +203,7 @@ class Transfer:
         self.device = tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         self.source: torch.Tensor | None = tensor  # Rule 2
+        self.stream: Any = None  # the producer's stream (Rule 2's fence)
         self.version = tensor._version
         self.stale = False
         self.state = HOST
@@ -277,9 +285,35 @@ class Engine:
     def new_group(self, reverse: bool = False) -> Group:
         """A region's group, linked to the one made before it in this thread (Rule 5)."""
         last = getattr(self._forward, "last", None)
-        group = Group(last() if last is not None else None, reverse)
+        previous = last() if last is not None else None
+        group = Group(previous, reverse)
         self._forward.last = weakref.ref(group)
+        before = previous.prev() if previous is not None and previous.prev is not None else None
+        if before is not None:
+            self._fence(before)
         return group
+
+    def _fence(self, group: Group) -> None:
+        """Rule 2: let go of the device tensors of ``group``'s copies still in flight, the
+        producer's stream made to wait for each copy first (nothing written or allocated there
+        later can overtake it); a version changed by then makes the transfer stale (Rule 3)."""
+        backend = self.backend
+        with self._lock:
+            fenced = False
+            for ref in group.transfers:
+                transfer = ref()
+                if transfer is None or transfer.source is None:
+                    continue
+                source = transfer.source
+                if source._version != transfer.version:
+                    transfer.stale = True  # never restored; the d2h order protects the block
+                    backend.record_stream(source, backend.side_stream(source.device, "d2h"))
+                else:
+                    backend.wait_event(transfer.stream, transfer.copied)
+                transfer.source = None
+                fenced = True
+            if fenced:
+                self.in_flight = [t for t in self.in_flight if t.source is not None]
 
     def group_for(self, owner: object) -> Group:
         """The group of ``owner`` (a kept span's hooks) if it made the last one in this thread,
@@ -297,9 +331,11 @@ class Engine:
         """Start copying ``tensor`` to host memory off the compute stream (Rules 1 and 2)."""
         self.poll()
         backend = self.backend
-        produced = backend.record_event(backend.current_stream(tensor.device))
+        stream = backend.current_stream(tensor.device)
+        produced = backend.record_event(stream)
         d2h = backend.side_stream(tensor.device, "d2h")
         transfer = Transfer(self, tensor, group)
+        transfer.stream = stream
         backend.wait_event(d2h, produced)  # Rule 1
         backend.copy_to_host(transfer.host, tensor, d2h)
         transfer.copied = backend.record_event(d2h)

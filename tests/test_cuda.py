@@ -340,8 +340,11 @@ def test_offload_copies_to_pinned_memory_counts_bytes_and_keeps_no_device_copy()
     unpinned = [nbytes for is_pinned, nbytes in host.storages.values() if not is_pinned]
     assert (len(pinned), sum(pinned)) == (stats.offloaded_tensors, stats.offloaded_bytes)
     assert not [nbytes for nbytes in unpinned if nbytes >= mm_bytes], host.storages
-    assert offloaded.held <= recomputed.held < saved.held
-    assert saved.held - offloaded.held >= 2 * regions * mm_bytes
+    # Copies still in flight when the forward ends hold their device tensors: at most the last
+    # two regions' (NOTE [Host copies off the critical path], Rule 2).
+    assert offloaded.held <= recomputed.held + 2 * 3 * mm_bytes
+    assert recomputed.held < saved.held
+    assert saved.held - offloaded.held >= (regions - 2) * 3 * mm_bytes
 
 
 def test_offloaded_bf16_tag_comes_back_to_the_device() -> None:

@@ -287,6 +287,55 @@ def test_rule2_a_copy_handed_out_in_flight_is_freed_stream_safely(fake: Any) -> 
     assert not backend.kept_by_record_stream
 
 
+def test_rule2_copies_two_regions_back_are_fenced_and_let_go(fake: Any) -> None:
+    """With the side stream never advanced (the host far ahead of the device), making a
+    region's group fences the copies of the region before the previous one: the compute stream
+    waits for them and their device tensors are let go, so at most two regions' copies hold
+    device memory; the gradients stay the plain run's."""
+    backend, engine = fake
+    stats = OffloadStats()
+    x, w = _leaves((6, 6), (6, 6))
+    loss = _stack(x, w, 4, stats)
+    assert len(engine.in_flight) == 6  # regions 3 and 4
+    stalls = [event for kind, event in backend.log if kind == "stall"]
+    assert stalls
+    assert all(event.done for event in stalls)
+    assert not backend.kept_by_record_stream  # fenced on the producer's stream, not handed over
+    loss.backward()
+    plain = _grads(lambda x, w: _stack(x, w, 4, None))
+    assert_tensors_equal((x.grad, w.grad), plain, "fenced")
+    assert _settled(backend, engine) == _CLEAN
+
+
+def test_rule2_fence_sees_a_write_queued_before_it(fake: Any) -> None:
+    """An offloaded tensor written in place after its offload, before the fence: the fence
+    sees the version move, the transfer is stale (never restored) and the op is recomputed."""
+    backend, engine = fake
+    stats = OffloadStats()
+
+    def writes(x: Tensor, w: Tensor) -> Tensor:
+        y = x @ w
+        out = y.sigmoid() @ w
+        y.mul_(2)  # after the offload of y, before any copy ran
+        return out
+
+    def run(x: Tensor, w: Tensor, offload: bool) -> Tensor:
+        h = x
+        for index in range(3):
+            fn = writes if index == 0 else _three_matmuls
+            if not offload:
+                h = fn(h, w)
+                continue
+            ctx = policies.as_context_fn(policies.offload_ops(aten.mm.default), offload_stats=stats)
+            h = checkpointing.checkpoint(fn, h, w, use_reentrant=False, context_fn=ctx)
+        return h.sum()
+
+    got = _grads(lambda x, w: run(x, w, True))
+    assert_tensors_equal(got, _grads(lambda x, w: run(x, w, False)), "written then fenced")
+    assert stats.restored_tensors < stats.offloaded_tensors
+    assert _settled(backend, engine) == _CLEAN
+
+
 # --- Rule 3 -----------------------------------------------------------------------------------
 
 
@@ -447,7 +496,7 @@ def test_rule7_nothing_held_after_backward(fake: Any) -> None:
     x, w = _leaves((6, 6), (6, 6))
     loss = _stack(x, w, 3, stats)
     weak = [weakref.ref(t) for t in engine.in_flight]
-    assert len(weak) == 9
+    assert len(weak) == 6  # the first region's copies were fenced (Rule 2)
     backend.run_all()
     loss.backward()
     del loss

@@ -29,7 +29,7 @@ from hypothesis import given
 from strategies import SAC_STEPS, SacChain, op_only_policies, sac_answers, sac_chains
 
 import checkpointing
-from checkpointing import _compat, _events, _selective
+from checkpointing import _compat, _events, _offload, _selective
 from checkpointing._selective import (
     _CONSUMED,
     SAC_IGNORED_OPS,
@@ -836,6 +836,10 @@ def test_rule7_offload_on_cuda_frees_device_memory_and_matches_plain() -> None:
         out = x @ x
     alive = weakref.ref(out)
     del out
+    # Its copy runs on a side stream: the device tensor is let go once the host has seen the
+    # copy done (NOTE [Host copies off the critical path], Rule 2), not later.
+    torch.cuda.synchronize()
+    _offload.poll_all()
     assert alive() is None, "the cache kept the device tensor alive"
 
 
