@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +67,8 @@ from run import cpu_model, make_step, ms, size, source_state
 from checkpointing import OffloadStats, policies
 
 SEED = 20
+# Blocks per workload as built (quick or full): the half-offload row cycles through them.
+DEPTH: dict[str, int] = {}
 
 
 @dataclass
@@ -117,6 +120,7 @@ def mlp(device: torch.device, quick: bool) -> Workload:
     ]
     blocks = nn.Sequential(*(nn.Sequential(*layer) for layer in layers))
     x = torch.randn(batch, width, device=device, requires_grad=True)
+    DEPTH["MLP"] = depth
 
     def build(variant: Variant, lib: Library, is_ours: bool) -> Forward | None:
         if variant == "scope":
@@ -165,6 +169,7 @@ def transformer(device: torch.device, quick: bool) -> Workload:
         )
     ).train()
     x = torch.randn(batch, seq, d_model, device=device, requires_grad=True)
+    DEPTH["Transformer"] = depth
 
     def build(variant: Variant, lib: Library, is_ours: bool) -> Forward:
         return _under_autocast(_chain(blocks, x, variant, lib), device.type)
@@ -202,6 +207,9 @@ def cases_for(
     """The rows of ``workload`` that apply, in table order (the offload row adds its bytes to
     ``stats``)."""
     offload = offload_library(ours, stats)
+    half_stats = OffloadStats()
+    depth = DEPTH.get(workload.key)
+    half = offload_library(ours, half_stats, first_of=depth) if depth else None
     plan: list[tuple[str, str, str | None, Variant, Library, bool]] = [
         ("none", "-", None, "none", theirs, False),
         ("non-reentrant", "torch", None, "non-reentrant", theirs, False),
@@ -209,6 +217,7 @@ def cases_for(
         ("SAC save matmuls", "torch", None, "sac", theirs, False),
         ("SAC save matmuls", "ours", "SAC save matmuls", "sac", ours, True),
         ("SAC offload matmuls", "ours", "SAC save matmuls", "sac", offload, True),
+        *([(_HALF, "ours", "SAC save matmuls", "sac", half, True)] if half is not None else []),
         ("scope (Linear+GELU)", "ours", "non-reentrant", "scope", ours, True),
     ]
     cases = []
@@ -218,6 +227,8 @@ def cases_for(
             cases.append(Case(label, side, versus, forward))
             if lib is offload:
                 cases[-1].offload_stats = stats
+            elif lib is half:
+                cases[-1].offload_stats = half_stats
     return cases
 
 
@@ -446,9 +457,35 @@ def header(args: argparse.Namespace, titles: list[str]) -> list[str]:
     return lines
 
 
-def offload_library(ours: Library, stats: OffloadStats) -> Library:
-    """Ours, with SAC offloading the matmul outputs to host memory instead of saving them; the
-    bytes moved are added to ``stats``."""
+_HALF = "SAC offload matmuls, first half of blocks"
+
+
+class _FirstBlocksOffload:
+    """A ``context_fn`` for a chain of ``depth`` checkpointed blocks, called once per block in
+    order: the first half offload the matmul outputs, the others save them. Offloading what
+    backward needs last leaves the copies of the whole second half of the forward and the
+    first half of backward to hide behind."""
+
+    def __init__(self, depth: int, stats: OffloadStats) -> None:
+        self.depth, self.stats, self.calls = depth, stats, 0
+        self.offload = policies.as_context_fn(
+            policies.offload_ops(*MATMUL_OPS), offload_stats=stats
+        )
+        self.save = policies.as_context_fn(policies.save_ops(*MATMUL_OPS))
+
+    def __call__(self) -> Any:
+        block, self.calls = self.calls % self.depth, self.calls + 1
+        chosen = self.offload if block < self.depth // 2 else self.save
+        return chosen()
+
+
+def offload_library(ours: Library, stats: OffloadStats, first_of: int | None = None) -> Library:
+    """Ours, with SAC offloading the matmul outputs to host memory instead of saving them (with
+    ``first_of``: only in the first half of that many blocks); the bytes moved are added to
+    ``stats``."""
+    if first_of is not None:
+        half = _FirstBlocksOffload(first_of, stats)
+        return dataclasses.replace(ours, name="ours offload first half", save_matmuls=half)
     context_fn = policies.as_context_fn(policies.offload_ops(*MATMUL_OPS), offload_stats=stats)
     return dataclasses.replace(ours, name="ours offload", save_matmuls=context_fn)
 
