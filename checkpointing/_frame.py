@@ -86,6 +86,7 @@ from ._determinism import (
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
 from ._keep import Span, bind_frame
+from ._selective import replay_taint
 from ._state import (
     ContextFn,
     ForwardState,
@@ -369,6 +370,9 @@ class Frame:
         def pack(x: torch.Tensor) -> torch.Tensor:
             """Fill the holder at this position; stop once all are filled (Rules 4 and 5)."""
             nonlocal count
+            taint = replay_taint()
+            if taint is not None:  # NOTE [Selective checkpoint cache], Rule 14
+                taint.refuse_saved(x, self.region, count)
             if x.requires_grad:
                 if (
                     quiet_detach
@@ -405,6 +409,9 @@ class Frame:
         pack._user_hooks = _compat.user_saved_tensors_hooks()  # type: ignore[attr-defined]
         pack.replaying = self  # type: ignore[attr-defined]  # Rule 12: kept spans find us
         pack.spans_seen = 0  # type: ignore[attr-defined]
+        # NOTE [Selective checkpoint cache], Rule 14: it refuses tainted tensors, so a replay
+        # saving through it may skip ops.
+        pack.guards_replay_skips = True  # type: ignore[attr-defined]
         state_hooks = self.state_hooks
         outer_state = tuple(hook.snapshot() for hook in state_hooks) if state_hooks else ()
         _compat.push_saved_tensors_hooks(pack, _identity)  # Rule 3: on top of the stack

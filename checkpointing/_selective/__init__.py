@@ -4,18 +4,21 @@ Owns the parity names ``CheckpointPolicy``, ``SelectiveCheckpointContext``, ``SA
 and ``create_selective_checkpoint_contexts``; our ``OffloadStats`` and the ``Policy`` protocol;
 the ``checkpointing::tag`` op through which policies see tensor names; and below them the two
 dispatch modes (the forward one asks the policy and fills the cache, the recompute one replays
-from it) and the cache entries (a saved alias, a host copy). Entering the modes around forward
-and recompute is the frame's job (``_frame``, through ``context_fn``); ready-made policies live
-in ``policies``. This front door only re-exports: what the rest of ``checkpointing`` and the tests
-import from ``checkpointing._selective``.
+from it), the cache entries (a saved alias, a host copy) and, for the memory planner only, the
+private answer ``SKIP_IN_REPLAY`` with the taint that makes a wrong skip an error. Entering the
+modes around forward and recompute is the frame's job (``_frame``, through ``context_fn``);
+ready-made policies live in ``policies``. This front door only re-exports: what the rest of
+``checkpointing`` and the tests import from ``checkpointing._selective``.
 
 One concept per module; each imports only from the ones listed before it:
 
 - ``ops``: facts about an op, worked out at its first call and shared by both modes: the ``Op``
   type, ``SAC_IGNORED_OPS``, ``draws_random``, ordered effects, runners, region keys.
 - ``policy``: the public policy surface: ``CheckpointPolicy``, ``SelectiveCheckpointContext``,
-  ``Policy`` / ``OpPolicy`` / ``OpPolicyBase``, what an answer means, the list form, the tag op.
+  ``Policy`` / ``OpPolicy`` / ``OpPolicyBase``, what an answer means (the planner's private
+  ``SKIP_IN_REPLAY`` included), the list form, the tag op.
 - ``cache``: what a region keeps: ``OffloadStats``, the entries and host copies, the records.
+- ``skip``: skipping ops in the replay: when a call may be skipped, and the replay's taint.
 - ``forward``: the forward (caching) mode.
 - ``recompute``: the recompute (cached) mode.
 - ``contexts``: ``create_selective_checkpoint_contexts``, which builds the pair.
@@ -44,6 +47,7 @@ them (the numbers are unchanged, so "See NOTE [Selective checkpoint cache], Rule
   Rule 11 (``forward``): dynamo never traces the modes' ``__torch_dispatch__``.
   Rule 12 (``ops``): an op with an ordered side effect is kept unless told MUST_RECOMPUTE.
   Rule 13 (``cache``): saves bypass the user's saved-tensors hooks unless the checkpoint asks.
+  Rule 14 (``skip``): a call answered SKIP_IN_REPLAY is replayed by blanks; a needed one raises.
 """
 
 from __future__ import annotations
@@ -53,11 +57,13 @@ from .cache import OffloadStats
 from .contexts import create_selective_checkpoint_contexts
 from .ops import SAC_IGNORED_OPS, Op, draws_random
 from .policy import (
+    SKIP_IN_REPLAY,
     TAG_OP,
     CheckpointPolicy,
     OpPolicy,
     OpPolicyBase,
     Policy,
+    ReplayAnswer,
     SelectiveCheckpointContext,
     answers_by_op,
     as_checkpoint_policy,
@@ -66,9 +72,11 @@ from .policy import (
     tag,
     uncalled_factory,
 )
+from .skip import replay_taint
 
 __all__ = [
     "SAC_IGNORED_OPS",
+    "SKIP_IN_REPLAY",
     "TAG_OP",
     "CheckpointPolicy",
     "OffloadStats",
@@ -76,6 +84,7 @@ __all__ = [
     "OpPolicy",
     "OpPolicyBase",
     "Policy",
+    "ReplayAnswer",
     "SelectiveCheckpointContext",
     "answers_by_op",
     "as_checkpoint_policy",
@@ -83,6 +92,7 @@ __all__ = [
     "draws_random",
     "policy_factory",
     "policy_from",
+    "replay_taint",
     "tag",
     "uncalled_factory",
 ]

@@ -2,9 +2,10 @@
 
 Owns ``OffloadStats``; the cache entries (``_Saved``, a detached alias; ``_Packed``, a saved
 output through the user's saved-tensors hooks; ``_HostAlias`` and ``_HostCopy`` for offload;
-``_Tree`` for an op that returned a container) and the consumed slot; a region's ``_Cache`` of
-per-key ``_OpRecord``s; ``_CacheMode``, the base of the pair of modes that share one; and
-``_keep``, which makes the entry for an output under an action.
+``_Tree`` for an op that returned a container; ``_Blank``, the metadata of a call skipped in the
+replay, Rule 14) and the consumed slot; a region's ``_Cache`` of per-key ``_OpRecord``s;
+``_CacheMode``, the base of the pair of modes that share one; and ``_keep``, which makes the
+entry for an output under an action.
 Deciding what to keep is ``forward``'s job, handing entries out ``recompute``'s.
 
 NOTE [Selective checkpoint cache] (Rules 3, 5, 7 and 13, on what the cache holds; the package
@@ -272,9 +273,40 @@ def _map_leaves(
     return value
 
 
+class _Spec:
+    """What a blank is made from: one output tensor's size, stride, dtype and device."""
+
+    __slots__ = ("device", "dtype", "size", "stride")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+
+
+def _fresh(spec: _Spec) -> torch.Tensor:
+    return torch.empty_strided(spec.size, spec.stride, dtype=spec.dtype, device=spec.device)
+
+
+class _Blank:
+    """The outputs of a call answered ``SKIP_IN_REPLAY`` (NOTE [Selective checkpoint cache],
+    Rule 14, in ``skip``): the output with each tensor replaced by its ``_Spec`` (other leaves
+    kept as they are). Handing it out makes fresh uninitialized tensors; it holds no tensor, so
+    it is never consumed."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, out: Any) -> None:
+        self.value = _map_leaves(out, torch.Tensor, _Spec)
+
+    def take(self) -> Any:
+        return _map_leaves(self.value, _Spec, _fresh)
+
+
 _Leaf: TypeAlias = _Saved | _Packed | _HostAlias | _HostCopy
 _LEAVES: Final = (_Saved, _Packed, _HostAlias, _HostCopy)
-_Entry: TypeAlias = _Leaf | _Tree
+_Entry: TypeAlias = _Leaf | _Tree | _Blank
 
 
 class _Consumed:

@@ -2,9 +2,10 @@
 
 Owns ``_CachingMode`` (the first context of ``create_selective_checkpoint_contexts``): per op it
 works out, or recalls, what the policy's answer means (``_plan_for``), keeps what the answer says
-(``cache._keep``), hands a kept tag's decision to the tensor's producer, and under a tracing
-compiler tags the traced nodes instead of deciding. What answers mean is ``policy``'s, the facts
-it reads per op ``ops``', the entries it makes ``cache``'s; replaying them is ``recompute``'s.
+(``cache._keep``; for a skip, the metadata, where ``skip.may_skip`` allows it), hands a kept
+tag's decision to the tensor's producer, and under a tracing compiler tags the traced nodes
+instead of deciding. What answers mean is ``policy``'s, the facts it reads per op ``ops``', the
+entries it makes ``cache``'s; replaying them is ``recompute``'s.
 
 NOTE [Selective checkpoint cache] (Rules 8, 9 and 11, on the forward mode; the package docstring
 says where the others live)
@@ -45,7 +46,7 @@ from .. import _compat
 from .._compiled import say_once
 from .._errors import CheckpointError, internal_error
 from .._state import span_depth as _span_depth
-from .cache import _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
+from .cache import _Blank, _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
 from .ops import (
     _ALWAYS,
     _IGNORED,
@@ -61,6 +62,7 @@ from .ops import (
 from .policy import (
     _ACTION_OF_ID,
     _ANSWER_TYPES,
+    SKIP_IN_REPLAY,
     TAG_OP,
     CheckpointPolicy,
     OpPolicy,
@@ -74,6 +76,7 @@ from .policy import (
     _Plan,
     answers_by_op,
 )
+from .skip import may_skip
 
 _proxy_mode: Final = _compat.proxy_mode
 
@@ -83,13 +86,19 @@ _ASK: Final[_OpPlan] = (_Plan.ASK, _Action.RECOMPUTE)
 _PLAN_COUNT: Final = _Plan.COUNT
 _PLAN_KEEP: Final = _Plan.KEEP
 _PLAN_ASK: Final = _Plan.ASK
+_PLACEHOLDER: Final = _Action.PLACEHOLDER
 _dispatch_mode_depth: Final = _compat.dispatch_mode_depth
 
 # Rule 12: the answers that keep an op with an ordered effect all the same (every "recompute"
-# answer except MUST_RECOMPUTE), by identity; and, under a tracing compiler, torch's tags that
-# stay as they are.
+# answer except MUST_RECOMPUTE, and Rule 14's skip), by identity; and, under a tracing compiler,
+# torch's tags that stay as they are.
 _PREFERS_RECOMPUTE: Final = frozenset(
-    {id(CheckpointPolicy.PREFER_RECOMPUTE), id(_TorchCheckpointPolicy.PREFER_RECOMPUTE), id(False)}
+    {
+        id(CheckpointPolicy.PREFER_RECOMPUTE),
+        id(_TorchCheckpointPolicy.PREFER_RECOMPUTE),
+        id(False),
+        id(SKIP_IN_REPLAY),
+    }
 )
 _SAVE_OR_REPLAY: Final = frozenset(
     {
@@ -114,7 +123,7 @@ _Producer: TypeAlias = tuple[weakref.ref[torch.Tensor], _OpRecord, int, int]
 
 
 class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
-    """Forward: runs each op, asks the policy, caches what it keeps (Rules 1-5, 7-9)."""
+    """Forward: runs each op, asks the policy, caches what it keeps (Rules 1-5, 7-9, 14)."""
 
     def __init__(self, policy: Policy, cache: _Cache) -> None:
         # No super().__init__(), like torch's own SAC modes: the base's __enter__ creates what
@@ -186,8 +195,8 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         record: _OpRecord,
         index: int,
     ) -> Any:
-        """Rules 1, 2, 8 and 10 for one call: ask the policy (unless its answer for the op is
-        known), keep or hand over what it says, note producers for later tags."""
+        """Rules 1, 2, 8, 10 and 14 for one call: ask the policy (unless its answer for the op
+        is known), keep or hand over what it says, note producers for later tags."""
         action = record.action
         if record.plan is _PLAN_ASK:
             ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
@@ -201,8 +210,12 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
                 action = _Action.SAVE  # Rule 12
         draw_rule = record.draw_rule
         random = draw_rule == _ALWAYS or (draw_rule >= 0 and _draws_at(draw_rule, args, kwargs))
+        if action is _PLACEHOLDER and (
+            func is TAG_OP or not record.pure or not may_skip(func, args, kwargs, out)
+        ):
+            action = _Action.RECOMPUTE  # Rule 14: a blank could be wrong here (random: below)
         if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
-            record.keep(index, self._entry(out, action))
+            record.keep(index, _Blank(out) if action is _PLACEHOLDER else self._entry(out, action))
         elif func is TAG_OP:
             if action is not _Action.RECOMPUTE:
                 self._hand_over(args[0] if args else kwargs["x"], action)
@@ -263,6 +276,8 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         answer = self.policy(ctx, func, *args, **kwargs)
         action = _action_of(answer, self.policy, func)
+        if action is _PLACEHOLDER:  # Rule 14: the partitioner decides what to recompute
+            answer, action = CheckpointPolicy.PREFER_RECOMPUTE, _Action.RECOMPUTE
         tag = _as_torch_policy(answer)
         if action is _Action.OFFLOAD:
             say_once("offload")  # the partitioner keeps it on the device (NOTE [Compiled regions])
@@ -294,8 +309,8 @@ def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
         action = _Action.SAVE  # Rule 12
     if draw_rule == _ALWAYS:
         return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
-    if func is TAG_OP or draw_rule >= 0:
-        return _Plan.CHECK, action  # Rules 8 and 10: the call decides
+    if func is TAG_OP or draw_rule >= 0 or action is _PLACEHOLDER:
+        return _Plan.CHECK, action  # Rules 8, 10 and 14: the call decides
     if action is not _Action.RECOMPUTE:
         return _Plan.KEEP, action
     if pure and _tags_may_keep(policy, plans):
@@ -312,4 +327,4 @@ def _tags_may_keep(policy: OpPolicy, plans: dict[int, _OpPlan]) -> bool:
             op_plan = plans[id(TAG_OP)] = _plan_for(policy, TAG_OP, plans)
         except CheckpointError:
             return True
-    return op_plan[1] is not _Action.RECOMPUTE
+    return op_plan[1] is not _Action.RECOMPUTE and op_plan[1] is not _PLACEHOLDER

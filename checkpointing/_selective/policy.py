@@ -1,12 +1,13 @@
 """The public policy surface of selective checkpointing: what a policy is asked and may answer.
 
 Owns the parity names ``CheckpointPolicy`` and ``SelectiveCheckpointContext``; the ``Policy``,
-``OpPolicy`` and ``OpPolicyBase`` kinds of policy; what an answer means (``_Action`` per call,
-and per op for an op-only policy ``_Plan``), checked by ``as_checkpoint_policy`` and its private
-twins; the list form (``policy_from``); the registry of ``checkpointing.policies``' factories
-(``policy_factory``), so that one passed uncalled is refused; and the ``checkpointing::tag`` op
-through which policies see tensor names. Asking the policy and acting on its answers is
-``forward``'s job; ready-made policies live in ``checkpointing.policies``.
+``OpPolicy`` and ``OpPolicyBase`` kinds of policy; the memory planner's private answer
+``SKIP_IN_REPLAY``; what an answer means (``_Action`` per call, and per op for an op-only policy
+``_Plan``), checked by ``as_checkpoint_policy`` and its private twins; the list form
+(``policy_from``); the registry of ``checkpointing.policies``' factories (``policy_factory``), so
+that one passed uncalled is refused; and the ``checkpointing::tag`` op through which policies see
+tensor names. Asking the policy and acting on its answers is ``forward``'s job; ready-made
+policies live in ``checkpointing.policies``.
 
 NOTE [Selective checkpoint cache] (Rules 1 and 2, on asking and answers; the package docstring
 says where the others live)
@@ -21,7 +22,9 @@ says where the others live)
           context built, no call per op. ``tests/test_selective.py`` checks that this decides
           exactly as asking per call does.
   Rule 2. An answer is a ``CheckpointPolicy`` (ours, or torch's member of the same name) or a
-          ``bool`` (True is MUST_SAVE, False is PREFER_RECOMPUTE). Anything else is a
+          ``bool`` (True is MUST_SAVE, False is PREFER_RECOMPUTE); the memory planner's
+          policies may also answer our private ``SKIP_IN_REPLAY`` (Rule 14), which the
+          combinators of ``checkpointing.policies`` refuse like any other. Anything else is a
           ``CheckpointError`` naming the policy, the op and the value (torch silently
           recomputes). Not a ``TypeError``: tensor operators (``@``, ``+``, ...) turn a
           ``TypeError`` raised under them into ``NotImplemented``, and the user would read
@@ -224,12 +227,26 @@ _dynamo_compiling: Final = torch.compiler.is_dynamo_compiling
 # --- Actions and plans: what an answer means --------------------------------------------------
 
 
+class ReplayAnswer(enum.Enum):
+    """Answers of ours beyond torch's ``CheckpointPolicy``, for the memory planner only (not in
+    the public namespace; policy combinators refuse them, Rule 2)."""
+
+    SKIP_IN_REPLAY = enum.auto()
+    """Run the op in forward and keep only its outputs' metadata; the replay hands out fresh
+    uninitialized tensors of that metadata instead of running it (NOTE [Selective checkpoint
+    cache], Rule 14, in ``skip``): for an op whose outputs backward never needs."""
+
+
+SKIP_IN_REPLAY: Final = ReplayAnswer.SKIP_IN_REPLAY
+
+
 class _Action(enum.Enum):
     """What the forward mode does with an output, once the policy's answer is understood."""
 
     RECOMPUTE = enum.auto()
     SAVE = enum.auto()
     OFFLOAD = enum.auto()
+    PLACEHOLDER = enum.auto()  # Rule 14: keep the metadata, hand out blanks in the replay
 
 
 _ACTIONS: Final[dict[object, _Action]] = {
@@ -241,9 +258,10 @@ _ACTIONS: Final[dict[object, _Action]] = {
     CheckpointPolicy.PREFER_CPU_OFFLOAD: _Action.OFFLOAD,
     True: _Action.SAVE,
     False: _Action.RECOMPUTE,
+    SKIP_IN_REPLAY: _Action.PLACEHOLDER,
 }
 # Torch's members find ours in ``_ACTIONS`` (equal and same hash); an int must not find a bool.
-_ANSWER_TYPES: Final = frozenset({CheckpointPolicy, _TorchCheckpointPolicy, bool})
+_ANSWER_TYPES: Final = frozenset({CheckpointPolicy, _TorchCheckpointPolicy, bool, ReplayAnswer})
 # The same map keyed by identity, for the per-op path: every answer of an accepted type is one of
 # these singletons, and ``id`` skips the Python-level ``__hash__`` of our members.
 _ACTION_OF_ID: Final[dict[int, _Action]] = {
@@ -251,6 +269,7 @@ _ACTION_OF_ID: Final[dict[int, _Action]] = {
     **{id(member): _ACTIONS[member] for member in _TorchCheckpointPolicy},
     id(True): _Action.SAVE,
     id(False): _Action.RECOMPUTE,
+    id(SKIP_IN_REPLAY): _Action.PLACEHOLDER,
 }
 
 

@@ -2,17 +2,19 @@
 
 Owns ``_CachedMode`` (the second context of ``create_selective_checkpoint_contexts``) and the
 errors of a recompute that does not match its forward: per op it finds the forward's entry by
-(key, call index), hands it out once, or runs the op again where the forward kept nothing. The
-keys and runners are ``ops``', the entries and their checks ``cache``'s. Its ``__enter__`` starts
-bringing the region's offloaded outputs back (NOTE [Host copies off the critical path], Rule 5).
+(key, call index), hands it out once, or runs the op again where the forward kept nothing; for a
+call skipped in the replay it hands out blanks and, from the first on, runs ops through the
+replay's taint (Rule 14, in ``skip``). The keys and runners are ``ops``', the entries and their
+checks ``cache``'s. Its ``__enter__`` starts bringing the region's offloaded outputs back (NOTE
+[Host copies off the critical path], Rule 5).
 
 NOTE [Selective checkpoint cache] (Rule 6, on handing entries out; the package docstring says
 where the others live)
   Rule 6. A cached entry is handed out once, then its slot reads "consumed": the cache holds
           nothing after recompute, and a second backward through the region raises "backward an
-          extra time". Recompute slots are never consumed. The recompute mode restarts its
-          counters on every ``__enter__``, so a retained graph meets that error, not a "not
-          found" one.
+          extra time". Recompute slots are never consumed, nor are blanks (Rule 14). The
+          recompute mode restarts its counters on every ``__enter__``, so a retained graph meets
+          that error, not a "not found" one.
 
 Rejected: entering the recompute mode only when the forward kept something: on the benchmark's
 W3/W4 (nothing kept there) SAC's overhead would fall from about 0.52/0.57 of torch's to
@@ -28,8 +30,17 @@ from typing import Any, Final
 
 from .. import _compat, _offload
 from .._state import span_depth as _span_depth
-from .cache import _CONSUMED, _Cache, _CacheEntryMutated, _CacheMode, _Consumed, _StaleHostAlias
+from .cache import (
+    _CONSUMED,
+    _Blank,
+    _Cache,
+    _CacheEntryMutated,
+    _CacheMode,
+    _Consumed,
+    _StaleHostAlias,
+)
 from .ops import _IGNORED, _INDUCTOR_CODE, Op, _region_key, _runner, _runners
+from .skip import _Taint, replay_guarded
 
 _MSG_NOT_CACHED = (
     "{op} invocation index {index} encountered during backward but not found in storage "
@@ -54,7 +65,7 @@ _MSG_MUTATED = (
 
 
 class _CachedMode(_CacheMode):
-    """Recompute: replays the forward's decisions from the cache (Rules 3-7)."""
+    """Recompute: replays the forward's decisions from the cache (Rules 3-7, 14)."""
 
     # Rule 4: detach runs as it is; the frame may detach below this mode (NOTE [Nestable
     # checkpoint], Rule 9).
@@ -65,6 +76,7 @@ class _CachedMode(_CacheMode):
         self.cache = cache
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
         self.replays: dict[object, int] = {}  # per key, the calls replayed so far
+        self.taint: _Taint | None = None  # Rule 14: made at this replay's first blank
 
     def __enter__(self) -> _CachedMode:
         self.replays.clear()  # Rule 6: every recompute starts from index 0.
@@ -76,6 +88,10 @@ class _CachedMode(_CacheMode):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
+        taint = self.taint
+        if taint is not None:  # Rule 14: the replay's taint ends with it
+            self.taint = None
+            taint.end()
         group = self.cache.offload_group
         if group is not None:  # NOTE [Host copies off the critical path], Rule 5
             _offload.end(group)
@@ -91,8 +107,11 @@ class _CachedMode(_CacheMode):
         if kwargs is None:
             kwargs = {}
         op_id = id(func)
-        if op_id in _IGNORED.ids or _span_depth():  # a kept span's op: NOTE [Kept spans], Rule 6
+        if op_id in _IGNORED.ids:
             return func(*args, **kwargs)
+        taint = self.taint  # Rule 14: None unless this replay handed out a blank
+        if _span_depth():  # a kept span's op: NOTE [Kept spans], Rule 6
+            return func(*args, **kwargs) if taint is None else taint.run(func, args, kwargs)
         key = op_id if func is not _INDUCTOR_CODE else _region_key(func, args)
         replays = self.replays
         index = replays.get(key, 0)
@@ -100,19 +119,41 @@ class _CachedMode(_CacheMode):
         record = self.cache.records.get(key)
         if record is None:  # a COUNT key: recompute, if the forward got this far (Rule 3)
             if index < self.cache.counts.get(key, 0):
+                if taint is not None:
+                    return taint.run(func, args, kwargs)
                 return (_runners.get(op_id) or _runner(func))(*args, **kwargs)
         elif index < record.calls:
             kept = record.kept
             if kept is None or (slot := kept.get(index)) is None:
                 # Rule 3: not kept, so recomputed
+                if taint is not None:
+                    return taint.run(func, args, kwargs)
                 return (_runners.get(op_id) or _runner(func))(*args, **kwargs)
             if isinstance(slot, _Consumed):
                 raise RuntimeError(_MSG_EXTRA_BACKWARD)
+            if isinstance(slot, _Blank):
+                return self._blank(slot, func, index, args, kwargs)
             kept[index] = _CONSUMED
             try:
                 return slot.take(self.allow_cache_entry_mutation, self.offload_stats)
             except _CacheEntryMutated:
                 raise RuntimeError(_MSG_MUTATED.format(op=func, index=index)) from None
             except _StaleHostAlias:
-                return func(*args, **kwargs)
+                return func(*args, **kwargs) if taint is None else taint.run(func, args, kwargs)
         raise RuntimeError(_MSG_NOT_CACHED.format(op=func, index=index))
+
+    def _blank(
+        self, blank: _Blank, func: Op, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Rule 14: fresh tensors for a call skipped in the replay (the slot stays), tainted;
+        the op runs instead where what the replay saves would not be checked."""
+        taint = self.taint
+        if not replay_guarded():
+            if taint is not None:
+                return taint.run(func, args, kwargs)
+            return (_runners.get(id(func)) or _runner(func))(*args, **kwargs)
+        if taint is None:
+            taint = self.taint = _Taint()
+        out = blank.take()
+        taint.mark(out, f"{func} (its call #{index} in the region)")
+        return out
