@@ -52,7 +52,8 @@ NOTE [Planner model]
           it does not change the device bytes the solver chose.
   Rule 11. ``apply`` installs ``checkpoint_module`` (non-reentrant; names and ``state_dict``
           keys untouched) on each checkpointed region, with a selective policy only where it
-          keeps or offloads something: a region that keeps nothing runs as plain checkpoint.
+          keeps, offloads or skips something (Rule 21): a region that keeps and skips nothing
+          runs as plain checkpoint.
           A region that keeps its draws gets the draws modes (Rule 19), under the selective
           ones where it keeps outputs too.
   Rule 12. Inputs whose shapes differ from the profiled ones warn once per ``apply`` ("re-plan"):
@@ -61,20 +62,20 @@ NOTE [Planner model]
           (whatever order the call gives them in); 0-d tensors are left out: a scalar (a loss's
           token count, a temperature) changes its value, never its shape or the bytes kept, and
           comes and goes between calls.
-  Rule 13. A selective policy is not free: in a region that keeps some outputs, every op of
-          the forward goes through its dispatch mode (asked per call: the decision depends on
-          the occurrence, Rule 3) and every recomputed op through its replay mode. The solver
-          charges that per op of the region, so a region whose kept outputs save less than it
-          costs is checkpointed whole (Rule 11), and a few whole blocks can beat many partly
-          saved ones. The cost is measured on the model's own regions while profiling: each
-          region's forward timed plainly and inside the forward mode ``apply`` would install,
-          ``_POLICY_ROUNDS`` times each in turn (the fastest counts), the difference per op
-          doubled for the replay; the median over the regions of their per-op differences, so
-          one region's unlucky rounds do not set the price (measured 8-46 us per op on W2's
-          blocks before, one number per step). The replay's half is charged for the ops
-          recompute runs (up to the early stop, Rule 16). (A chain of tiny ops, measured once
-          per process, gave half of it: the modes' per-op work grows with the variety of ops
-          and tensors of a real block, and one op type on four floats stays in cache.) It is
+  Rule 13. A selective policy is not free: in a region that keeps some outputs or skips some ops
+          (Rule 21), every op of the forward goes through its dispatch mode (asked per call: the
+          decision depends on the occurrence, Rule 3) and every recomputed op through its replay
+          mode. The solver charges that per op of the region, so a region whose kept outputs
+          save less than it costs is checkpointed whole (Rule 11), and a few whole blocks can
+          beat many partly saved ones. The cost is measured on the model's own regions while
+          profiling: each region's forward timed plainly and inside the forward mode ``apply``
+          would install, ``_POLICY_ROUNDS`` times each in turn (the fastest counts), the
+          difference per op doubled for the replay; the median over the regions of their per-op
+          differences, so one region's unlucky rounds do not set the price (measured 8-46 us per
+          op on W2's blocks before, one number per step). The replay's half is charged for the
+          ops recompute runs (up to the early stop, Rule 16). (A chain of tiny ops, measured
+          once per process, gave half of it: the modes' per-op work grows with the variety of
+          ops and tensors of a real block, and one op type on four floats stays in cache.) It is
           measured on the CPU side; on an accelerator it may partly overlap device work, so it
           errs towards whole regions. Recompute's other costs (autograd nodes, the frame, cache
           misses; on W2's CPU blocks about a fifth of a block's op time) are not charged: they
@@ -108,16 +109,26 @@ NOTE [Planner model]
           after. The profile notes, per region call, how many ops had run when the last save
           happened; the ops after that cost nothing to recompute and keeping their outputs
           saves nothing, so they are neither charged nor offered (a Llama block's down
-          projection: its input is the last save).
+          projection: its input is the last save). Before the stop, the replay may skip the
+          ops whose outputs nothing needs (Rule 21).
   Rule 17. Solving. A region's options (plain; checkpointed keeping a set of its units) come
           from a 0/1 knapsack over its units solved by dynamic programming over bytes, one per
-          distinct (unit sizes, unit costs): identical blocks (Rule 9) share one. The regions'
-          multiple-choice knapsack is a dynamic program over a byte grid: the greatest common
-          divisor of the options' bytes where that gives at most ``_GRID_POINTS`` steps (the
-          additive optimum, "exact"), else that many equal steps, each option's bytes rounded
-          up ("grid": it fits, and costs no more than the additive optimum one step per region
-          below the budget). No greedy fallback: 32 Llama-sized blocks (about 400 options
-          each) solve in about 0.13 s (``benchmarks/planner.py --solve-time``).
+          distinct (unit sizes, unit costs): identical blocks (Rule 9) share one. Where the
+          replay may skip ops (Rule 21), a unit's value in the knapsack is its own cost plus
+          that of the skippable ops that compute only because of it (with nothing else kept:
+          those it alone needs); units that free one another (a residual sum, the dropout
+          ``mul`` before it, the projection before that) form one group of which the knapsack
+          takes one antichain, so what they free is not counted twice; and every set the
+          knapsack proposes is then settled (kept units the replay would skip anyway are
+          dropped: bytes for nothing) and priced exactly by the closure, with and without the
+          draws, before the Pareto filter: each option's cost, and so the plan's prediction, is
+          exact; only which sets are proposed is a heuristic. The regions' multiple-choice
+          knapsack is a dynamic program over a byte grid: the greatest common divisor of the
+          options' bytes where that gives at most ``_GRID_POINTS`` steps (the additive optimum,
+          "exact"), else that many equal steps, each option's bytes rounded up ("grid": it fits,
+          and costs no more than the additive optimum one step per region below the budget). No
+          greedy fallback: 32 Llama-sized blocks (about 400 options each) solve in about 0.13 s
+          (``benchmarks/planner.py --solve-time``).
   Rule 18. Peak. The profile measures the allocator's peak over one plain step (CPU: the
           profiler's memory events; CUDA: ``max_memory_allocated``). A plan's peak is taken
           as the highest working set while backward runs a region (what the regions before it
@@ -150,6 +161,32 @@ NOTE [Planner model]
           forward before profiling; the solver checkpoints them or not like the blocks. Work
           after the blocks that no module call holds (a loss computed in the model's own
           ``forward``, as Hugging Face models do) stays outside every region.
+  Rule 21. Skipping in replay. Recompute serves only what autograd saves in the region, so an
+          op none of whose outputs' values anything needs need not run: the plan answers it
+          ``SKIP_IN_REPLAY`` (``RegionDecision.skip``) and the replay hands out blanks of its
+          outputs' metadata (NOTE [Selective checkpoint cache], Rule 14). Which ops compute is
+          a closure over the ops up to the early stop (Rule 16), on storage ids (a view shares
+          its base's, Rule 4). Roots: in-place ops (Rule 5), ops without a tensor output or
+          whose outputs blanks cannot stand for, random ops (Rule 6) unless the region keeps
+          its draws (then they are answered from the forward and need nothing, Rule 19), and
+          the producers of the storages autograd saves that the region does not keep. An op
+          computes if it is a root or writes a needed storage; a storage is needed if autograd
+          saves it or a computing op reads its values (the ``*_like`` and ``new_*`` factories
+          read only metadata, as the replay's taint counts them); kept units run not and need
+          nothing; views always run, on blanks too, and need nothing. A skippable op (a unit
+          whose every output is a plain dense tensor in a storage of its own, as the replay's
+          mode decides; no effect op) that does not compute costs nothing; every other op not
+          kept costs its seconds and FLOPs. A region that keeps nothing but skips something
+          pays the selective policy (Rule 13); keeping nothing without a policy stays an
+          option. In a decoder block with dropout the down projection (its output feeds only
+          dropout's ``mul``, which saves the mask) is skipped with nothing kept; keeping the
+          residual sum after attention skips the attention's output projection and its
+          dropout's ``mul`` too (torch.compile's partitioner does not run them either). The
+          profile records per op the activation storages it reads and whether it may be
+          skipped; the solver gets each region's replay as plain data (``ReplayGraph``, its
+          storages numbered within the region, so identical blocks give equal graphs and are
+          solved once, Rule 17). The replay's taint refuses a blank that reaches a saved
+          tensor: a wrong plan raises, never gives a wrong gradient.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

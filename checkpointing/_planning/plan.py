@@ -23,8 +23,10 @@ from .. import _compat
 from .._errors import describe_value
 from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
 from .._selective import (
+    SKIP_IN_REPLAY,
     CheckpointPolicy,
     Op,
+    ReplayAnswer,
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
@@ -32,7 +34,17 @@ from .._state import noop_context_fn
 from . import plan_json
 from .draws import draw_contexts
 from .profile import ObjectiveName, StepProfile, input_shapes, profile_step, tail_regions
-from .solver import Problem, Solution, kept_storages, offloads, predicted_peak, solve
+from .solver import (
+    Choice,
+    Problem,
+    Solution,
+    kept_storages,
+    offloads,
+    predicted_peak,
+    region_recompute,
+    skipped,
+    solve,
+)
 
 __all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]
 
@@ -57,12 +69,21 @@ class RegionDecision:
     recompute_flops: int = 0
     keep_draws: bool = False
     """Keep the outputs of all of the region's random ops; recompute draws nothing (Rule 19)."""
+    skip: tuple[Key, ...] = ()
+    """Ops the replay skips, handing out blanks: nothing backward needs reads their outputs
+    (Rule 21)."""
 
     def describe(self) -> str:
         """The decision in words, for the table."""
         if not self.checkpoint:
             return "keep (no checkpoint)"
-        parts = [f"save {len(self.save)}/{self.ops} ops" if self.save else "recompute all"]
+        if self.save:
+            parts = [f"save {len(self.save)}/{self.ops} ops"]
+        else:
+            parts = ["recompute" if self.skip else "recompute all"]
+        if self.skip:
+            count = len(self.skip)
+            parts.append(f"skips {count} op{'s' if count > 1 else ''} in replay")
         if self.keep_draws:
             parts.append("keep draws")
         if self.offload:
@@ -328,19 +349,23 @@ def find_regions(
     return found
 
 
+# What a planned region answers for one op call: torch's answers, or ours (Rule 21).
+Answer = CheckpointPolicy | ReplayAnswer
+
+
 class _KeyedPolicy:
     """One region call's selective policy: the decision for each (op, occurrence) (Rule 3).
     A fresh one per call of the region, so occurrences count from 0 in every forward."""
 
     __slots__ = ("counts", "decisions")
 
-    def __init__(self, decisions: dict[tuple[Op, int], CheckpointPolicy]) -> None:
+    def __init__(self, decisions: dict[tuple[Op, int], Answer]) -> None:
         self.decisions = decisions
         self.counts: dict[Op, int] = {}
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy:
+    ) -> Answer:
         index = self.counts.get(op, 0)
         self.counts[op] = index + 1
         return self.decisions.get((op, index), CheckpointPolicy.PREFER_RECOMPUTE)
@@ -348,27 +373,28 @@ class _KeyedPolicy:
 
 class _RegionContexts:
     """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``
-    (where it keeps or offloads outputs), over the draws modes where it keeps its random draws
-    (Rule 19). Pickled with the model (``torch.save``) by op names: torch's op objects do not
-    pickle."""
+    (where it keeps, offloads or skips, Rule 21), over the draws modes where it keeps its
+    random draws (Rule 19). Pickled with the model (``torch.save``) by op names: torch's op
+    objects do not pickle."""
 
     __slots__ = ("decisions", "keep_draws")
 
     def __init__(
-        self, decisions: dict[tuple[Op, int], CheckpointPolicy], *, keep_draws: bool = False
+        self, decisions: dict[tuple[Op, int], Answer], *, keep_draws: bool = False
     ) -> None:
         self.decisions = decisions
         self.keep_draws = keep_draws
 
     def __call__(self) -> tuple[Any, Any]:
         if not self.keep_draws:
-            return create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
-        selective = (
-            create_selective_checkpoint_contexts(_KeyedPolicy(self.decisions))
-            if self.decisions
-            else None
-        )
-        return draw_contexts(selective)
+            return self._selective()
+        return draw_contexts(self._selective() if self.decisions else None)
+
+    def _selective(self) -> tuple[Any, Any]:
+        policy = _KeyedPolicy(self.decisions)
+        # The public ``Policy`` protocol names torch's answers only; the modes take ours too
+        # (SKIP_IN_REPLAY, NOTE [Selective checkpoint cache], Rule 2).
+        return create_selective_checkpoint_contexts(policy)  # type: ignore[arg-type]  # see above
 
     def __reduce__(self) -> tuple[Any, ...]:
         named = [(str(op), index, policy) for (op, index), policy in self.decisions.items()]
@@ -376,7 +402,7 @@ class _RegionContexts:
 
 
 def _region_contexts_by_name(
-    named: list[tuple[str, int, CheckpointPolicy]], keep_draws: bool = False
+    named: list[tuple[str, int, Answer]], keep_draws: bool = False
 ) -> _RegionContexts:
     """A pickled ``_RegionContexts`` back, its ops resolved by name."""
     return _RegionContexts(
@@ -509,21 +535,11 @@ class ActivationPlan:
             units = problem.regions[index].units
             moved = offload[index]
             kept = kept_storages(problem, index, choice) - problem.outside
-            recompute, flops = 0.0, 0
-            if choice.checkpoint:
-                recomputed = [
-                    u for i, u in enumerate(units) if i not in choice.saved and i not in moved
-                ]
-                recompute = problem.regions[index].forced_seconds + sum(
-                    u.seconds for u in recomputed
-                )
-                flops = problem.regions[index].forced_flops + sum(u.flops for u in recomputed)
-                draws = problem.regions[index].draws
-                if choice.draws and draws is not None:
-                    recompute -= draws.seconds
-                    flops -= draws.flops
-                if choice.saved or moved or choice.draws:
-                    recompute += problem.regions[index].policy_seconds
+            # Offloaded outputs are served like kept ones (with the policy installed for them).
+            served = Choice(
+                choice.checkpoint, choice.saved | moved, choice.draws, choice.skip or bool(moved)
+            )
+            recompute, flops = region_recompute(problem, index, served)
             decisions.append(
                 RegionDecision(
                     name=region.name,
@@ -536,6 +552,7 @@ class ActivationPlan:
                     recompute_ms=1e3 * recompute,
                     recompute_flops=flops,
                     keep_draws=choice.draws,
+                    skip=skipped(problem, index, served),
                 )
             )
         return cls(
@@ -728,20 +745,23 @@ class ActivationPlan:
         fields, regions = plan_json.read(text)
         decisions = tuple(RegionDecision(**region) for region in regions)
         for region in decisions:
-            for name, _ in (*region.save, *region.offload):
+            for name, _ in (*region.save, *region.offload, *region.skip):
                 resolve_op(name)
         return cls(regions=decisions, **fields)
 
 
 def _context_fn(region: RegionDecision) -> Any:
-    """Rule 11: a region that keeps nothing runs as plain checkpoint (no selective modes)."""
-    if not region.save and not region.offload:
+    """Rule 11: a region that keeps, offloads and skips nothing runs as plain checkpoint (no
+    selective modes); Rule 21: the ops it skips are answered ``SKIP_IN_REPLAY``."""
+    if not region.save and not region.offload and not region.skip:
         return _RegionContexts({}, keep_draws=True) if region.keep_draws else noop_context_fn
-    decisions: dict[tuple[Op, int], CheckpointPolicy] = {}
+    decisions: dict[tuple[Op, int], Answer] = {}
     for name, index in region.save:
         decisions[(resolve_op(name), index)] = CheckpointPolicy.MUST_SAVE
     for name, index in region.offload:
         decisions[(resolve_op(name), index)] = CheckpointPolicy.MUST_CPU_OFFLOAD
+    for name, index in region.skip:
+        decisions[(resolve_op(name), index)] = SKIP_IN_REPLAY
     return _RegionContexts(decisions, keep_draws=region.keep_draws)
 
 

@@ -169,6 +169,7 @@ _REGION: Final[dict[str, _Check]] = {
 _REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "recompute_flops": (_count, 0),
     "keep_draws": (_flag, False),
+    "skip": (_keys, ()),
 }
 _PLAN: Final[dict[str, _Check]] = {
     "budget_bytes": _count,

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from .. import _compat
-from .._selective import SAC_IGNORED_OPS, draws_random
+from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
 from .._state import ForwardState
 from .flops import op_flops
-from .solver import Objective, Problem, RegionChoices, Unit
+from .solver import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
 
 __all__ = [
     "OpCall",
@@ -65,8 +65,15 @@ class OpCall:
     index: int
     seconds: float
     flops: int
-    kind: str  # "unit" (may be saved), "view", "inplace", "random", "none" (no tensor output)
+    kind: str  # "unit" (may be saved), "view", "inplace", "random", "none" (no tensor output
+    # with memory of its own or of an input's)
     storages: tuple[int, ...]  # fresh storages the op produced (ids of ``StepProfile``)
+    inputs: tuple[int, ...] = ()
+    """The activation storages among its tensor inputs (parameters, buffers and example inputs
+    have none: they are always there), for the replay's closure (Rule 21)."""
+    skippable: bool = False
+    """Whether the replay may hand out blanks instead of running it (Rule 21): a "unit" whose
+    every output is a plain dense tensor in a fresh storage, not a random or effect op."""
 
 
 @dataclass(slots=True)
@@ -124,16 +131,19 @@ class StepProfile:
 
     def problem(self, policy_seconds_per_op: float, objective: Objective | None = None) -> Problem:
         """The solver's view of this step (Rules 4-6 decide which ops are units; ops after a
-        region's early stop cost nothing and are no units, Rule 16); a selective policy costs
-        ``policy_seconds_per_op`` per op of a region call, forward and replay (Rule 13)."""
+        region's early stop cost nothing and are no units, Rule 16; the ops before it are the
+        region's replay graph, Rule 21); a selective policy costs ``policy_seconds_per_op`` per
+        op of a region call, forward and replay (Rule 13)."""
         regions = []
         for region in self.regions:
             written = {s for c in region.ops if c.kind in ("inplace", "random") for s in c.storages}
             units: list[Unit] = []
             forced_seconds, forced_flops = 0.0, 0
             needed = region.ops[: region.stop]
-            for call in needed:
+            positions: dict[int, int] = {}  # op position -> unit position
+            for position, call in enumerate(needed):
                 if call.kind == "unit" and not written.intersection(call.storages):
+                    positions[position] = len(units)
                     units.append(
                         Unit((call.op, call.index), call.seconds, call.storages, call.flops)
                     )
@@ -153,6 +163,7 @@ class StepProfile:
                     forced_flops,
                     region.grad_bytes,
                     draws,
+                    _replay_graph(region, positions),
                 )
             )
         return Problem(
@@ -245,12 +256,16 @@ class _Step:
         self.calls.setdefault(index, []).append((ops, stop[0]))
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any, seconds: float) -> None:
-        """Record one op: its fresh storages get ids (Rule 1); its kind (Rules 4-6)."""
-        inputs = {_storage_key(t) for t in tensors((args, kwargs))}
+        """Record one op: its fresh storages get ids (Rule 1); its kind (Rules 4-6); what it
+        reads and whether the replay may skip it (Rule 21)."""
+        arguments = list(tensors((args, kwargs)))
+        inputs = {_storage_key(t) for t in arguments}
         fresh: list[int] = []
+        every_fresh = True  # every output in a storage of its own
         for tensor in tensors(out):
             key = _storage_key(tensor)
             if key is None or key in inputs or key in self.leaves:
+                every_fresh = False
                 continue
             storage = self.ids[key] = len(self.storage_bytes)  # a reused address: a new id
             self.storage_bytes[storage] = tensor.untyped_storage().nbytes()
@@ -261,6 +276,11 @@ class _Step:
         if not self.stack:
             return
         _profile, counts, ops, _stop = self.stack[-1]
+        read = (
+            tuple(dict.fromkeys(s for t in arguments if (s := self.activation(t)) is not None))
+            if reads_values(func)  # Rule 21: dropout's empty_like(x) needs no x
+            else ()
+        )  # an input's storage is not an output's: its id is still the input's
         index = counts.get(func, 0)
         counts[func] = index + 1
         if draws_random(func, args, kwargs) or _compat.op_mutates_inputs(func):
@@ -268,9 +288,18 @@ class _Step:
             fresh = [s for t in tensors(out) if (s := self.activation(t)) is not None]
         elif fresh:
             kind = "unit"
-        else:
-            kind = "view" if any(True for _ in tensors(out)) else "none"
-        ops.append(OpCall(str(func), index, seconds, flops, kind, tuple(fresh)))
+        else:  # Rule 21: a view only where every output shares an input's storage
+            outs = [_storage_key(t) for t in tensors(out)]
+            kind = "view" if outs and all(k is not None and k in inputs for k in outs) else "none"
+        # Rule 21: where the replay's blanks may stand for the outputs, as its mode decides
+        # (NOTE [Selective checkpoint cache], Rule 14), effect ops (which it keeps) aside.
+        skippable = (
+            kind == "unit"
+            and every_fresh
+            and may_skip(func, args, kwargs, out)
+            and not _compat.has_ordered_effect(func)
+        )
+        ops.append(OpCall(str(func), index, seconds, flops, kind, tuple(fresh), read, skippable))
 
     def on_saved(self, tensor: torch.Tensor) -> None:
         """Rule 16: a frame has a holder for every tensor saved in its region, parameters
@@ -667,6 +696,8 @@ def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: 
                 sum(c.flops for c in column),
                 first.kind,
                 tuple(s for c in column for s in c.storages),
+                tuple(s for c in column for s in c.inputs),
+                all(c.skippable for c in column),
             )
             for first, column in zip(calls[0], zip(*calls, strict=True), strict=True)
         ]
@@ -698,16 +729,76 @@ def _check_calls_agree(name: str, calls: list[list[OpCall]]) -> None:
 
 def structure(region: RegionProfile, storage_bytes: dict[int, int]) -> tuple[object, ...]:
     """Rule 9: what makes two regions identical for the planner: the type, the calls, the early
-    stop, and per op its key, kind, FLOPs and the sizes of its fresh storages."""
+    stop, and per op its key, kind, FLOPs, the sizes of its fresh storages, whether the replay
+    may skip it and which of the region's storages it reads (Rule 21); and which of them
+    autograd saves. Storages are numbered within the region (``_local_storages``): the ids
+    differ between blocks, the pattern does not; what a block reads from outside it (its
+    input, a block's or the example input) is left out, so the first block matches the others."""
+    local = _local_storages(region.ops)
     return (
         region.type_name,
         region.calls,
         region.stop,
         tuple(
-            (op.op, op.index, op.kind, op.flops, tuple(storage_bytes[s] for s in op.storages))
+            (
+                op.op,
+                op.index,
+                op.kind,
+                op.flops,
+                tuple(storage_bytes[s] for s in op.storages),
+                op.skippable,
+                _reads(op, local),
+            )
             for op in region.ops
         ),
+        tuple(sorted(local[s] for s in region.saved if s in local)),
     )
+
+
+def _local_storages(ops: Sequence[OpCall]) -> dict[int, int]:
+    """The storages ``ops`` make or write, numbered in the order they first appear."""
+    local: dict[int, int] = {}
+    for op in ops:
+        for storage in op.storages:
+            local.setdefault(storage, len(local))
+    return local
+
+
+def _reads(op: OpCall, local: dict[int, int]) -> tuple[int, ...]:
+    """The region's own storages ``op`` reads, by their numbers in ``local``."""
+    return tuple(sorted({local[s] for s in op.inputs if s in local}))
+
+
+def _replay_graph(region: RegionProfile, units: dict[int, int]) -> ReplayGraph:
+    """Rule 21: the ops recompute runs (up to the early stop, Rule 16) as the solver's plain
+    data: per op what it reads and writes among the region's own storages (numbered within the
+    region, so identical blocks give equal graphs), its role, and its unit (by position in
+    ``units``, op position -> unit); and which of those storages autograd saves."""
+    needed = region.ops[: region.stop]
+    local = _local_storages(needed)
+    ops = []
+    for position, call in enumerate(needed):
+        role: ReplayRole
+        if call.kind == "random":
+            role = "random"
+        elif call.skippable:
+            role = "skippable"
+        elif call.kind == "view":
+            role = "view"
+        else:  # in place, no tensor output, or outputs torch's placeholders cannot stand for
+            role = "root"
+        ops.append(
+            ReplayOp(
+                (call.op, call.index),
+                call.seconds,
+                call.flops,
+                _reads(call, local),
+                tuple(dict.fromkeys(local[s] for s in call.storages)),
+                role,
+                units.get(position, -1),
+            )
+        )
+    return ReplayGraph(tuple(ops), frozenset(local[s] for s in region.saved if s in local))
 
 
 def _share_identical_times(regions: list[RegionProfile], storage_bytes: dict[int, int]) -> None:

@@ -5,24 +5,27 @@ plainly, what it keeps checkpointed, and its ops that may be saved), ``Objective
 second and a FLOP of recompute weigh), ``solve``, the exact byte count of a choice, and which
 outputs to offload instead of recomputing (``offloads``). Knows nothing about torch's ops:
 profiling belongs to ``profile``, installing and printing to ``plan``. See NOTE [Planner model]
-in ``checkpointing._planning``, Rules 7, 10 and 15-17.
+in ``checkpointing._planning``, Rules 7, 10, 15-17 and 21.
 
-Method (Rule 17). Each region offers options: run plainly (keeps what autograd saves in it,
-costs nothing) or checkpoint it keeping some of its ops' outputs (keeps its inputs and those
-outputs, recomputes the other ops up to its early stop, and pays the selective policy's cost,
-Rule 13, unless it keeps none), each also keeping the outputs of all of its random ops where
-it has some (Rule 19). A region's checkpointed options are the Pareto set of a 0/1
-knapsack over its units, solved by dynamic programming over bytes: on the grid of the greatest
-common divisor of the units' sizes (exact) while that has at most ``_UNIT_POINTS`` points, else
-on ``_UNIT_POINTS`` equal steps, sizes rounded up. Regions of one structure and costs (the
-blocks of a model) share one such front: it is computed once. Across regions it is a
-multiple-choice knapsack on an additive upper bound of the bytes (Rule 7), solved by dynamic
-programming over a byte grid: the greatest common divisor of the options' sizes (then the answer
-is the additive optimum, ``method == "exact"``) while that has at most ``grid_points`` points,
-else ``grid_points`` equal steps with every option's bytes rounded up (``method == "grid"``:
-the answer fits, and costs no more than the additive optimum at a budget of one grid step per
-region less). A last pass spends what the exact byte count leaves of the budget, so the plan
-never predicts more than the budget.
+Method (Rule 17). Each region offers options: run plainly (keeps what autograd saves in it, costs
+nothing) or checkpoint it keeping some of its ops' outputs (keeps its inputs and those outputs,
+recomputes the other ops up to its early stop but those the replay skips, Rule 21, and pays the
+selective policy's cost, Rule 13, unless it keeps and skips none), each also keeping the outputs of
+all of its random ops where it has some (Rule 19). A region's checkpointed options are the Pareto
+set of a 0/1 knapsack over its units, solved by dynamic programming over bytes: on the grid of the
+greatest common divisor of the units' sizes (exact) while that has at most ``_UNIT_POINTS`` points,
+else on ``_UNIT_POINTS`` equal steps, sizes rounded up. Where a region's replay may skip ops (Rule
+21: ``ReplayGraph``), the knapsack values each unit with the skippable ops it alone keeps computing,
+takes at most one of the units that free one another (groups of alternatives), and its sets are
+only proposals: each is settled and priced exactly by the replay's closure. Regions
+of one structure and costs (the blocks of a model) share one such front, and one set of options:
+computed once. Across regions it is a multiple-choice knapsack on an additive upper bound of the
+bytes (Rule 7), solved by dynamic programming over a byte grid: the greatest common divisor of the
+options' sizes (then the answer is the additive optimum, ``method == "exact"``) while that has at
+most ``grid_points`` points, else ``grid_points`` equal steps with every option's bytes rounded up
+(``method == "grid"``: the answer fits, and costs no more than the additive optimum at a budget of
+one grid step per region less). A last pass spends what the exact byte count leaves of the budget,
+so the plan never predicts more than the budget.
 
 Rejected: merging Pareto sets across regions (exact, but the sets outgrow any limit on a Llama
 block's 300 options, and the greedy fallback it needed lost up to a hull step per region), and
@@ -51,9 +54,14 @@ __all__ = [
     "Objective",
     "Problem",
     "RegionChoices",
+    "ReplayGraph",
+    "ReplayOp",
+    "ReplayRole",
     "Solution",
     "Unit",
     "offloads",
+    "region_recompute",
+    "skipped",
     "solve",
 ]
 
@@ -78,6 +86,113 @@ class Unit:
     flops: int = 0
 
 
+ReplayRole = Literal["skippable", "root", "random", "view"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOp:
+    """One op a region's recompute runs (up to its early stop), for the replay's closure (Rule
+    21): its key, cost, the region's storages it reads and writes (numbered within the region),
+    its role, and its position among the region's units (-1: not a unit).
+
+    Roles: ``"skippable"`` runs only where an output's values are needed; ``"root"`` runs
+    whatever is kept around it and needs what it reads (in-place writes, ops without a tensor
+    output, ops whose outputs blanks cannot stand for); ``"random"`` is a root unless the region
+    keeps its draws (then it is answered from the forward and needs nothing); ``"view"`` always
+    runs and needs no values (its output shares its input's storage)."""
+
+    key: tuple[str, int]
+    seconds: float
+    flops: int
+    reads: tuple[int, ...]
+    writes: tuple[int, ...]
+    role: ReplayRole
+    unit: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayGraph:
+    """A region's replay as plain data (Rule 21): its ops in order and which of its storages
+    autograd saves. Identical blocks give equal graphs (their storages are numbered alike)."""
+
+    ops: tuple[ReplayOp, ...]
+    saved: frozenset[int]
+    writers: tuple[tuple[int, ...], ...] = field(init=False, compare=False, repr=False)
+    """Per storage, the ops that write it (its producer, then in-place writers)."""
+
+    def __post_init__(self) -> None:
+        count = 1 + max((s for op in self.ops for s in (*op.reads, *op.writes)), default=-1)
+        writers: list[list[int]] = [[] for _ in range(count)]
+        for position, op in enumerate(self.ops):
+            for storage in op.writes:
+                writers[storage].append(position)
+        object.__setattr__(self, "writers", tuple(map(tuple, writers)))
+
+    def running(self, kept: frozenset[int], draws: bool) -> tuple[bytearray, bytearray]:
+        """Rule 21: which ops compute in the replay, and which storages' values it needs, with
+        the units ``kept`` served from the forward (they run not, and need nothing) and, with
+        ``draws``, the random ops too. Roots compute, and so does every writer of a needed
+        storage; a storage is needed if autograd saves it or a computing op reads it."""
+        ops, writers = self.ops, self.writers
+        running = bytearray(len(ops))
+        needed = bytearray(len(writers))
+        stack = []
+        for position, op in enumerate(ops):
+            if op.unit in kept:
+                continue
+            if op.role == "root" or (op.role == "random" and not draws):
+                running[position] = 1
+                stack.append(position)
+        for storage in self.saved:
+            needed[storage] = 1
+            for writer in writers[storage]:
+                if not running[writer] and ops[writer].unit not in kept:
+                    running[writer] = 1
+                    stack.append(writer)
+        while stack:
+            op = ops[stack.pop()]
+            if op.role == "random" and draws:
+                continue  # answered from the forward's draws (Rule 19)
+            for storage in op.reads:
+                if needed[storage]:
+                    continue
+                needed[storage] = 1
+                for writer in writers[storage]:
+                    if not running[writer] and ops[writer].unit not in kept:
+                        running[writer] = 1
+                        stack.append(writer)
+        return running, needed
+
+    def replay(
+        self, kept: frozenset[int], draws: bool, skip: bool
+    ) -> tuple[float, int, tuple[int, ...]]:
+        """(seconds, FLOPs, positions of the skipped ops) of the replay keeping units ``kept``
+        (and the draws): every op runs but the kept units, the kept draws and, with ``skip``,
+        the skippable ops whose outputs nothing needs."""
+        running = self.running(kept, draws)[0] if skip else None
+        seconds, flops = 0.0, 0
+        skipped = []
+        for position, op in enumerate(self.ops):
+            if op.unit in kept or (draws and op.role == "random"):
+                continue
+            if running is not None and op.role == "skippable" and not running[position]:
+                skipped.append(position)
+                continue
+            seconds += op.seconds
+            flops += op.flops
+        return seconds, flops, tuple(skipped)
+
+    def useless(self, kept: frozenset[int], draws: bool) -> frozenset[int]:
+        """The kept units the replay would skip anyway: skippable, none of their outputs needed
+        (keeping them costs bytes and saves nothing, Rule 21)."""
+        needed = self.running(kept, draws)[1]
+        return frozenset(
+            op.unit
+            for op in self.ops
+            if op.unit in kept and op.role == "skippable" and not any(needed[s] for s in op.writes)
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class RegionChoices:
     """What one region keeps plainly (``saved``) and checkpointed (``inputs`` plus the saved
@@ -95,6 +210,10 @@ class RegionChoices:
     draws: Unit | None = None
     """The region's random ops as one group (Rule 19): kept all together or none; its seconds
     and FLOPs are in ``forced_seconds``/``forced_flops`` unless kept."""
+    replay: ReplayGraph | None = None
+    """The ops recompute runs, as a graph (Rule 21); where given, a choice's recompute is worked
+    out on it (the forced and unit costs are its sums), and the replay may skip ops. None: no
+    op is skipped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +261,8 @@ class Choice:
     saved: frozenset[int] = frozenset()
     draws: bool = False
     """Keep the outputs of all of the region's random ops (Rule 19)."""
+    skip: bool = False
+    """Skip in the replay the ops whose outputs nothing needs (Rule 21; a selective policy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +304,32 @@ def kept_bytes(problem: Problem, choices: Sequence[Choice]) -> int:
     return sum(problem.storage_bytes[s] for s in kept)
 
 
+def region_recompute(problem: Problem, index: int, choice: Choice) -> tuple[float, int]:
+    """(seconds, FLOPs) recompute costs in region ``index`` under ``choice``."""
+    return _region_recompute(problem.regions[index], choice)
+
+
+def skipped(problem: Problem, index: int, choice: Choice) -> tuple[tuple[str, int], ...]:
+    """The keys of the ops region ``index``'s replay skips under ``choice`` (Rule 21)."""
+    region = problem.regions[index]
+    if region.replay is None or not choice.checkpoint or not choice.skip:
+        return ()
+    draws = choice.draws and region.draws is not None
+    positions = region.replay.replay(choice.saved, draws, True)[2]
+    return tuple(region.replay.ops[p].key for p in positions)
+
+
 def _region_recompute(region: RegionChoices, choice: Choice) -> tuple[float, int]:
-    """(seconds, FLOPs) recompute costs in one region under ``choice``."""
+    """(seconds, FLOPs) recompute costs in one region under ``choice``: on its replay graph
+    where it has one (Rule 21), else its forced cost and its units not kept."""
     if not choice.checkpoint:
         return 0.0, 0
+    if region.replay is not None:
+        draws = choice.draws and region.draws is not None
+        seconds, flops, skips = region.replay.replay(choice.saved, draws, choice.skip)
+        if choice.saved or draws or skips:
+            seconds += region.policy_seconds
+        return seconds, flops
     seconds, flops = region.forced_seconds, region.forced_flops
     for position, unit in enumerate(region.units):
         if position not in choice.saved:
@@ -317,18 +460,30 @@ class _Front:
 
 
 class _Fronts:
-    """The unit fronts of a problem's regions, one per distinct (sizes, costs)."""
+    """The unit fronts of a problem's regions, one per distinct (sizes, costs), or per distinct
+    groups of units (Rule 21)."""
 
     def __init__(self) -> None:
-        self.known: dict[tuple[tuple[int, ...], tuple[float, ...]], _Front] = {}
+        self.known: dict[tuple[object, ...], _Front | _GroupFront] = {}
+        self.replayed: dict[tuple[object, ...], _Settled] = {}
+        """The settled options of regions with a replay graph, per (graph, unit and draws
+        bytes, policy): identical blocks are evaluated once (Rule 21)."""
 
     def get(
         self, units: tuple[Unit, ...], sizes: tuple[int, ...], gains: tuple[float, ...]
     ) -> _Front:
         key = (sizes, gains)
         front = self.known.get(key)
-        if front is None:
+        if not isinstance(front, _Front):
             front = self.known[key] = _Front(units, sizes, gains)
+        return front
+
+    def groups(self, groups: tuple[tuple[_Alternative, ...], ...]) -> _GroupFront:
+        """Rule 21: the knapsack over these groups of units, once per distinct groups."""
+        key = ("groups", groups)
+        front = self.known.get(key)
+        if not isinstance(front, _GroupFront):
+            front = self.known[key] = _GroupFront(groups)
         return front
 
 
@@ -347,13 +502,20 @@ class _Options:
     point: torch.Tensor
     front: _Front | None
     draws: torch.Tensor  # bool: the option keeps the region's random draws (Rule 19)
+    sets: tuple[frozenset[int], ...] | None = None
+    """With a replay graph (Rule 21): the units each point keeps; its options but the one
+    keeping nothing without a policy skip in the replay."""
 
     def choice(self, option: int) -> Choice:
         point = int(self.point[option])
         draws = bool(self.draws[option])
         if point == _PLAIN:
             return Choice(False)
-        if point == _NOTHING or self.front is None:
+        if point == _NOTHING:
+            return Choice(True, draws=draws)
+        if self.sets is not None:
+            return Choice(True, self.sets[point], draws, skip=True)
+        if self.front is None:
             return Choice(True, draws=draws)
         return Choice(True, self.front.units_at(point), draws)
 
@@ -363,6 +525,8 @@ def region_options(problem: Problem, index: int, fronts: _Fronts | None = None) 
     checkpointed keeping nothing or a point of its units' front, each of those also with its
     random draws kept where it has some (Rule 19)."""
     region = problem.regions[index]
+    if region.replay is not None:
+        return _replay_options(problem, region, region.replay, fronts or _Fronts())
     objective = problem.objective
     inputs = _bytes(problem, region.inputs)
     all_seconds = region.forced_seconds + sum(u.seconds for u in region.units)
@@ -396,6 +560,225 @@ def region_options(problem: Problem, index: int, fronts: _Fronts | None = None) 
     return _Options(
         nbytes[keep], cost[keep], seconds[keep], flops[keep], point[keep], front, draws[keep]
     )
+
+
+def _replay_options(
+    problem: Problem, region: RegionChoices, graph: ReplayGraph, fronts: _Fronts
+) -> _Options:
+    """Rule 21: the options of a region with a replay graph: plain, or checkpointed as its
+    settled sets (``_settle``, once per distinct graph, sizes and policy) say, its inputs'
+    bytes added; the Pareto set of them."""
+    sizes = tuple(_bytes(problem, u.storages) for u in region.units)
+    group = -1 if region.draws is None else _bytes(problem, region.draws.storages)
+    key = (graph, sizes, group, region.policy_seconds)
+    settled = fronts.replayed.get(key)
+    if settled is None:
+        settled = fronts.replayed[key] = _settle(problem, region, graph, sizes, group, fronts)
+    nbytes = torch.cat(
+        [
+            torch.tensor([_bytes(problem, region.saved)]),
+            settled.nbytes + _bytes(problem, region.inputs),
+        ]
+    )
+    cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), settled.cost])
+    seconds = torch.cat([torch.tensor([0.0], dtype=torch.float64), settled.seconds])
+    flops = torch.cat([torch.tensor([0]), settled.flops])
+    point = torch.cat([torch.tensor([_PLAIN]), settled.point])
+    draws = torch.cat([torch.tensor([False]), settled.draws])
+    keep = _pareto(nbytes, cost)
+    return _Options(
+        nbytes[keep],
+        cost[keep],
+        seconds[keep],
+        flops[keep],
+        point[keep],
+        None,
+        draws[keep],
+        settled.sets,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """A replay graph's checkpointed options, priced exactly (Rule 21), as columns: bytes (the
+    region's inputs not included), cost, seconds, FLOPs, point (``_NOTHING`` or a position in
+    ``sets``), whether it keeps the draws."""
+
+    nbytes: torch.Tensor
+    cost: torch.Tensor
+    seconds: torch.Tensor
+    flops: torch.Tensor
+    point: torch.Tensor
+    draws: torch.Tensor
+    sets: tuple[frozenset[int], ...]
+
+
+def _settle(
+    problem: Problem,
+    region: RegionChoices,
+    graph: ReplayGraph,
+    sizes: tuple[int, ...],
+    group: int,
+    fronts: _Fronts,
+) -> _Settled:
+    """Rule 21: the knapsack over the units' groups (``_unit_groups``) proposes the sets; each
+    is settled (the units the replay would skip anyway dropped: bytes for nothing) and priced
+    exactly by the closure, with and without the draws (``group``: their bytes, -1: none),
+    beside keeping nothing without a policy."""
+    objective = problem.objective
+    proposed = [frozenset[int]()]
+    if region.units:
+        proposed += fronts.groups(_unit_groups(graph, sizes, objective)).sets()
+    all_seconds, all_flops, _ = graph.replay(frozenset(), False, False)
+    rows = [(0, all_seconds, all_flops, _NOTHING, False)]
+    sets: dict[frozenset[int], int] = {}
+    for units in dict.fromkeys(proposed):
+        for draws in (False, True) if group >= 0 else (False,):
+            kept = units - graph.useless(units, draws)
+            seconds, flops, skips = graph.replay(kept, draws, True)
+            if kept or draws or skips:
+                seconds += region.policy_seconds
+            size = sum(sizes[u] for u in kept) + (group if draws else 0)
+            rows.append((size, seconds, flops, sets.setdefault(kept, len(sets)), draws))
+    return _Settled(
+        torch.tensor([r[0] for r in rows], dtype=torch.int64),
+        torch.tensor([objective.cost(r[1], r[2]) for r in rows], dtype=torch.float64),
+        torch.tensor([r[1] for r in rows], dtype=torch.float64),
+        torch.tensor([r[2] for r in rows], dtype=torch.int64),
+        torch.tensor([r[3] for r in rows], dtype=torch.int64),
+        torch.tensor([r[4] for r in rows], dtype=torch.bool),
+        tuple(sets),
+    )
+
+
+# One alternative of a group of units (Rule 21): the units kept, their bytes, what they save.
+_Alternative = tuple[frozenset[int], int, float]
+_ALTERNATIVES: Final = 64  # a group's alternatives at most: the best per bytes, evenly spread
+
+
+def _unit_groups(
+    graph: ReplayGraph, sizes: tuple[int, ...], objective: Objective
+) -> tuple[tuple[_Alternative, ...], ...]:
+    """Rule 21: the region's units as knapsack groups. A unit that frees another
+    (``_unit_values``) makes keeping both a waste, so units form a forest (a unit's parent: the
+    nearest one that frees it) and each tree is one group whose alternatives are its
+    antichains, each worth the sum of its members' values, the best per bytes kept. The values
+    add up exactly where each op is freed by one unit alone; every set is priced exactly
+    afterwards anyway."""
+    value, frees = _unit_values(graph, objective)
+    parent: dict[int, int] = {}
+    for unit, freed in frees.items():
+        for child in freed & value.keys():
+            if child not in parent or len(frees[parent[child]]) > len(freed):
+                parent[child] = unit
+    children: dict[int, list[int]] = {unit: [] for unit in value}
+    for child, unit in parent.items():
+        children[unit].append(child)
+    found: dict[int, list[_Alternative]] = {}
+    for unit in value:  # in op order, children first: a unit frees only ops before it
+        combos: list[_Alternative] = [(frozenset(), 0, 0.0)]
+        for child in children[unit]:
+            below = [(frozenset[int](), 0, 0.0), *found.pop(child)]
+            combos = _best_per_bytes(
+                [
+                    (a | b, size + more, gain + extra)
+                    for a, size, gain in combos
+                    for b, more, extra in below
+                ]
+            )
+        alone = (frozenset({unit}), sizes[unit], value[unit])
+        found[unit] = _best_per_bytes([*(c for c in combos if c[0]), alone])
+    return tuple(tuple(found[unit]) for unit in value if unit not in parent)
+
+
+def _unit_values(
+    graph: ReplayGraph, objective: Objective
+) -> tuple[dict[int, float], dict[int, frozenset[int]]]:
+    """Rule 21: per unit worth keeping, in op order, its value with nothing else kept (its own
+    cost and that of the skippable ops that then compute no more: those it alone needs; none
+    for a unit the replay skips anyway) and the units among those ops."""
+    running = graph.running(frozenset(), False)[0]
+    cost = [objective.cost(op.seconds, op.flops) for op in graph.ops]
+    # Skippable ops that compute only because an op reads them (autograd saves none of theirs).
+    weak = [
+        op.role == "skippable" and bool(running[p]) and graph.saved.isdisjoint(op.writes)
+        for p, op in enumerate(graph.ops)
+    ]
+    value: dict[int, float] = {}
+    frees: dict[int, frozenset[int]] = {}
+    for position, op in enumerate(graph.ops):
+        if op.unit < 0 or not running[position]:
+            continue
+        gain, freed = cost[position], frozenset[int]()
+        if any(weak[w] for s in op.reads for w in graph.writers[s]):
+            alone = graph.running(frozenset({op.unit}), False)[0]
+            lost = [p for p in range(len(graph.ops)) if weak[p] and p != position and not alone[p]]
+            gain += sum(cost[p] for p in lost)
+            freed = frozenset(graph.ops[p].unit for p in lost if graph.ops[p].unit >= 0)
+        if gain > 0:
+            value[op.unit], frees[op.unit] = gain, freed
+    return value, frees
+
+
+def _best_per_bytes(alternatives: list[_Alternative]) -> list[_Alternative]:
+    """The alternatives no other beats on both bytes and value, fewest bytes first; at most
+    ``_ALTERNATIVES`` of them, evenly spread."""
+    ordered = sorted(alternatives, key=lambda a: (a[1], -a[2]))
+    kept: list[_Alternative] = []
+    for alternative in ordered:
+        if not kept or alternative[2] > kept[-1][2]:
+            kept.append(alternative)
+    if len(kept) > _ALTERNATIVES:
+        picks = torch.linspace(0, len(kept) - 1, _ALTERNATIVES).round().long().tolist()
+        kept = [kept[i] for i in dict.fromkeys(picks)]
+    return kept
+
+
+class _GroupFront:
+    """Rule 21: the knapsack over a region's groups of units (``_unit_groups``), at most one
+    alternative per group, by dynamic programming over bytes as ``_Front``; for every byte step
+    where the most value grows, the units of the best choice (proposals, priced exactly after).
+    Shared by regions of equal groups: computed once for all the blocks of a model."""
+
+    def __init__(self, groups: tuple[tuple[_Alternative, ...], ...]) -> None:
+        sizes = [size for group in groups for _, size, _ in group if size > 0]
+        total = sum(max((size for _, size, _ in group), default=0) for group in groups)
+        step = reduce(math.gcd, sizes, 0) or 1
+        if total // step > _UNIT_POINTS:
+            step = -(-total // _UNIT_POINTS)
+        weights = [[-(-size // step) for _, size, _ in group] for group in groups]
+        width = sum(max(w, default=0) for w in weights) + 1
+        best = torch.zeros(width, dtype=torch.float64)
+        self.picks = torch.full((len(groups), width), -1, dtype=torch.int16)
+        for index, group in enumerate(groups):
+            new = best.clone()
+            for choice, ((_, _, gain), weight) in enumerate(
+                zip(group, weights[index], strict=True)
+            ):
+                shifted = best[: width - weight] + gain
+                better = shifted > new[weight:]
+                new[weight:] = torch.where(better, shifted, new[weight:])
+                self.picks[index, weight:][better] = choice
+            best = new
+        grows = torch.ones(width, dtype=torch.bool)
+        grows[1:] = best[1:] > best[:-1]
+        grows &= best > 0
+        self.points = torch.nonzero(grows).flatten()
+        self.groups = groups
+        self.weights = [torch.tensor(w, dtype=torch.int64) for w in weights]
+
+    def sets(self) -> list[frozenset[int]]:
+        """The units of the best choice at every point where the most value grows."""
+        remaining = self.points.clone()
+        chosen: list[set[int]] = [set() for _ in range(len(remaining))]
+        for index in range(len(self.groups) - 1, -1, -1):
+            picks = self.picks[index, remaining].long()
+            for column in torch.nonzero(picks >= 0).flatten().tolist():
+                chosen[column] |= self.groups[index][int(picks[column])][0]
+            if len(self.weights[index]):
+                taken = self.weights[index][picks.clamp(min=0)]
+                remaining = remaining - torch.where(picks >= 0, taken, 0)
+        return [frozenset(c) for c in chosen]
 
 
 _Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -647,10 +1030,13 @@ def offloads(problem: Problem, solution: Solution, host_budget: int) -> list[fro
     for index, (region, choice) in enumerate(zip(problem.regions, solution.choices, strict=True)):
         if not choice.checkpoint:
             continue
+        skips = set(skipped(problem, index, choice))  # Rule 21: nothing to serve
         for position, unit in enumerate(region.units):
             nbytes = sum(problem.storage_bytes[s] for s in unit.storages)
             gain = unit.seconds - 2 * nbytes / _HOST_BYTES_PER_SECOND
-            if position not in choice.saved and gain > 0 and nbytes > 0:
+            if position in choice.saved or unit.key in skips:
+                continue
+            if gain > 0 and nbytes > 0:
                 candidates.append((-gain / nbytes, index, position, nbytes))
     used = 0
     gains = [0.0] * len(problem.regions)
@@ -660,10 +1046,11 @@ def offloads(problem: Problem, solution: Solution, host_budget: int) -> list[fro
             chosen[index].add(position)
             gains[index] += problem.regions[index].units[position].seconds
     for index, choice in enumerate(solution.choices):
-        # A region that saves nothing runs without a policy; offloading would install one.
+        # A region that saves and skips nothing runs without a policy; offloading installs one.
         if (
             not choice.saved
             and not choice.draws
+            and not skipped(problem, index, choice)
             and gains[index] <= problem.regions[index].policy_seconds
         ):
             chosen[index].clear()

@@ -72,7 +72,7 @@ from .policy import (
     tag,
     uncalled_factory,
 )
-from .skip import replay_taint
+from .skip import may_skip, reads_values, replay_taint
 
 __all__ = [
     "SAC_IGNORED_OPS",
@@ -90,8 +90,10 @@ __all__ = [
     "as_checkpoint_policy",
     "create_selective_checkpoint_contexts",
     "draws_random",
+    "may_skip",
     "policy_factory",
     "policy_from",
+    "reads_values",
     "replay_taint",
     "tag",
     "uncalled_factory",

@@ -142,6 +142,13 @@ def _plain_dense(tensor: torch.Tensor) -> bool:
     )
 
 
+def reads_values(func: Op) -> bool:
+    """Whether ``func`` reads its tensor arguments' values, as the taint counts it: the
+    ``*_like`` and ``new_*`` factories and the tag op read only metadata. The planner's replay
+    graph asks the same question (NOTE [Planner model], Rule 21)."""
+    return func is not TAG_OP and id(func) not in _SHAPE_ONLY
+
+
 def may_skip(func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
     """Rule 14: whether blanks may stand for this call's outputs in the replay. The caller has
     ruled out random ops, the tag op and ops that write an argument; here: an output that may
