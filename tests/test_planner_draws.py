@@ -233,3 +233,19 @@ def test_solver_with_draws_is_brute_force_optimal(problem: Problem) -> None:
         assert cost >= best - 1e-9
         if solution.method == "exact" and not shared:
             assert math.isclose(cost, best, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_draws_modes_are_charged_beside_the_selective_ones() -> None:
+    """Rule 13: a region keeping outputs and its draws runs two pairs of dispatch modes (the
+    selective ones over the draws ones, Rule 19), so it pays the policy's time twice; keeping
+    only its draws, once."""
+    units = (Unit(("aten.mm.default", 0), 0.5, (1,)),)
+    draws = Unit(("random", 0), 0.25, (2,))
+    region = RegionChoices(
+        frozenset({1, 2}), frozenset({0}), 0.25, units, policy_seconds=0.01, draws=draws
+    )
+    problem = Problem((region,), {0: 1, 1: 1, 2: 1}, frozenset())
+    both = Choice(True, frozenset({0}), draws=True)
+    only_draws = Choice(True, draws=True)
+    assert math.isclose(recompute_seconds(problem, [both]), 0.25 - 0.25 + 2 * 0.01)
+    assert math.isclose(recompute_seconds(problem, [only_draws]), 0.25 - 0.25 + 0.5 + 0.01)

@@ -327,9 +327,7 @@ def _region_recompute(region: RegionChoices, choice: Choice) -> tuple[float, int
     if region.replay is not None:
         draws = choice.draws and region.draws is not None
         seconds, flops, skips = region.replay.replay(choice.saved, draws, choice.skip)
-        if choice.saved or draws or skips:
-            seconds += region.policy_seconds
-        return seconds, flops
+        return seconds + _modes_seconds(region, bool(choice.saved or skips), draws), flops
     seconds, flops = region.forced_seconds, region.forced_flops
     for position, unit in enumerate(region.units):
         if position not in choice.saved:
@@ -338,9 +336,16 @@ def _region_recompute(region: RegionChoices, choice: Choice) -> tuple[float, int
     if choice.draws and region.draws is not None:
         seconds -= region.draws.seconds
         flops -= region.draws.flops
-    if choice.saved or choice.draws:
-        seconds += region.policy_seconds
-    return seconds, flops
+    draws = choice.draws and region.draws is not None
+    return seconds + _modes_seconds(region, bool(choice.saved), draws), flops
+
+
+def _modes_seconds(region: RegionChoices, selective: bool, draws: bool) -> float:
+    """Rule 13: what the dispatch modes a choice installs cost per step: the selective modes
+    where it keeps outputs or skips ops, the draws modes where it keeps its draws (Rule 19),
+    each priced as the measured selective policy (the draws modes do less per op: over, never
+    under)."""
+    return region.policy_seconds * (int(selective) + int(draws))
 
 
 def recompute_seconds(problem: Problem, choices: Sequence[Choice]) -> float:
@@ -636,8 +641,7 @@ def _settle(
         for draws in (False, True) if group >= 0 else (False,):
             kept = units - graph.useless(units, draws)
             seconds, flops, skips = graph.replay(kept, draws, True)
-            if kept or draws or skips:
-                seconds += region.policy_seconds
+            seconds += _modes_seconds(region, bool(kept or skips), draws)
             size = sum(sizes[u] for u in kept) + (group if draws else 0)
             rows.append((size, seconds, flops, sets.setdefault(kept, len(sets)), draws))
     return _Settled(
@@ -789,18 +793,18 @@ def _with_draws(
 ) -> tuple[torch.Tensor, ...]:
     """Rule 19: the checkpointed options (bytes, cost, seconds, FLOPs, point) and, where the
     region draws, each of them again with its draws kept (their bytes added, their seconds and
-    FLOPs saved, the policy's cost paid where the option had no policy); and which keep them."""
+    FLOPs saved, the draws modes' cost paid, Rule 13); and which keep them."""
     nbytes, cost, seconds, flops, point = columns
     group = region.draws
     if group is None:
         return (*columns, torch.zeros(len(point), dtype=torch.bool))
     objective = problem.objective
-    unpaid = point == _NOTHING
-    policy_cost = unpaid * objective.cost(region.policy_seconds, 0)
+    # The draws modes cost a policy's time on top of any selective modes (``_modes_seconds``).
+    policy_cost = objective.cost(region.policy_seconds, 0)
     return (
         torch.cat([nbytes, nbytes + _bytes(problem, group.storages)]),
         torch.cat([cost, cost - objective.cost(group.seconds, group.flops) + policy_cost]),
-        torch.cat([seconds, seconds - group.seconds + unpaid * region.policy_seconds]),
+        torch.cat([seconds, seconds - group.seconds + region.policy_seconds]),
         torch.cat([flops, flops - group.flops]),
         torch.cat([point, point]),
         torch.arange(2 * len(point)) >= len(point),
