@@ -148,9 +148,10 @@ NOTE [Planner model]
           random ops' storages (all of the region's, those after the early stop too: the mode
           cannot see the stop) and saves their seconds and FLOPs up to the early stop
           (attention with dropout where it is one op, as on CUDA: its matrix work; on CPU the
-          draws are ``bernoulli_`` calls, time without FLOPs). It is charged the selective
-          policy's cost (Rule 13) where the region keeps no outputs; where it keeps outputs
-          too, the draws modes' own per-op cost (a second Python mode) is not charged. The RNG
+          draws are ``bernoulli_`` calls, time without FLOPs). Its modes are charged the
+          selective policy's cost (Rule 13), on top of the selective modes' where the region
+          also keeps outputs or skips ops (two pairs of Python modes; the draws ones do less
+          per op: over, never under). The RNG
           states are still captured and counted (Rule 14): over, never under. It is not
           offered where an out-of-place draw's output is written in place later in the region
           (the kept tensor must be unchanged; the recompute mode checks its version) or where
