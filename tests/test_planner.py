@@ -13,7 +13,9 @@ import dataclasses
 import itertools
 import json
 import math
+import pickle
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -205,6 +207,17 @@ def grads_of(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None, seed: 
     torch.manual_seed(seed)
     wrt = [*model.parameters(), *([x] if x.requires_grad else [])]
     return torch.autograd.grad(loss_of(model, x, loss_fn), wrt)
+
+
+def pickled_grads(plan: Any, model: nn.Module, x: torch.Tensor) -> Any:
+    """Gradients of a pickled copy of ``model`` with ``plan`` applied (the model left as it
+    was): what a plan's regions keep must survive ``torch.save``."""
+    plan.apply(model)
+    try:
+        twin = pickle.loads(pickle.dumps(model))
+        return grads_of(twin, x, None)
+    finally:
+        plan.remove(model)
 
 
 def measured(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None):

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import json
 import math
-import pickle
 from collections.abc import Callable
 
 import pytest
@@ -20,7 +19,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import planner_problems
-from test_planner import allocator_held, grads_of, loss_of, mixer, shared_storages, transformer
+from test_planner import (
+    allocator_held,
+    grads_of,
+    loss_of,
+    mixer,
+    pickled_grads,
+    shared_storages,
+    transformer,
+)
 from torch import nn
 
 from checkpointing import ActivationPlan
@@ -146,12 +153,7 @@ def test_keep_draws_round_trips_through_json_and_pickle() -> None:
     for region in old["regions"]:
         del region["keep_draws"]
     assert not any(r.keep_draws for r in ActivationPlan.from_json(old).regions)
-    loaded.apply(model)
-    try:
-        twin = pickle.loads(pickle.dumps(model))
-        grads = grads_of(twin, x, None)
-    finally:
-        loaded.remove(model)
+    grads = pickled_grads(loaded, model, x)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
     assert "keep draws" in str(plan)
 

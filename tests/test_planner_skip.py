@@ -16,14 +16,13 @@ import dataclasses
 import itertools
 import json
 import math
-import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from test_planner import allocator_held, grads_of, loss_of, measured, shared_storages
+from test_planner import allocator_held, grads_of, loss_of, measured, pickled_grads, shared_storages
 from test_planner_objective import backward_flops
 from torch import nn
 
@@ -280,12 +279,7 @@ def test_skips_round_trip_through_json_pickle_and_the_table() -> None:
     next(r for r in bad["regions"] if r["skip"])["skip"][0][0] = "aten.no_such_op.default"
     with pytest.raises(ValueError, match="unknown op"):
         ActivationPlan.from_json(bad)
-    loaded.apply(model)
-    try:
-        twin = pickle.loads(pickle.dumps(model))
-        grads = grads_of(twin, x, None)
-    finally:
-        loaded.remove(model)
+    grads = pickled_grads(loaded, model, x)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
 
 

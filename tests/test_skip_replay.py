@@ -15,7 +15,7 @@ import gc
 import types
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from frame_support import assert_tensors_equal, counting_ops
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import SacChain, sac_chains
+from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpointing
@@ -696,18 +697,6 @@ class _WatchBlanks(TorchDispatchMode):
         return out
 
 
-@pytest.fixture
-def gc_disabled() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
-
-
 def _ours(obj: object) -> bool:
     if issubclass(type(obj), torch.Tensor):
         return True
@@ -716,7 +705,8 @@ def _ours(obj: object) -> bool:
     return type(obj).__module__.startswith("checkpointing")
 
 
-def test_rule14_nothing_of_the_region_outlives_backward(gc_disabled: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule14_nothing_of_the_region_outlives_backward() -> None:
     """After backward the modes, their cache and taint, and every blank are dead without a
     collection, and the step left no reference cycle of ours."""
     model, leaves = decoder()
