@@ -235,7 +235,7 @@ class _Taint:
         that would read tainted values."""
         run: Callable[..., Any] = _runners.get(id(func)) or _runner(func)
         origin = self.origin_in(args, kwargs)
-        if origin is None or id(func) in _SHAPE_ONLY or func is TAG_OP:
+        if origin is None or not reads_values(func):
             return run(*args, **kwargs)
         if _value_reader(func):
             raise CheckpointError(_MSG_READ.format(op=func, origin=origin))
