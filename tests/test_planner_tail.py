@@ -89,9 +89,10 @@ def test_tail_regions_are_the_modules_called_after_the_last_block() -> None:
 
 
 def test_planned_tail_keeps_gradients_and_the_predicted_bytes() -> None:
-    """Rule 20 end to end: at the floor the final norm is checkpointed like a block; the report
-    and the CPU allocator count the plan's bytes, and gradients equal the plain run bit for
-    bit. A predicate names the regions alone (no tail added)."""
+    """Rule 20 end to end: at the floor the final norm is checkpointed like a block, or the tail
+    is recorded whole (Rule 22); the report and the CPU allocator count the plan's bytes, and
+    gradients equal the plain run bit for bit. A predicate names the regions alone (no tail
+    added)."""
     torch.manual_seed(0)
     model, x = ForCausalLM(), torch.randint(0, 64, (2, 16))
     expected = grads_of(model, x, llama_loss)
@@ -99,10 +100,11 @@ def test_planned_tail_keeps_gradients_and_the_predicted_bytes() -> None:
     plan = plan_checkpointing(model, x, budget=floor, loss_fn=llama_loss)
     names = [r.name for r in plan.regions]
     assert names[-2:] == ["model.norm", "lm_head"]
-    assert plan.regions[-2].checkpoint, str(plan)
+    recorded = "tail" in [s.kind for s in plan.spans]
+    assert plan.regions[-2].checkpoint != recorded, str(plan)
     plan.apply(model)
     try:
-        assert is_module_checkpointed(model.model.norm)
+        assert is_module_checkpointed(model.model.norm) != recorded
         held = allocator_held(lambda: loss_of(model, x, llama_loss))
         report, grads = measured(model, x, llama_loss)
     finally:

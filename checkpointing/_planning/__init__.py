@@ -1,8 +1,9 @@
 """Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
 
 ``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
-region's random draws (Rule 19); ``profile.py`` watches real steps (``flops.py`` counts an op's
-FLOPs; the CPU allocator's peak is read through ``_compat``); ``solver.py`` chooses.
+region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22);
+``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs; the CPU allocator's peak is
+read through ``_compat``); ``solver.py`` chooses.
 The rules below are shared by all of them.
 
 NOTE [Planner model]
@@ -159,9 +160,9 @@ NOTE [Planner model]
   Rule 20. The tail as regions. By default (``regions=None``) the modules the model calls
           after its last block (every call of one starting after the blocks' last call ended:
           a Llama's final norm and LM head) are regions too, outermost ones, found by one
-          forward before profiling; the solver checkpoints them or not like the blocks. Work
-          after the blocks that no module call holds (a loss computed in the model's own
-          ``forward``, as Hugging Face models do) stays outside every region.
+          forward before profiling; the solver checkpoints them or not like the blocks, or
+          records them whole (Rule 22). Work after the tail's last module (a loss computed in
+          the model's own ``forward``, as Hugging Face models do) stays outside every region.
   Rule 21. Skipping in replay. Recompute serves only what autograd saves in the region, so an
           op none of whose outputs' values anything needs need not run: the plan answers it
           ``SKIP_IN_REPLAY`` (``RegionDecision.skip``) and the replay hands out blanks of its
@@ -188,6 +189,29 @@ NOTE [Planner model]
           storages numbered within the region, so identical blocks give equal graphs and are
           solved once, Rule 17). The replay's taint refuses a blank that reaches a saved
           tensor: a wrong plan raises, never gives a wrong gradient.
+  Rule 22. Spans around the blocks. Module frames keep their inputs, so a model of N blocks
+          keeps N + 1 residual-stream tensors at their boundaries (the first block's input, the
+          tail's) where torch.compile's partitioner keeps N (it recomputes the embedding and
+          the final norm from what it keeps). By default the plan may record two spans with a
+          ``gradient_checkpoint_scope`` (``spans.py``): the head, from the model's start to
+          its first block's (the embedding, rotary angles), and the tail, from its first tail
+          module's start to its last one's end (Rule 20). Every storage a recorded span makes
+          is kept nowhere: whoever saves it (a block's frame as its positional input, a plain
+          region, an op outside the regions) gets a holder, and backward replays only the ops
+          that make what it unpacks (NOTE [Gradient checkpoint scope], Rules 2 and 7); the
+          activations it reads from outside (the last block's output) are kept by its tape; a
+          frame's keyword or nested inputs are kept by plain reference all the same; the tail's
+          modules run plainly inside it. A session opened at the model's start and closed at
+          its end keeps our saved-tensors hook on the stack whatever the caller pushed (a
+          report, ``save_on_cpu``): the head's tensors are saved after its scope closed (Rule
+          4 there). A recorded span pays its replay and its recording (per op, priced as the
+          selective modes: over, never under). The solver solves the step with each subset of
+          the spans recorded (at most four problems) and takes the cheapest that fits; the
+          floor is the lowest. A span is not offered where it draws random numbers (its tape
+          would keep an RNG state per draw, uncounted), writes in place what it did not make,
+          or frees nothing; nor with a ``regions`` predicate. On the decoder and the tiny Llama
+          of ``benchmarks/planner.py`` this is what stood between the plans and the compiler's
+          FLOPs (one block boundary, 256 KiB, at each budget).
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly
@@ -198,6 +222,6 @@ counts per tensor, not per storage).
 
 from __future__ import annotations
 
-from .plan import ActivationPlan, RegionDecision, plan_checkpointing
+from .plan import ActivationPlan, RegionDecision, SpanDecision, plan_checkpointing
 
-__all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]
+__all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]

@@ -41,12 +41,14 @@ from .solver import (
     kept_storages,
     offloads,
     predicted_peak,
+    recompute_cost,
     region_recompute,
     skipped,
     solve,
 )
+from .spans import SpanCost, SpanHooks, span_problems
 
-__all__ = ["ActivationPlan", "RegionDecision", "plan_checkpointing"]
+__all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]
 
 
 Key = tuple[str, int]
@@ -91,6 +93,30 @@ class RegionDecision:
         return "checkpoint, " + ", ".join(parts)
 
 
+@dataclass(frozen=True, slots=True)
+class SpanDecision:
+    """Code around the blocks that the plan records and recomputes in backward (Rule 22): the
+    ``"head"`` from the model's start to the start of module ``last`` (``first`` is ``""``, the
+    model), or the ``"tail"`` from the start of module ``first`` to the end of module ``last``."""
+
+    kind: str
+    first: str
+    last: str
+    recompute_ms: float = 0.0
+    recompute_flops: int = 0
+
+    def describe(self) -> str:
+        """Where it starts and ends, for the table."""
+        if self.kind == "head":
+            return f"head: the model's start to {self.last}'s, recorded and recomputed"
+        return f"tail: {self.first}'s start to {self.last}'s end, recorded and recomputed"
+
+
+_MSG_SPAN = (
+    "checkpointing.ActivationPlan.apply: the plan records a span ({kind!r}) bounded by module "
+    "{name!r}, which the model does not have (or the kind is neither 'head' nor 'tail'). Fix: "
+    "apply the plan to the model it was made for, or plan this model again."
+)
 _MSG_BUDGET_TYPE = (
     "checkpointing.plan_checkpointing: budget must be a float in (0, 1] (a fraction of the "
     "activation bytes the model keeps without checkpointing) or an int (bytes), got {got!r}. "
@@ -248,16 +274,28 @@ def plan_checkpointing(
             raise ValueError(_MSG_CHECKPOINTED.format(name=name))
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    tail: list[tuple[str, nn.Module]] = []
     if regions is None:  # Rule 20: what runs after the blocks is a region too
-        named += [
+        tail = [
             (name, module)
             for name, module in tail_regions(model, named, args, kwargs)
             if not is_module_checkpointed(module)
         ]
-    profile = profile_step(model, named, args, kwargs, loss_fn, _RegionContexts({}))
-    problem = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
-    first = solve(problem, 0)
-    floor, baseline = first.floor_bytes, first.baseline_bytes
+        named += tail
+    profile = profile_step(model, named, args, kwargs, loss_fn, _RegionContexts({}), tail=len(tail))
+    base = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
+    variants: list[tuple[tuple[SpanCost, ...], Problem]] = (  # Rule 22: spans recorded or not
+        span_problems(
+            base,
+            profile.spans,
+            range(len(named) - len(tail), len(named)),
+            profile.policy_seconds_per_op,
+        )
+        if regions is None
+        else [((), base)]
+    )
+    baseline = solve(base, 0).baseline_bytes
+    floor = min(solve(problem, 0).floor_bytes for _, problem in variants)
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
     if budget_bytes < floor:
         raise ValueError(
@@ -265,7 +303,7 @@ def plan_checkpointing(
                 budget=budget_bytes, floor=floor, baseline=baseline, share=floor / max(baseline, 1)
             )
         )
-    solution = solve(problem, budget_bytes)
+    spans, problem, solution = _cheapest(variants, budget_bytes)
     # Rule 10: nothing on CPU, where host memory is the device memory.
     offload = (
         [frozenset[int]()] * len(problem.regions)
@@ -273,10 +311,24 @@ def plan_checkpointing(
         else offloads(problem, solution, host_budget)
     )
     plan = ActivationPlan._from_solution(
-        profile, problem, solution, budget_bytes, offload, objective
+        profile, problem, solution, budget_bytes, offload, objective, spans
     )
+    plan.floor_bytes = floor
+    plan.baseline_bytes = baseline
     plan._model = weakref.ref(model)
     return plan
+
+
+def _cheapest(
+    variants: list[tuple[tuple[SpanCost, ...], Problem]], budget: int
+) -> tuple[tuple[SpanCost, ...], Problem, Solution]:
+    """Rule 22: the variant whose solution fits ``budget`` at the least cost (the fewest
+    recorded spans on a tie: they are listed first); where none fits, the fewest bytes."""
+    solved = [(spans, problem, solve(problem, budget)) for spans, problem in variants]
+    fitting = [v for v in solved if v[2].kept_bytes <= budget]
+    if not fitting:
+        return min(solved, key=lambda v: v[2].kept_bytes)
+    return min(fitting, key=lambda v: recompute_cost(v[1], v[2].choices))
 
 
 def _check_arguments(
@@ -454,6 +506,7 @@ class _Applied:
     model: weakref.ref[nn.Module]
     modules: list[nn.Module]
     hook: torch.utils.hooks.RemovableHandle
+    spans: SpanHooks
 
 
 class ActivationPlan:
@@ -498,8 +551,10 @@ class ActivationPlan:
         objective: str = "time",
         recompute_flops: int = 0,
         peak_bytes: int = 0,
+        spans: tuple[SpanDecision, ...] = (),
     ) -> None:
         self.regions = regions
+        self.spans = spans
         self.budget_bytes = budget_bytes
         self.baseline_bytes = baseline_bytes
         self.floor_bytes = floor_bytes
@@ -527,6 +582,7 @@ class ActivationPlan:
         budget_bytes: int,
         offload: list[frozenset[int]],
         objective: str,
+        span_costs: tuple[SpanCost, ...] = (),
     ) -> ActivationPlan:
         decisions = []
         for index, (region, choice) in enumerate(
@@ -555,14 +611,29 @@ class ActivationPlan:
                     skip=skipped(problem, index, served),
                 )
             )
+        names = [r.name for r in profile.regions]
+        spans = tuple(
+            SpanDecision(
+                cost.kind,
+                "" if span.start < 0 else names[span.start],
+                names[span.until],
+                1e3 * cost.seconds,
+                cost.flops,
+            )
+            for cost in span_costs
+            for span in profile.spans
+            if span.kind == cost.kind
+        )
         return cls(
             regions=tuple(decisions),
+            spans=spans,
             budget_bytes=budget_bytes,
             baseline_bytes=solution.baseline_bytes,
             floor_bytes=solution.floor_bytes,
             outside_bytes=sum(problem.storage_bytes[s] for s in problem.outside),
             kept_bytes=solution.kept_bytes,
-            recompute_ms=sum(d.recompute_ms for d in decisions),
+            recompute_ms=sum(d.recompute_ms for d in decisions)
+            + sum(s.recompute_ms for s in spans),
             step_ms=1e3 * profile.step_seconds,
             solver=solution.method,
             grid_bytes=solution.grid_bytes,
@@ -570,7 +641,8 @@ class ActivationPlan:
             input_shapes=profile.input_shapes,
             frontier=[(b, 1e3 * s) for b, s in solution.frontier],
             objective=objective,
-            recompute_flops=sum(d.recompute_flops for d in decisions),
+            recompute_flops=sum(d.recompute_flops for d in decisions)
+            + sum(s.recompute_flops for s in spans),
             peak_bytes=predicted_peak(problem, solution.choices),
         )
 
@@ -579,7 +651,8 @@ class ActivationPlan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Install the plan: ``checkpoint_module`` (non-reentrant, names and ``state_dict``
         keys untouched) on each checkpointed region, with a selective policy where it keeps or
-        offloads outputs. Returns ``model``. All or nothing: raises ``ValueError``, with
+        offloads outputs, and forward hooks that record its spans (Rule 22). Returns
+        ``model``. All or nothing: raises ``ValueError``, with
         nothing installed, if the plan is applied already, was profiled on another model,
         names regions the model lacks or one module twice, or a region is checkpointed
         already; an applied model pickles (``torch.save``) like the model itself."""
@@ -595,17 +668,19 @@ class ActivationPlan:
                 )
             )
         chosen = self._regions_in(model)
+        head, tail = self._spans_in(model)
         installed: list[nn.Module] = []
         try:  # all or nothing: what was installed goes again if a later step raises
             for module, context_fn in chosen:
                 checkpoint_module(module, context_fn=context_fn)
                 installed.append(module)
             hook = model.register_forward_pre_hook(_ShapeCheck(self.input_shapes), with_kwargs=True)
+            spans = SpanHooks(model, head, tail)
         except BaseException:
             for module in installed:
                 remove_checkpoint_module(module)
             raise
-        self._applied = _Applied(weakref.ref(model), installed, hook)
+        self._applied = _Applied(weakref.ref(model), installed, hook, spans)
         self._model = weakref.ref(model)
         return model
 
@@ -637,6 +712,22 @@ class ActivationPlan:
                 chosen.append((module, _context_fn(region)))
         return chosen
 
+    def _spans_in(
+        self, model: nn.Module
+    ) -> tuple[nn.Module | None, tuple[nn.Module, nn.Module] | None]:
+        """Rule 22: the module whose start ends the head, and the tail's first and last
+        modules, where the plan records them (checked by ``_regions_in``: they are regions)."""
+        modules = dict(model.named_modules())
+        for span in self.spans:
+            for name in (span.first, span.last):
+                if name not in modules or span.kind not in ("head", "tail"):
+                    raise ValueError(_MSG_SPAN.format(kind=span.kind, name=name))
+        head = next((modules[s.last] for s in self.spans if s.kind == "head"), None)
+        tail = next(
+            ((modules[s.first], modules[s.last]) for s in self.spans if s.kind == "tail"), None
+        )
+        return head, tail
+
     def remove(self, model: nn.Module) -> nn.Module:
         """Undo ``apply(model)``: the regions run plainly again. Returns ``model``. (Called
         during the model's forward it raises; the regions not yet removed stay, and a later
@@ -648,6 +739,7 @@ class ActivationPlan:
             remove_checkpoint_module(applied.modules[-1])
             applied.modules.pop()
         applied.hook.remove()
+        applied.spans.remove()
         self._applied = None
         return model
 
@@ -682,6 +774,8 @@ class ActivationPlan:
             f"{'(outside regions)':<{width}}  {'':<{type_width}}  {'':<30} "
             f"{self.outside_bytes:>14,} {0.0:>13.3f}"
         )
+        for span in self.spans:
+            lines.append(f"{span.describe()}: {span.recompute_ms:.3f} ms")
         lines.append("-" * len(header))
         solver = (
             "exact"
@@ -734,6 +828,7 @@ class ActivationPlan:
                 "input_shapes": self.input_shapes,
                 "frontier": self._frontier,
                 "regions": [asdict(r) for r in self.regions],
+                "spans": [asdict(s) for s in self.spans],
             }
         )
 
@@ -744,6 +839,7 @@ class ActivationPlan:
         the op names: ``ValueError`` names the field that is missing or malformed."""
         fields, regions = plan_json.read(text)
         decisions = tuple(RegionDecision(**region) for region in regions)
+        fields["spans"] = tuple(SpanDecision(**span) for span in fields["spans"])
         for region in decisions:
             for name, _ in (*region.save, *region.offload, *region.skip):
                 resolve_op(name)

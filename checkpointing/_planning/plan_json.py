@@ -171,6 +171,13 @@ _REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "keep_draws": (_flag, False),
     "skip": (_keys, ()),
 }
+_SPAN: Final[dict[str, _Check]] = {
+    "kind": _text,
+    "first": _text,
+    "last": _text,
+    "recompute_ms": _number,
+    "recompute_flops": _count,
+}
 _PLAN: Final[dict[str, _Check]] = {
     "budget_bytes": _count,
     "baseline_bytes": _count,
@@ -190,4 +197,5 @@ _PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "objective": (_text, "time"),
     "recompute_flops": (_count, 0),
     "peak_bytes": (_count, 0),
+    "spans": (_list(_object(_SPAN)), []),
 }

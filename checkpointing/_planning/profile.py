@@ -29,6 +29,7 @@ from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
 from .._state import ForwardState
 from .flops import op_flops
 from .solver import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
+from .spans import SpanProfile
 
 __all__ = [
     "OpCall",
@@ -88,6 +89,9 @@ class RegionProfile:
     inputs: set[int] = field(default_factory=set)
     states: set[int] = field(default_factory=set)
     """The RNG states a checkpoint of the region would keep (Rule 14)."""
+    referenced: set[int] = field(default_factory=set)
+    """Its inputs received by keyword or inside a container: a frame keeps them by plain
+    reference, a recorded span cannot free them (Rule 22)."""
     grad_bytes: int = 0
     """Bytes of the gradients of the region's own parameters (the backward allocates them)."""
     stop: int = 0
@@ -114,6 +118,8 @@ class StepProfile:
 
     step_spread: float = 0.0
     """How far the measured steps' times spread: (slowest - fastest) / fastest."""
+    spans: list[SpanProfile] = field(default_factory=list)
+    """The head and the tail, as a scope would record them (Rule 22)."""
 
     def objective(self, name: ObjectiveName) -> Objective:
         """Rule 15: the weights of a second and of a FLOP of recompute. ``"time"``: seconds,
@@ -164,6 +170,7 @@ class StepProfile:
                     region.grad_bytes,
                     draws,
                     _replay_graph(region, positions),
+                    referenced=frozenset(region.referenced),
                 )
             )
         return Problem(
@@ -206,7 +213,9 @@ def _draws(region: RegionProfile, needed: list[OpCall]) -> Unit | None:
 class _Step:
     """What one step records: storage ids, the running region, per-region op sequences."""
 
-    def __init__(self, regions: Sequence[tuple[str, nn.Module]], leaves: set[StorageKey]):
+    def __init__(
+        self, regions: Sequence[tuple[str, nn.Module]], leaves: set[StorageKey], tail: int = 0
+    ):
         self.leaves = leaves
         self.ids: dict[StorageKey, int] = {}
         self.storage_bytes: dict[int, int] = {}
@@ -219,6 +228,14 @@ class _Step:
         self.flop_samples: list[tuple[int, float]] = []
         # Rule 14: the captured RNG states, alive for the step (no address reused), by identity.
         self.rng_states: dict[int, tuple[torch.Tensor, int]] = {}
+        # Rule 22: the head records until the first region call; the tail from the first call
+        # of a tail region (the last ``tail`` regions) to the end of the last one's.
+        self.head = SpanProfile("head")
+        self.tail = SpanProfile("tail")
+        self.span: SpanProfile | None = self.head
+        self.tail_first = len(regions) - tail if tail else -1
+        self.tail_last = len(regions) - 1 if tail else -1
+        self.tail.start, self.tail.until = self.tail_first, self.tail_last
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule 2)."""
@@ -226,11 +243,22 @@ class _Step:
         return None if key is None else self.ids.get(key)
 
     def enter(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.span is self.head:
+            self.span = None
+            self.head.until = index
+        if index == self.tail_first:
+            self.tail.calls += 1
+            self.span = self.tail
         profile = self.profiles[index]
         for tensor in tensors((args, kwargs)):  # keyword and nested ones included (Rule 14)
             storage = self.activation(tensor)
             if storage is not None:
                 profile.inputs.add(storage)
+        # Rule 22: a frame keeps these by plain reference, no holder can stand for them.
+        for tensor in tensors(([a for a in args if not isinstance(a, torch.Tensor)], kwargs)):
+            storage = self.activation(tensor)
+            if storage is not None:
+                profile.referenced.add(storage)
         if torch.is_grad_enabled():  # a frame captures nothing under no_grad
             profile.states.update(self.capture_rng(args))
         self.stack.append((profile, {}, [], [0]))
@@ -252,6 +280,8 @@ class _Step:
             yield known[1]
 
     def leave(self, index: int) -> None:
+        if index == self.tail_last and self.span is self.tail:
+            self.span = None
         _profile, _counts, ops, stop = self.stack.pop()
         self.calls.setdefault(index, []).append((ops, stop[0]))
 
@@ -273,6 +303,10 @@ class _Step:
         flops = op_flops(func, args, kwargs, out)
         if flops and seconds >= _TRUSTED_SECONDS:
             self.flop_samples.append((flops, seconds))
+        if self.span is not None:
+            self.span.record(
+                func, args, kwargs, seconds, flops, fresh, [self.activation(t) for t in arguments]
+            )
         if not self.stack:
             return
         _profile, counts, ops, _stop = self.stack[-1]
@@ -463,6 +497,7 @@ def profile_step(
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     policy_modes: ModesFactory | None = None,
+    tail: int = 0,
 ) -> StepProfile:
     """Run one warm-up and ``_PROFILE_STEPS`` measured steps; return the last one's structure
     with each op's fastest time (Rule 9). With ``policy_modes`` (the selective modes ``apply``
@@ -483,7 +518,9 @@ def profile_step(
     # Rule 8: the profiled steps train, so grad is on whatever the caller's mode (restored after).
     with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
         for _ in range(1 + _PROFILE_STEPS):
-            steps.append(_one_step(model, regions, args, kwargs, loss_fn, leaves, wrt, synchronize))
+            steps.append(
+                _one_step(model, regions, args, kwargs, loss_fn, leaves, wrt, synchronize, tail)
+            )
         profile = _combine(steps[1:], input_shapes(args, kwargs), str(device))
         for region, (_name, module) in zip(profile.regions, regions, strict=True):
             region.grad_bytes = sum(p.nbytes for p in module.parameters() if p.requires_grad)
@@ -610,9 +647,10 @@ def _one_step(
     leaves: set[StorageKey],
     wrt: list[torch.Tensor],
     synchronize: Callable[[], None] | None,
+    tail: int = 0,
 ) -> tuple[_Step, float]:
     """One forward+backward under the recorder; gradients go nowhere (``autograd.grad``)."""
-    step = _Step(regions, leaves)
+    step = _Step(regions, leaves, tail)
     handles = []
     for index, (_name, module) in enumerate(regions):
         handles.append(
@@ -703,6 +741,11 @@ def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: 
         ]
         for op, total in zip(profile.ops, seconds, strict=True):
             op.seconds = total
+    for span in (last.head, last.tail):  # each op's fastest time over the steps that agree
+        for other in (s for s, _ in steps):
+            mine = other.head if span.kind == "head" else other.tail
+            if len(mine.seconds) == len(span.seconds):
+                span.seconds = [min(a, b) for a, b in zip(span.seconds, mine.seconds, strict=True)]
     _estimate_small_times(last)
     _share_identical_times(last.profiles, last.storage_bytes)
     step_seconds = [seconds for _, seconds in steps]
@@ -714,6 +757,7 @@ def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: 
         device=device,
         step_seconds=min(step_seconds),
         step_spread=(max(step_seconds) - min(step_seconds)) / max(min(step_seconds), 1e-12),
+        spans=[last.head, last.tail],
     )
 
 

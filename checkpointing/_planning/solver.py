@@ -214,6 +214,10 @@ class RegionChoices:
     """The ops recompute runs, as a graph (Rule 21); where given, a choice's recompute is worked
     out on it (the forced and unit costs are its sums), and the replay may skip ops. None: no
     op is skipped."""
+    plain_only: bool = False
+    """The region runs plainly whatever the budget: a recorded tail's module (Rule 22)."""
+    referenced: frozenset[int] = frozenset()
+    """The inputs a checkpoint keeps by plain reference (keyword, nested; Rule 22)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +242,9 @@ class Problem:
     objective: Objective = Objective()
     plain_peak: int = 0
     """The allocator's peak over the plain step (Rule 18; 0: unknown)."""
+    fixed_seconds: float = 0.0
+    """Recompute every choice pays: the replay of the recorded spans (Rule 22)."""
+    fixed_flops: int = 0
     shared: frozenset[int] = field(init=False)
     """Storages two regions or more keep when checkpointed, charged once up front."""
     charged: frozenset[int] = field(init=False)
@@ -350,13 +357,18 @@ def _modes_seconds(region: RegionChoices, selective: bool, draws: bool) -> float
 
 def recompute_seconds(problem: Problem, choices: Sequence[Choice]) -> float:
     """Predicted recompute time: every op of a checkpointed region up to its early stop that is
-    not saved, plus the selective policy's cost in the regions that save some (Rule 13)."""
-    return sum(_region_recompute(r, c)[0] for r, c in zip(problem.regions, choices, strict=True))
+    not saved, plus the selective policy's cost in the regions that save some (Rule 13), plus
+    the recorded spans' replay (Rule 22)."""
+    return problem.fixed_seconds + sum(
+        _region_recompute(r, c)[0] for r, c in zip(problem.regions, choices, strict=True)
+    )
 
 
 def recompute_flops(problem: Problem, choices: Sequence[Choice]) -> int:
-    """Predicted recompute FLOPs (Rule 15)."""
-    return sum(_region_recompute(r, c)[1] for r, c in zip(problem.regions, choices, strict=True))
+    """Predicted recompute FLOPs (Rule 15), the recorded spans' included (Rule 22)."""
+    return problem.fixed_flops + sum(
+        _region_recompute(r, c)[1] for r, c in zip(problem.regions, choices, strict=True)
+    )
 
 
 def recompute_cost(problem: Problem, choices: Sequence[Choice]) -> float:
@@ -530,6 +542,16 @@ def region_options(problem: Problem, index: int, fronts: _Fronts | None = None) 
     checkpointed keeping nothing or a point of its units' front, each of those also with its
     random draws kept where it has some (Rule 19)."""
     region = problem.regions[index]
+    if region.plain_only:
+        return _Options(
+            torch.tensor([_bytes(problem, region.saved)]),
+            torch.tensor([0.0], dtype=torch.float64),
+            torch.tensor([0.0], dtype=torch.float64),
+            torch.tensor([0]),
+            torch.tensor([_PLAIN]),
+            None,
+            torch.tensor([False]),
+        )
     if region.replay is not None:
         return _replay_options(problem, region, region.replay, fronts or _Fronts())
     objective = problem.objective
@@ -953,13 +975,13 @@ def _frontier(
     """(bytes, seconds) along the least-cost curve, most bytes first: the plain run and the
     floor exactly, the points between by the additive count (an upper bound), the points no
     other beats on both kept."""
-    points = {(baseline, 0.0), (floor, recompute_seconds(problem, lowest))}
+    points = {(baseline, problem.fixed_seconds), (floor, recompute_seconds(problem, lowest))}
     ends = table.frontier_ends()
     if len(ends):
         chosen = table.read_back(ends)
         pairs = list(zip(options, chosen, strict=True))
         nbytes = charged + torch.stack([o.nbytes[c] for o, c in pairs]).sum(dim=0)
-        seconds = torch.stack([o.seconds[c] for o, c in pairs]).sum(dim=0)
+        seconds = problem.fixed_seconds + torch.stack([o.seconds[c] for o, c in pairs]).sum(dim=0)
         for b, t in zip(nbytes.tolist(), seconds.tolist(), strict=True):
             points.add((min(max(int(b), floor), baseline), float(t)))
     kept: list[tuple[int, float]] = []

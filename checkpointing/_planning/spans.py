@@ -1,0 +1,239 @@
+"""The code around the blocks as spans the plan may record and recompute (Rule 22).
+
+Owns ``SpanProfile`` (what profiling saw between the model's start and its first block, the
+head, and over its tail modules, the tail), the problems the solver is asked with a span
+recorded (``span_problems``: the storages it makes are no longer kept, what it reads from
+outside is, its replay is paid) and the hooks that record a span in a planned model
+(``SpanHooks``: a ``gradient_checkpoint_scope`` opened and closed by forward hooks). Profiling
+the ops belongs to ``profile``, solving to ``solver``, installing the blocks to ``plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .. import _compat
+from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session
+from .._selective import draws_random
+from .solver import Problem
+
+__all__ = ["SpanCost", "SpanHooks", "SpanProfile", "span_problems"]
+
+SpanKind = Literal["head", "tail"]
+
+
+@dataclass(slots=True)
+class SpanProfile:
+    """One span's ops in a profiled step: per op its time, FLOPs, the storages it made and
+    the activation storages it read; whether a scope may record it (``usable``)."""
+
+    kind: SpanKind
+    calls: int = 0
+    """How many times the tail started in the step (only one is recorded)."""
+    start: int = -1
+    """The tail: the region whose start starts it (-1: the model's start, the head)."""
+    until: int = -1
+    """The region whose start ends the head, or whose end ends the tail."""
+    seconds: list[float] = field(default_factory=list)
+    flops: list[int] = field(default_factory=list)
+    made: list[tuple[int, ...]] = field(default_factory=list)
+    reads: list[tuple[int, ...]] = field(default_factory=list)
+    usable: bool = True
+    """False where the span draws random numbers or writes what it did not make (not offered)."""
+    created: set[int] = field(default_factory=set)
+
+    def record(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        seconds: float,
+        flops: int,
+        fresh: Sequence[int],
+        read: Sequence[int | None],
+    ) -> None:
+        if draws_random(func, args, kwargs) or (
+            _compat.op_mutates_inputs(func)
+            and any(s is None or s not in self.created for s in read)
+        ):
+            self.usable = False
+        self.seconds.append(seconds)
+        self.flops.append(flops)
+        self.made.append(tuple(fresh))
+        self.reads.append(tuple(s for s in read if s is not None))
+        self.created.update(fresh)
+
+    def outside_reads(self) -> frozenset[int]:
+        """The activation storages its ops read that it did not make: its scope's tape holds
+        them (the tail's input, the last block's output) until the backward."""
+        created = self.created
+        return frozenset(s for ops in self.reads for s in ops if s not in created)
+
+    def replay(self, needed: frozenset[int]) -> tuple[float, int, int]:
+        """(seconds, FLOPs, ops) of replaying what makes ``needed``: the scope runs only the
+        ops its live holders need (NOTE [Gradient checkpoint scope], Rule 7), walked back here
+        over every tensor argument (over, never under)."""
+        wanted = set(needed)
+        seconds, flops, ops = 0.0, 0, 0
+        for position in reversed(range(len(self.made))):
+            if wanted.intersection(self.made[position]):
+                seconds += self.seconds[position]
+                flops += self.flops[position]
+                ops += 1
+                wanted.update(self.reads[position])
+        return seconds, flops, ops
+
+
+@dataclass(frozen=True, slots=True)
+class SpanCost:
+    """What recording a span costs per step: its replay and its scope's dispatch mode."""
+
+    kind: SpanKind
+    seconds: float
+    flops: int
+
+
+def span_problems(
+    problem: Problem,
+    spans: Sequence[SpanProfile],
+    tail_regions: Sequence[int],
+    policy_seconds_per_op: float,
+) -> list[tuple[tuple[SpanCost, ...], Problem]]:
+    """Rule 22: ``problem`` with each usable subset of ``spans`` recorded, none first. A recorded
+    span's storages are kept nowhere (every save of one is a holder, however it is saved: as a
+    block's positional input, by a plain region, outside every region; a block's keyword or
+    nested inputs are kept by plain reference all the same); the activations it reads from
+    outside are kept by its tape; its tail regions run plainly inside it; its replay and its
+    recording (priced as the selective policy's modes, per op) are paid."""
+    offered = [s for s in spans if s.usable and s.calls <= 1 and s.made]
+    variants: list[tuple[tuple[SpanCost, ...], Problem]] = [((), problem)]
+    for count in range(1, 2 ** len(offered)):
+        chosen = [s for bit, s in enumerate(offered) if count >> bit & 1]
+        variant = _recorded(problem, chosen, tail_regions, policy_seconds_per_op)
+        if variant is not None:
+            variants.append(variant)
+    return variants
+
+
+def _recorded(
+    problem: Problem,
+    spans: Sequence[SpanProfile],
+    tail_regions: Sequence[int],
+    policy_seconds_per_op: float,
+) -> tuple[tuple[SpanCost, ...], Problem] | None:
+    """``problem`` with ``spans`` recorded; None where one of them frees nothing."""
+    made = frozenset[int]().union(*(s.created for s in spans))
+    held = frozenset[int]().union(*(s.outside_reads() for s in spans)) - made
+    tail = any(s.kind == "tail" for s in spans)
+    kept = set(problem.outside)
+    for region in problem.regions:
+        kept |= region.saved | region.inputs
+    costs = []
+    for span in spans:
+        needed = frozenset(span.created & kept)
+        if not needed:
+            return None
+        seconds, flops, replayed = span.replay(needed)
+        recording = policy_seconds_per_op / 2 * (len(span.made) + replayed)
+        costs.append(SpanCost(span.kind, seconds + recording, flops))
+    regions = []
+    for index, region in enumerate(problem.regions):
+        plain_only = tail and index in tail_regions
+        regions.append(
+            dataclasses.replace(
+                region,
+                saved=region.saved - made,
+                inputs=region.inputs - (made - region.referenced),
+                plain_only=region.plain_only or plain_only,
+            )
+        )
+    variant = dataclasses.replace(
+        problem,
+        regions=tuple(regions),
+        outside=(problem.outside - made) | held,
+        fixed_seconds=problem.fixed_seconds + sum(c.seconds for c in costs),
+        fixed_flops=problem.fixed_flops + sum(c.flops for c in costs),
+    )
+    return tuple(costs), variant
+
+
+class _Recorder:
+    """What records a planned model's spans, per thread (a model may run in several): a
+    session for the model's call, so that our saved-tensors hook stays on the stack until its
+    end, whatever hook the caller has pushed (a report, ``save_on_cpu``): the head's tensors
+    are saved after its scope closed, as a block's inputs (NOTE [Gradient checkpoint scope],
+    Rules 4 and 9); and a scope per span. Ending what is not open does nothing. Pickles empty
+    (between calls nothing is open)."""
+
+    def __init__(self) -> None:
+        self._open = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, _state: dict[str, Any]) -> None:
+        self._open = threading.local()
+
+    def start(self, *_hook_args: object) -> None:
+        """The model's start: the session, where autograd saves."""
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            session = gradient_checkpoint_session()
+            session.__enter__()
+            self._open.session = session
+
+    def begin(self, *_hook_args: object) -> None:
+        """A span's start: its scope (which records nothing under ``no_grad``)."""
+        if getattr(self._open, "scope", None) is None:
+            scope = gradient_checkpoint_scope()
+            scope.__enter__()
+            self._open.scope = scope
+
+    def end(self, *_hook_args: object) -> None:
+        """A span's end."""
+        scope = getattr(self._open, "scope", None)
+        if scope is not None:
+            self._open.scope = None
+            scope.__exit__(None, None, None)
+
+    def finish(self, *_hook_args: object) -> None:
+        """The model's end (also after an exception): what is open, closed."""
+        self.end()
+        session = getattr(self._open, "session", None)
+        if session is not None:
+            self._open.session = None
+            session.__exit__(None, None, None)
+
+
+class SpanHooks:
+    """The forward hooks that record a plan's spans (Rule 22): the head from the model's start
+    to the first block's (prepended, so that it ends before the block's checkpoint starts), the
+    tail from its first module's start to its last module's end; the model's end closes what an
+    exception left open."""
+
+    def __init__(
+        self, model: nn.Module, head: nn.Module | None, tail: tuple[nn.Module, nn.Module] | None
+    ) -> None:
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        if head is None and tail is None:
+            return
+        recorder = _Recorder()
+        self.handles.append(model.register_forward_pre_hook(recorder.start))
+        if head is not None:
+            self.handles.append(model.register_forward_pre_hook(recorder.begin))
+            self.handles.append(head.register_forward_pre_hook(recorder.end, prepend=True))
+        if tail is not None:
+            first, last = tail
+            self.handles.append(first.register_forward_pre_hook(recorder.begin, prepend=True))
+            self.handles.append(last.register_forward_hook(recorder.end, always_call=True))
+        self.handles.append(model.register_forward_hook(recorder.finish, always_call=True))
+
+    def remove(self) -> None:
+        while self.handles:
+            self.handles.pop().remove()

@@ -1,0 +1,192 @@
+"""The head and the tail recorded as spans (NOTE [Planner model], Rule 22): gradients equal to
+the plain run, bytes equal to the report's, hooks installed and removed, and spans not offered
+where a scope could not record them exactly."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from test_leaks import gc_disabled  # noqa: F401  (a fixture)
+from test_planner import TinyLlama, grads_of, llama_loss, measured
+from torch import nn
+
+from checkpointing import ActivationPlan, plan_checkpointing
+from checkpointing._planning import plan as plan_module
+from checkpointing._planning.profile import profile_step, tail_regions
+from checkpointing._planning.solver import recompute_cost, solve
+from checkpointing._planning.spans import span_problems
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def llama() -> TinyLlama:
+    torch.manual_seed(0)
+    return TinyLlama()
+
+
+def low_plan(model: nn.Module, x: torch.Tensor) -> ActivationPlan:
+    """A plan at a budget low enough that recording the spans pays (objective "flops")."""
+    probe = plan_checkpointing(model, x, budget=1.0, loss_fn=llama_loss, objective="flops")
+    return plan_checkpointing(
+        model, x, budget=int(1.1 * probe.floor_bytes), loss_fn=llama_loss, objective="flops"
+    )
+
+
+def hooks_of(model: nn.Module) -> list[int]:
+    return [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule22_spans_keep_gradients_and_the_predicted_bytes() -> None:
+    """Both spans recorded: gradients bitwise equal to the plain run's, the report's bytes equal
+    to the plan's, and the head's embedding and the tail's norm output are no longer kept."""
+    model, x = llama(), tokens()
+    plain = grads_of(model, x, llama_loss)
+    plan = low_plan(model, x)
+    assert {s.kind for s in plan.spans} == {"head", "tail"}, plan
+    plan.apply(model)
+    try:
+        report, grads = measured(model, x, llama_loss)
+    finally:
+        plan.remove(model)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
+    assert report.activation_bytes == plan.kept_bytes
+    kept = [r for r in report.records if r.decision == "saved"]
+    assert not [r for r in kept if r.op == "embedding"], report
+    head = next(s for s in plan.spans if s.kind == "head")
+    assert (head.first, head.last) == ("", "layers.0")
+
+
+def test_rule22_spans_pay_off_against_the_plan_without_them() -> None:
+    """Recording lowers the floor, and at a budget both reach the chosen variant recomputes no
+    more than the blocks and tail regions alone (the same profile, solved without spans)."""
+    model, x = llama(), tokens()
+    named = plan_module.find_regions(model, None)
+    tail = tail_regions(model, named, (x,), {})
+    profile = profile_step(model, named + tail, (x,), {}, llama_loss, tail=len(tail))
+    base = profile.problem(profile.policy_seconds_per_op, profile.objective("flops"))
+    variants = span_problems(base, profile.spans, range(len(named), len(named) + len(tail)), 0.0)
+    assert len(variants) == 4  # none, the head, the tail, both
+    floors = [solve(problem, 0).floor_bytes for _, problem in variants]
+    assert min(floors[1:]) < floors[0]
+    budget = int(1.1 * floors[0])
+    spans, problem, chosen = plan_module._cheapest(variants, budget)
+    assert spans
+    cost = recompute_cost(problem, chosen.choices)
+    assert cost <= recompute_cost(base, solve(base, budget).choices)
+
+
+class DroppedEmbedding(TinyLlama):
+    """A head that draws: dropout on the embedding, as GPT-2 does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Embedding(64, 32), nn.Dropout(0.1))
+
+
+def test_rule22_a_head_that_draws_is_not_recorded() -> None:
+    """A scope would keep an RNG state per draw, which the model does not count: no head."""
+    torch.manual_seed(0)
+    model, x = DroppedEmbedding().train(), tokens()
+    plan = low_plan(model, x)
+    assert "head" not in {s.kind for s in plan.spans}
+
+
+class KeywordAngles(TinyLlama):
+    """The head's rotary angles reach the layers by keyword: a frame keeps them by plain
+    reference, so recording the head cannot free them."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        angles = torch.outer(torch.arange(tokens.shape[1]).float(), inv).repeat(1, 2)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos=angles.cos(), sin=angles.sin())
+        return self.head(self.norm(x))
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule22_keyword_inputs_made_in_the_head_stay_counted() -> None:
+    """Prediction equals the report with inputs received by keyword."""
+    torch.manual_seed(0)
+    model, x = KeywordAngles(), tokens()
+    plan = low_plan(model, x)
+    assert plan.spans
+    plan.apply(model)
+    try:
+        report, _ = measured(model, x, llama_loss)
+    finally:
+        plan.remove(model)
+    assert report.activation_bytes == plan.kept_bytes
+
+
+def test_rule22_spans_survive_json_and_pickle_and_remove_their_hooks() -> None:
+    """The spans round-trip through JSON; a pickled applied model gives the same gradients;
+    ``remove`` leaves the model's hooks as they were."""
+    model, x = llama(), tokens()
+    before = hooks_of(model)
+    plan = low_plan(model, x)
+    again = ActivationPlan.from_json(plan.to_json())
+    assert again.spans == plan.spans
+    plain = grads_of(model, x, llama_loss)
+    again.apply(model)
+    try:
+        twin = pickle.loads(pickle.dumps(model))
+        assert hooks_of(model) != before
+    finally:
+        again.remove(model)
+    assert hooks_of(model) == before
+    for a, b in zip(plain, grads_of(twin, x, llama_loss), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_rule22_a_span_the_model_lacks_is_refused_on_apply() -> None:
+    """A plan whose span names a module the model lacks raises, naming it, and installs
+    nothing."""
+    model, x = llama(), tokens()
+    data = json.loads(low_plan(model, x).to_json())
+    data["spans"][0]["last"] = "nowhere"
+    before = hooks_of(model)
+    with pytest.raises(ValueError, match="'nowhere'"):
+        ActivationPlan.from_json(data).apply(model)
+    assert hooks_of(model) == before
+
+
+class Failing(TinyLlama):
+    fail = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.embed(tokens)
+            raise RuntimeError("boom")
+        return super().forward(tokens)
+
+
+def test_rule22_an_exception_closes_the_spans_and_no_grad_runs_plainly() -> None:
+    """A forward that raises inside the head leaves nothing open: the next step's gradients
+    are the plain run's; under ``no_grad`` the model runs and records nothing."""
+    torch.manual_seed(0)
+    model, x = Failing(), tokens()
+    plain = grads_of(model, x, llama_loss)
+    plan = low_plan(model, x)
+    assert plan.spans
+    plan.apply(model)
+    try:
+        model.fail = True
+        with pytest.raises(RuntimeError, match="boom"):
+            model(x)
+        model.fail = False
+        with torch.no_grad():
+            expected = model(x)
+        grads = grads_of(model, x, llama_loss)
+        torch.testing.assert_close(model(x), expected)
+    finally:
+        plan.remove(model)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
