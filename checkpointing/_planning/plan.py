@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from .solver import (
     skipped,
     solve,
 )
-from .spans import SpanCost, SpanHooks, span_problems
+from .spans import SpanCost, SpanHooks, SpanKind, span_problems
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]
 
@@ -99,7 +99,7 @@ class SpanDecision:
     ``"head"`` from the model's start to the start of module ``last`` (``first`` is ``""``, the
     model), or the ``"tail"`` from the start of module ``first`` to the end of module ``last``."""
 
-    kind: str
+    kind: SpanKind
     first: str
     last: str
     recompute_ms: float = 0.0
@@ -294,8 +294,8 @@ def plan_checkpointing(
         if regions is None
         else [((), base)]
     )
-    baseline = solve(base, 0).baseline_bytes
-    floor = min(solve(problem, 0).floor_bytes for _, problem in variants)
+    first = [solve(problem, 0) for _, problem in variants]
+    baseline, floor = first[0].baseline_bytes, min(f.floor_bytes for f in first)
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
     if budget_bytes < floor:
         raise ValueError(
@@ -304,6 +304,12 @@ def plan_checkpointing(
             )
         )
     spans, problem, solution = _cheapest(variants, budget_bytes)
+    solution = replace(  # Rule 22: the plan's ends and trade-off over all variants
+        solution,
+        floor_bytes=floor,
+        baseline_bytes=baseline,
+        frontier=_pareto_front([p for f in first for p in f.frontier]),
+    )
     # Rule 10: nothing on CPU, where host memory is the device memory.
     offload = (
         [frozenset[int]()] * len(problem.regions)
@@ -313,8 +319,6 @@ def plan_checkpointing(
     plan = ActivationPlan._from_solution(
         profile, problem, solution, budget_bytes, offload, objective, spans
     )
-    plan.floor_bytes = floor
-    plan.baseline_bytes = baseline
     plan._model = weakref.ref(model)
     return plan
 
@@ -329,6 +333,15 @@ def _cheapest(
     if not fitting:
         return min(solved, key=lambda v: v[2].kept_bytes)
     return min(fitting, key=lambda v: recompute_cost(v[1], v[2].choices))
+
+
+def _pareto_front(points: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """The (bytes, seconds) points no other beats on both, most bytes first."""
+    kept: list[tuple[int, float]] = []
+    for point in sorted(points):
+        if not kept or point[1] < kept[-1][1]:
+            kept.append(point)
+    return tuple(reversed(kept))
 
 
 def _check_arguments(

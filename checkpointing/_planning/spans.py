@@ -24,7 +24,7 @@ from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session
 from .._selective import draws_random
 from .solver import Problem
 
-__all__ = ["SpanCost", "SpanHooks", "SpanProfile", "span_problems"]
+__all__ = ["SpanCost", "SpanHooks", "SpanKind", "SpanProfile", "span_problems"]
 
 SpanKind = Literal["head", "tail"]
 
