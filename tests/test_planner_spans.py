@@ -50,7 +50,8 @@ def test_rule22_spans_keep_gradients_and_the_predicted_bytes() -> None:
     plan = low_plan(model, x)
     assert {s.kind for s in plan.spans} == {"head", "tail"}, plan
     front = plan.frontier()  # over every variant: from keeping everything to the lowest floor
-    assert front[0] == (plan.baseline_bytes, 0.0) and front[-1][0] == plan.floor_bytes
+    assert front[0] == (plan.baseline_bytes, 0.0)
+    assert front[-1][0] == plan.floor_bytes
     plan.apply(model)
     try:
         report, grads = measured(model, x, llama_loss)

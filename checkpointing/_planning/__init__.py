@@ -128,8 +128,9 @@ NOTE [Planner model]
           options' bytes where that gives at most ``_GRID_POINTS`` steps (the additive optimum,
           "exact"), else that many equal steps, each option's bytes rounded up ("grid": it fits,
           and costs no more than the additive optimum one step per region below the budget). No
-          greedy fallback: 32 Llama-sized blocks (about 400 options each) solve in about 0.13 s
-          (``benchmarks/planner.py --solve-time``).
+          greedy fallback: 32 Llama-sized blocks (about 400 options each) solve in 35-51 ms,
+          and a plan's every span variant (Rule 22: four floors and the cheapest at the budget)
+          in 0.30-0.51 s (``benchmarks/planner.py --solve-time``, CPU, 2026-11-25).
   Rule 18. Peak. The profile measures the allocator's peak over one plain step (CPU: the
           profiler's memory events; CUDA: ``max_memory_allocated``). A plan's peak is taken
           as the highest working set while backward runs a region (what the regions before it
