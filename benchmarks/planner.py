@@ -728,7 +728,9 @@ def solve_time(depth: int = 32) -> dict[str, float]:
     for objective in OBJECTIVES:
         base = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
         ends = range(len(blocks), len(blocks) + len(tail))
-        variants = span_problems(base, profile.spans, ends, profile.policy_seconds_per_op)
+        variants = span_problems(
+            base, profile.spans, ends, profile.policy_seconds_per_op, frozenset(profile.late)
+        )
         start = time.process_time()
         floors = [solve(problem, 0) for _, problem in variants]
         floor_seconds = time.process_time() - start

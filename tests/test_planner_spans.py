@@ -13,6 +13,7 @@ from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from test_planner import TinyLlama, grads_of, llama_loss, measured
 from torch import nn
 
+import checkpointing
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
 from checkpointing._planning.profile import profile_step, tail_regions
@@ -191,5 +192,82 @@ def test_rule22_an_exception_closes_the_spans_and_no_grad_runs_plainly() -> None
         torch.testing.assert_close(model(x), expected)
     finally:
         plan.remove(model)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule22_hugging_face_llama_records_its_head_and_tail() -> None:
+    """A Hugging Face Llama (its loss computed inside ``forward``, its rotary angles and mask
+    made before the first layer): spans recorded, gradients bitwise equal to the plain run's,
+    the report's bytes equal to the plan's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = tokens()
+
+    def loss_fn(output: object) -> torch.Tensor:
+        return output.loss  # type: ignore[attr-defined, no-any-return]
+
+    def grads() -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(loss_fn(model(ids, labels=ids)), list(model.parameters()))
+
+    plain = grads()
+    probe = plan_checkpointing(
+        model, ids, budget=1.0, example_kwargs={"labels": ids}, loss_fn=loss_fn, objective="flops"
+    )
+    plan = plan_checkpointing(
+        model,
+        ids,
+        budget=int(1.1 * probe.floor_bytes),
+        example_kwargs={"labels": ids},
+        loss_fn=loss_fn,
+        objective="flops",
+    )
+    assert {s.kind for s in plan.spans} == {"head", "tail"}, plan
+    plan.apply(model)
+    try:
+        with checkpointing.saved_tensors_report() as report:
+            loss = loss_fn(model(ids, labels=ids))
+        del loss
+        planned = grads()
+    finally:
+        plan.remove(model)
+    assert report.activation_bytes == plan.kept_bytes, plan
+    for a, b in zip(plain, planned, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule22_what_the_loss_saves_after_the_model_stays_counted() -> None:
+    """A loss outside the model that saves the tail's output (``pow`` saves its input): the
+    spans give up our hook at the model's end, so that output is kept, and the prediction
+    counts it; no hook of ours is left on the stack after the step."""
+
+    def squares(logits: torch.Tensor) -> torch.Tensor:
+        return logits.pow(2).mean()
+
+    model, x = llama(), tokens()
+    probe = plan_checkpointing(model, x, budget=1.0, loss_fn=squares, objective="flops")
+    plan = plan_checkpointing(
+        model, x, budget=int(1.1 * probe.floor_bytes), loss_fn=squares, objective="flops"
+    )
+    assert "tail" in {s.kind for s in plan.spans}, plan
+    plain = grads_of(model, x, squares)
+    plan.apply(model)
+    try:
+        report, grads = measured(model, x, squares)
+    finally:
+        plan.remove(model)
+    assert report.activation_bytes == plan.kept_bytes, plan
     for a, b in zip(plain, grads, strict=True):
         assert torch.equal(a, b)

@@ -205,7 +205,10 @@ NOTE [Planner model]
           modules run plainly inside it. A session opened at the model's start and closed at
           its end keeps our saved-tensors hook on the stack whatever the caller pushed (a
           report, ``save_on_cpu``): the head's tensors are saved after its scope closed (Rule
-          4 there). A recorded span pays its replay and its recording (per op, priced as the
+          4 there). At the model's end the spans give up their claims on that hook, so none
+          of ours stays on the caller's stack after the step; a span's tensor saved after the
+          model's forward returned (by a loss computed outside it) is kept, and the profile
+          counts it so. A recorded span pays its replay and its recording (per op, priced as the
           selective modes: over, never under). The solver solves the step with each subset of
           the spans recorded (at most four problems) and takes the cheapest that fits; the
           floor is the lowest. A span is not offered where it draws random numbers (its tape

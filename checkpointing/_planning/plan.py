@@ -290,6 +290,7 @@ def plan_checkpointing(
             profile.spans,
             range(len(named) - len(tail), len(named)),
             profile.policy_seconds_per_op,
+            frozenset(profile.late),
         )
         if regions is None
         else [((), base)]

@@ -120,6 +120,8 @@ class StepProfile:
     """How far the measured steps' times spread: (slowest - fastest) / fastest."""
     spans: list[SpanProfile] = field(default_factory=list)
     """The head and the tail, as a scope would record them (Rule 22)."""
+    late: set[int] = field(default_factory=set)
+    """Storages saved after the model's forward returned (by the loss; Rule 22)."""
 
     def objective(self, name: ObjectiveName) -> Objective:
         """Rule 15: the weights of a second and of a FLOP of recompute. ``"time"``: seconds,
@@ -236,6 +238,8 @@ class _Step:
         self.tail_first = len(regions) - tail if tail else -1
         self.tail_last = len(regions) - 1 if tail else -1
         self.tail.start, self.tail.until = self.tail_first, self.tail_last
+        self.returned = False  # the model's forward has returned: the loss runs now
+        self.late: set[int] = set()  # storages saved after it (Rule 22)
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule 2)."""
@@ -348,6 +352,8 @@ class _Step:
             self.stack[-1][0].saved.add(storage)
         else:
             self.outside.add(storage)
+            if self.returned:
+                self.late.add(storage)
 
 
 class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
@@ -670,6 +676,7 @@ def _one_step(
             _Recorder(step, synchronize),
         ):
             output = model(*args, **kwargs)
+            step.returned = True
             loss = default_loss(output) if loss_fn is None else loss_fn(output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(_MSG_LOSS.format(got=_describe(loss)))
@@ -758,6 +765,7 @@ def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: 
         step_seconds=min(step_seconds),
         step_spread=(max(step_seconds) - min(step_seconds)) / max(min(step_seconds), 1e-12),
         spans=[last.head, last.tail],
+        late=last.late,
     )
 
 

@@ -105,18 +105,21 @@ def span_problems(
     spans: Sequence[SpanProfile],
     tail_regions: Sequence[int],
     policy_seconds_per_op: float,
+    late: frozenset[int] = frozenset(),
 ) -> list[tuple[tuple[SpanCost, ...], Problem]]:
     """Rule 22: ``problem`` with each usable subset of ``spans`` recorded, none first. A recorded
     span's storages are kept nowhere (every save of one is a holder, however it is saved: as a
     block's positional input, by a plain region, outside every region; a block's keyword or
     nested inputs are kept by plain reference all the same); the activations it reads from
     outside are kept by its tape; its tail regions run plainly inside it; its replay and its
-    recording (priced as the selective policy's modes, per op) are paid."""
+    recording (priced as the selective policy's modes, per op) are paid. What is saved after the
+    model's forward returned (``late``: a loss computed outside it) is kept: the spans give up
+    our hook at the model's end."""
     offered = [s for s in spans if s.usable and s.calls <= 1 and s.made]
     variants: list[tuple[tuple[SpanCost, ...], Problem]] = [((), problem)]
     for count in range(1, 2 ** len(offered)):
         chosen = [s for bit, s in enumerate(offered) if count >> bit & 1]
-        variant = _recorded(problem, chosen, tail_regions, policy_seconds_per_op)
+        variant = _recorded(problem, chosen, tail_regions, policy_seconds_per_op, late)
         if variant is not None:
             variants.append(variant)
     return variants
@@ -127,6 +130,7 @@ def _recorded(
     spans: Sequence[SpanProfile],
     tail_regions: Sequence[int],
     policy_seconds_per_op: float,
+    late: frozenset[int],
 ) -> tuple[tuple[SpanCost, ...], Problem] | None:
     """``problem`` with ``spans`` recorded; None where one of them frees nothing."""
     made = frozenset[int]().union(*(s.created for s in spans))
@@ -137,7 +141,7 @@ def _recorded(
         kept |= region.saved | region.inputs
     costs = []
     for span in spans:
-        needed = frozenset(span.created & kept)
+        needed = frozenset(span.created & kept - late)
         if not needed:
             return None
         seconds, flops, replayed = span.replay(needed)
@@ -157,57 +161,83 @@ def _recorded(
     variant = dataclasses.replace(
         problem,
         regions=tuple(regions),
-        outside=(problem.outside - made) | held,
+        outside=(problem.outside - (made - late)) | held,
         fixed_seconds=problem.fixed_seconds + sum(c.seconds for c in costs),
         fixed_flops=problem.fixed_flops + sum(c.flops for c in costs),
     )
     return tuple(costs), variant
 
 
-class _Recorder:
-    """What records a planned model's spans, per thread (a model may run in several): a
-    session for the model's call, so that our saved-tensors hook stays on the stack until its
-    end, whatever hook the caller has pushed (a report, ``save_on_cpu``): the head's tensors
-    are saved after its scope closed, as a block's inputs (NOTE [Gradient checkpoint scope],
-    Rules 4 and 9); and a scope per span. Ending what is not open does nothing. Pickles empty
-    (between calls nothing is open)."""
+class _Open:
+    """What one thread has open of a model call: its session, the span recording now, and the
+    spans recorded so far (their claims on our hook end with the call)."""
+
+    __slots__ = ("recorded", "scope", "session")
 
     def __init__(self) -> None:
-        self._open = threading.local()
+        self.session: gradient_checkpoint_session | None = None
+        self.scope: gradient_checkpoint_scope | None = None
+        self.recorded: list[gradient_checkpoint_scope] = []
+
+
+class _Recorder:
+    """What records a planned model's spans, per thread (a model may run in several). A session
+    for the model's call keeps our saved-tensors hook on the stack to its end, whatever hook the
+    caller has pushed (a report, ``save_on_cpu``): the head's tensors are saved after its scope
+    closed, as the blocks' inputs (NOTE [Gradient checkpoint scope], Rules 4 and 9). At the
+    call's end every span gives up its claim on the hook, so that no hook of ours stays on the
+    caller's stack after the step (the tensors saved until then are holders already; those saved
+    later are kept, as the profile counts them). Ending what is not open does nothing. Pickles
+    empty (between calls nothing is open)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
 
     def __setstate__(self, _state: dict[str, Any]) -> None:
-        self._open = threading.local()
+        self._local = threading.local()
+
+    def _open(self) -> _Open:
+        found: _Open | None = getattr(self._local, "open", None)
+        if found is None:
+            found = self._local.open = _Open()
+        return found
 
     def start(self, *_hook_args: object) -> None:
         """The model's start: the session, where autograd saves."""
-        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            session = gradient_checkpoint_session()
-            session.__enter__()
-            self._open.session = session
+        state = self._open()
+        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        if state.session is None and grad:
+            state.session = gradient_checkpoint_session()
+            state.session.__enter__()
 
     def begin(self, *_hook_args: object) -> None:
         """A span's start: its scope (which records nothing under ``no_grad``)."""
-        if getattr(self._open, "scope", None) is None:
+        state = self._open()
+        if state.scope is None:
             scope = gradient_checkpoint_scope()
             scope.__enter__()
-            self._open.scope = scope
+            state.scope = scope
 
     def end(self, *_hook_args: object) -> None:
         """A span's end."""
-        scope = getattr(self._open, "scope", None)
+        state = self._open()
+        scope = state.scope
         if scope is not None:
-            self._open.scope = None
+            state.scope = None
             scope.__exit__(None, None, None)
+            state.recorded.append(scope)
 
     def finish(self, *_hook_args: object) -> None:
-        """The model's end (also after an exception): what is open, closed."""
+        """The model's end (also after an exception): what is open, closed; the hook given up."""
         self.end()
-        session = getattr(self._open, "session", None)
+        state = self._open()
+        while state.recorded:
+            state.recorded.pop().exit_saved_tensors_hooks_scope()
+        session, state.session = state.session, None
         if session is not None:
-            self._open.session = None
             session.__exit__(None, None, None)
 
 
