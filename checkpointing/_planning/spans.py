@@ -10,10 +10,9 @@ the ops belongs to ``profile``, solving to ``solver``, installing the blocks to 
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -46,7 +45,8 @@ class SpanProfile:
     made: list[tuple[int, ...]] = field(default_factory=list)
     reads: list[tuple[int, ...]] = field(default_factory=list)
     usable: bool = True
-    """False where the span draws random numbers or writes what it did not make (not offered)."""
+    """False where the span draws random numbers, or runs an in-place op with an argument it
+    did not make (a parameter, a buffer, an earlier activation): not offered."""
     created: set[int] = field(default_factory=set)
 
     def record(
@@ -151,14 +151,14 @@ def _recorded(
     for index, region in enumerate(problem.regions):
         plain_only = tail and index in tail_regions
         regions.append(
-            dataclasses.replace(
+            replace(
                 region,
                 saved=region.saved - made,
                 inputs=region.inputs - (made - region.referenced),
                 plain_only=region.plain_only or plain_only,
             )
         )
-    variant = dataclasses.replace(
+    variant = replace(
         problem,
         regions=tuple(regions),
         outside=(problem.outside - (made - late)) | held,
