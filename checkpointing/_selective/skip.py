@@ -223,19 +223,31 @@ class _Taint:
                 storages[id(storage)] = (weakref.ref(storage), origin)
 
     def origin_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """The origin of the first tainted tensor among an op's arguments, or None."""
-        for tensor in _tensors((args, tuple(kwargs.values()))):
-            origin = self.origin_of(tensor)
+        """The origin of the first tainted tensor among an op's arguments, or None. Runs for
+        every op of a replay after its first blank: plain tensors are looked at inline, lists
+        and tuples of them (``cat``'s) through ``_tensors``."""
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            kind = type(value)
+            if kind in _PLAIN:
+                origin = self.origin_of(value)
+            elif kind is tuple or kind is list:
+                origin = next(
+                    (o for t in _tensors(value) if (o := self.origin_of(t)) is not None), None
+                )
+            else:
+                continue
             if origin is not None:
                 return origin
         return None
 
     def run(self, func: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run an op of the replay, tainting what it computes from tainted inputs; refuse one
-        that would read tainted values."""
+        that would read tainted values. An op that reads no values taints nothing."""
         run: Callable[..., Any] = _runners.get(id(func)) or _runner(func)
+        if not reads_values(func):
+            return run(*args, **kwargs)
         origin = self.origin_in(args, kwargs)
-        if origin is None or not reads_values(func):
+        if origin is None:
             return run(*args, **kwargs)
         if _value_reader(func):
             raise CheckpointError(_MSG_READ.format(op=func, origin=origin))
