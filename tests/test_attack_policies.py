@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
+from hf_support import tiny_llama
 from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from thread_support import run_threads
 from torch import nn
@@ -139,24 +139,11 @@ def test_sac_of_ops_returning_containers_leaves_no_cyclic_garbage(
     assert stats.offloaded_tensors == 101 * offloaded_per_step
 
 
-def _tiny_llama() -> transformers.PreTrainedModel:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config).train()
-
-
 @pytest.mark.usefixtures("gc_disabled")
 def test_tiny_llama_under_save_matmuls_leaves_no_cyclic_garbage() -> None:
     """``enable(model, policy=save_matmuls())``: fused attention returns a tuple; 10 training
     steps leave no garbage (torch's ``tree_map`` left 14 objects per attention call)."""
-    model = _tiny_llama()
+    model = tiny_llama()
     hf_checkpointing.enable(model, policy=save_matmuls())
     ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -237,7 +224,7 @@ def test_every_policy_api_refuses_an_uncalled_factory(api: str, factory: Any) ->
 def test_transformers_enable_refuses_an_uncalled_factory_at_enable_time() -> None:
     """``enable(model, policy=save_matmuls)`` raises at once and leaves the model plain; with
     the factory called it checkpoints."""
-    model = _tiny_llama()
+    model = tiny_llama()
     with pytest.raises(TypeError, match=r"the factory save_matmuls itself.*save_matmuls\(\)"):
         hf_checkpointing.enable(model, policy=save_matmuls)  # type: ignore[call-overload]  # the mistake under test
     assert not model.is_activation_checkpointing

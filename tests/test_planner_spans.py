@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+from hf_support import tiny_llama
 from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from test_planner import TinyLlama, grads_of, llama_loss, measured
 from torch import nn
@@ -201,18 +202,8 @@ def test_rule22_hugging_face_llama_records_its_head_and_tail() -> None:
     """A Hugging Face Llama (its loss computed inside ``forward``, its rotary angles and mask
     made before the first layer): spans recorded, gradients bitwise equal to the plain run's,
     the report's bytes equal to the plan's."""
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config).train()
+    model = tiny_llama()
     ids = tokens()
 
     def loss_fn(output: object) -> torch.Tensor:
