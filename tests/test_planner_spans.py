@@ -262,3 +262,24 @@ def test_rule22_what_the_loss_saves_after_the_model_stays_counted() -> None:
     assert report.activation_bytes == plan.kept_bytes, plan
     for a, b in zip(plain, grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("gc_disabled")
+@pytest.mark.parametrize("outer", ["ours", "torch"])
+def test_rule22_a_planned_model_inside_a_checkpoint_keeps_gradients(outer: str) -> None:
+    """The whole planned model checkpointed again (ours or torch's, non-reentrant): the spans
+    record nothing inside the outer frame, and gradients equal the plain run's."""
+    model, x = llama(), tokens()
+    plain = grads_of(model, x, llama_loss)
+    plan = low_plan(model, x)
+    assert plan.spans
+    wrap = checkpointing.checkpoint if outer == "ours" else torch.utils.checkpoint.checkpoint
+    plan.apply(model)
+    try:
+        torch.manual_seed(7)
+        loss = llama_loss(wrap(model, x, use_reentrant=False))
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    finally:
+        plan.remove(model)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)

@@ -208,8 +208,11 @@ NOTE [Planner model]
           4 there). At the model's end the spans give up their claims on that hook, so none
           of ours stays on the caller's stack after the step; a span's tensor saved after the
           model's forward returned (by a loss computed outside it) is kept, and the profile
-          counts it so. A recorded span pays its replay and its recording (per op, priced as the
-          selective modes: over, never under). The solver solves the step with each subset of
+          counts it so. A model call under ``no_grad``, in a recompute or inside a
+          checkpoint's frame (the whole planned model checkpointed again) records no span:
+          that frame must see every save, in forward and in recompute alike. A recorded span
+          pays its replay and its recording (per op, priced as the selective modes: over,
+          never under). The solver solves the step with each subset of
           the spans recorded (at most four problems) and takes the cheapest that fits; the
           floor is the lowest. A span is not offered where it draws random numbers (its tape
           would keep an RNG state per draw, uncounted), runs an in-place op with an argument

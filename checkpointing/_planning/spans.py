@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from .. import _compat
+from .._frame import Frame
 from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session
 from .._selective import draws_random
+from .._state import is_recomputing
 from .solver import Problem
 
 __all__ = ["SpanCost", "SpanHooks", "SpanKind", "SpanProfile", "span_problems"]
@@ -168,13 +170,25 @@ def _recorded(
     return tuple(costs), variant
 
 
+def _records() -> bool:
+    """Whether a model call starting now records its spans: autograd saves, and the top
+    saved-tensors hook is no checkpoint's (ours or torch's), which must see every save."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or is_recomputing():
+        return False
+    top = _compat.top_saved_tensors_hooks()
+    return top is None or not (
+        isinstance(top[0], Frame) or _compat.is_torch_checkpoint_hook(top[0])
+    )
+
+
 class _Open:
     """What one thread has open of a model call: its session, the span recording now, and the
     spans recorded so far (their claims on our hook end with the call)."""
 
-    __slots__ = ("recorded", "scope", "session")
+    __slots__ = ("off", "recorded", "scope", "session")
 
     def __init__(self) -> None:
+        self.off = False  # this call records nothing: no grad, or inside a checkpoint's frame
         self.session: gradient_checkpoint_session | None = None
         self.scope: gradient_checkpoint_scope | None = None
         self.recorded: list[gradient_checkpoint_scope] = []
@@ -206,17 +220,20 @@ class _Recorder:
         return found
 
     def start(self, *_hook_args: object) -> None:
-        """The model's start: the session, where autograd saves."""
+        """The model's start: the session, where autograd saves and no checkpoint encloses the
+        model (its frame takes what the model saves, in forward and in recompute alike)."""
         state = self._open()
-        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        if state.session is None and grad:
+        if state.session is not None:
+            return
+        state.off = not _records()
+        if not state.off:
             state.session = gradient_checkpoint_session()
             state.session.__enter__()
 
     def begin(self, *_hook_args: object) -> None:
-        """A span's start: its scope (which records nothing under ``no_grad``)."""
+        """A span's start: its scope."""
         state = self._open()
-        if state.scope is None:
+        if state.scope is None and not state.off:
             scope = gradient_checkpoint_scope()
             scope.__enter__()
             state.scope = scope
