@@ -117,7 +117,7 @@ def span_problems(
     recording (priced as the selective policy's modes, per op) are paid. What is saved after the
     model's forward returned (``late``: a loss computed outside it) is kept: the spans give up
     our hook at the model's end."""
-    offered = [s for s in spans if s.usable and s.calls <= 1 and s.made]
+    offered = [s for s in spans if s.usable and s.calls <= 1 and s.until >= 0 and s.made]
     variants: list[tuple[tuple[SpanCost, ...], Problem]] = [((), problem)]
     for count in range(1, 2 ** len(offered)):
         chosen = [s for bit, s in enumerate(offered) if count >> bit & 1]
