@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +40,15 @@ def low_plan(model: nn.Module, x: torch.Tensor) -> ActivationPlan:
     )
 
 
+def planned_step(plan: ActivationPlan, model: nn.Module, x: torch.Tensor, loss_fn: Any) -> Any:
+    """(report, gradients) of one step with ``plan`` applied (``measured``); removed again."""
+    plan.apply(model)
+    try:
+        return measured(model, x, loss_fn)
+    finally:
+        plan.remove(model)
+
+
 def hooks_of(model: nn.Module) -> list[int]:
     return [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
 
@@ -54,11 +64,7 @@ def test_rule22_spans_keep_gradients_and_the_predicted_bytes() -> None:
     front = plan.frontier()  # over every variant: from keeping everything to the lowest floor
     assert front[0] == (plan.baseline_bytes, 0.0)
     assert front[-1][0] == plan.floor_bytes
-    plan.apply(model)
-    try:
-        report, grads = measured(model, x, llama_loss)
-    finally:
-        plan.remove(model)
+    report, grads = planned_step(plan, model, x, llama_loss)
     for a, b in zip(plain, grads, strict=True):
         assert torch.equal(a, b)
     assert report.activation_bytes == plan.kept_bytes
@@ -123,11 +129,7 @@ def test_rule22_keyword_inputs_made_in_the_head_stay_counted() -> None:
     model, x = KeywordAngles(), tokens()
     plan = low_plan(model, x)
     assert plan.spans
-    plan.apply(model)
-    try:
-        report, _ = measured(model, x, llama_loss)
-    finally:
-        plan.remove(model)
+    report, _ = planned_step(plan, model, x, llama_loss)
     assert report.activation_bytes == plan.kept_bytes
 
 
@@ -254,11 +256,7 @@ def test_rule22_what_the_loss_saves_after_the_model_stays_counted() -> None:
     )
     assert "tail" in {s.kind for s in plan.spans}, plan
     plain = grads_of(model, x, squares)
-    plan.apply(model)
-    try:
-        report, grads = measured(model, x, squares)
-    finally:
-        plan.remove(model)
+    report, grads = planned_step(plan, model, x, squares)
     assert report.activation_bytes == plan.kept_bytes, plan
     for a, b in zip(plain, grads, strict=True):
         assert torch.equal(a, b)
