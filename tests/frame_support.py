@@ -151,6 +151,19 @@ def counting_ops() -> Iterator[Counter[str]]:
         yield counter.counts
 
 
+def backward_counting(
+    out: torch.Tensor, inputs: Sequence[torch.Tensor]
+) -> tuple[tuple[torch.Tensor | None, ...], Counter[str]]:
+    """Backward of ``out.sum()``: the inputs' gradients (``.grad`` cleared again) and the aten
+    ops the backward ran."""
+    with counting_ops() as counts:
+        out.sum().backward()
+    grads = tuple(t.grad for t in inputs)
+    for t in inputs:
+        t.grad = None
+    return grads, counts
+
+
 def leaf(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
     """A fresh leaf that requires grad, drawn from its own generator (the RNG is untouched)."""
     gen = torch.Generator().manual_seed(seed)

@@ -609,19 +609,27 @@ def test_solver_with_skipping_is_exact_and_never_worse(problem: Problem) -> None
             assert cost <= best + 1e-9
 
 
-def test_keeping_nothing_but_skipping_pays_the_policy() -> None:
-    """Rules 13 and 21: a region that keeps nothing but skips an op pays the selective policy;
-    where the policy costs more than the skipped op, it runs as plain checkpoint."""
+def two_matmuls(first: float, second: float, policy: float) -> Problem:
+    """One region of two independent skippable matmuls taking ``first`` and ``second``
+    seconds; backward needs only the second's output, so the replay may skip the first; its
+    selective policy costs ``policy``."""
     graph = ReplayGraph(
         (
-            ReplayOp(("aten.mm.default", 0), 0.004, 0, (), (0,), "skippable", 0),
-            ReplayOp(("aten.mm.default", 1), 0.001, 0, (), (1,), "skippable", 1),
+            ReplayOp(("aten.mm.default", 0), first, 0, (), (0,), "skippable", 0),
+            ReplayOp(("aten.mm.default", 1), second, 0, (), (1,), "skippable", 1),
         ),
         frozenset({1}),
     )
-    units = (Unit(("aten.mm.default", 0), 0.004, (1,)), Unit(("aten.mm.default", 1), 0.001, (2,)))
-    region = RegionChoices(frozenset({0, 2}), frozenset({0}), 0.0, units, 0.001, replay=graph)
-    problem = Problem((region,), {0: 1, 1: 1, 2: 1}, frozenset())
+    units = (Unit(("aten.mm.default", 0), first, (1,)), Unit(("aten.mm.default", 1), second, (2,)))
+    region = RegionChoices(frozenset({0, 2}), frozenset({0}), 0.0, units, policy, replay=graph)
+    return Problem((region,), {0: 1, 1: 1, 2: 1}, frozenset())
+
+
+def test_keeping_nothing_but_skipping_pays_the_policy() -> None:
+    """Rules 13 and 21: a region that keeps nothing but skips an op pays the selective policy;
+    where the policy costs more than the skipped op, it runs as plain checkpoint."""
+    problem = two_matmuls(0.004, 0.001, policy=0.001)
+    region = problem.regions[0]
     cheap = solve(problem, 1)
     assert cheap.choices == (Choice(True, skip=True),)
     assert math.isclose(cheap.recompute_seconds, 0.002)
@@ -635,16 +643,7 @@ def test_keeping_nothing_but_skipping_pays_the_policy() -> None:
 
 def test_offload_leaves_skipped_units_alone() -> None:
     """Rules 10 and 21: a unit the replay skips is never offloaded (there is nothing to serve)."""
-    graph = ReplayGraph(
-        (
-            ReplayOp(("aten.mm.default", 0), 1.0, 0, (), (0,), "skippable", 0),
-            ReplayOp(("aten.mm.default", 1), 1.0, 0, (), (1,), "skippable", 1),
-        ),
-        frozenset({1}),
-    )
-    units = (Unit(("aten.mm.default", 0), 1.0, (1,)), Unit(("aten.mm.default", 1), 1.0, (2,)))
-    region = RegionChoices(frozenset({0, 2}), frozenset({0}), 0.0, units, 0.0, replay=graph)
-    problem = Problem((region,), {0: 1, 1: 1, 2: 1}, frozenset())
+    problem = two_matmuls(1.0, 1.0, policy=0.0)
     answer = dataclasses.replace(solve(problem, 1), choices=(Choice(True, skip=True),))
     assert solver.offloads(problem, answer, 100) == [frozenset({1})]
 

@@ -24,7 +24,7 @@ import pytest
 import releases
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from frame_support import assert_tensors_equal, counting_ops, leaf, raised
+from frame_support import assert_tensors_equal, backward_counting, counting_ops, leaf, raised
 from hypothesis import given
 from strategies import SAC_STEPS, SacChain, op_only_policies, sac_answers, sac_chains
 
@@ -131,7 +131,7 @@ def _step_torch(
     out = torch_checkpoint.checkpoint(
         fn, *inputs, use_reentrant=False, context_fn=_torch_context(policy)
     )
-    return _backward(out, inputs)
+    return backward_counting(out, inputs)
 
 
 def _step_ours(
@@ -141,16 +141,7 @@ def _step_ours(
     out = checkpointing.checkpoint(
         fn, *inputs, use_reentrant=False, context_fn=_our_context(policy, **kwargs)
     )
-    return _backward(out, inputs)
-
-
-def _backward(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> tuple[Grads, Counter[str]]:
-    with counting_ops() as counts:
-        out.sum().backward()
-    grads = tuple(t.grad for t in inputs)
-    for t in inputs:
-        t.grad = None
-    return grads, counts
+    return backward_counting(out, inputs)
 
 
 def _plain_grads(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Grads:
@@ -424,7 +415,7 @@ def test_contexts_work_with_torch_checkpoint_too() -> None:
     out = torch_checkpoint.checkpoint(
         _block, x, w, use_reentrant=False, context_fn=_our_context(policy)
     )
-    grads, counts = _backward(out, (x, w))
+    grads, counts = backward_counting(out, (x, w))
     assert counts == torch_counts
     assert_tensors_equal(grads, _plain_grads(_block, *_inputs()))
 
@@ -640,7 +631,7 @@ def test_rule5_allow_cache_entry_mutation_hands_out_the_changed_value_like_torch
         use_reentrant=False,
         context_fn=_torch_context([aten.mm.default], allow=True),
     )
-    theirs, torch_counts = _backward(out, (x, w))
+    theirs, torch_counts = backward_counting(out, (x, w))
     x, w = _inputs()
     out = checkpointing.checkpoint(
         _mutating_region,
@@ -649,7 +640,7 @@ def test_rule5_allow_cache_entry_mutation_hands_out_the_changed_value_like_torch
         use_reentrant=False,
         context_fn=_our_context([aten.mm.default], allow=True),
     )
-    ours, our_counts = _backward(out, (x, w))
+    ours, our_counts = backward_counting(out, (x, w))
     assert_tensors_equal(ours, theirs)
     assert our_counts == torch_counts
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
-from frame_support import assert_tensors_equal, counting_ops
+from frame_support import assert_tensors_equal, backward_counting, counting_ops
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import SacChain, sac_chains
@@ -121,12 +121,7 @@ def run(
     else:
         context_fn = keyed(decisions or {})
         out = checkpointing.checkpoint(fn, x, use_reentrant=False, context_fn=context_fn, **options)
-    with counting_ops() as counts:
-        out.sum().backward()
-    grads = tuple(t.grad for t in leaves)
-    for t in leaves:
-        t.grad = None
-    return grads, counts
+    return backward_counting(out, leaves)
 
 
 class Decoder(torch.nn.Module):

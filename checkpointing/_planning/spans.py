@@ -19,10 +19,8 @@ import torch
 from torch import nn
 
 from .. import _compat
-from .._frame import Frame
-from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session
+from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session, records_now
 from .._selective import draws_random
-from .._state import is_recomputing
 from .solver import Problem
 
 __all__ = ["SpanCost", "SpanHooks", "SpanKind", "SpanProfile", "span_problems"]
@@ -170,17 +168,6 @@ def _recorded(
     return tuple(costs), variant
 
 
-def _records() -> bool:
-    """Whether a model call starting now records its spans: autograd saves, and the top
-    saved-tensors hook is no checkpoint's (ours or torch's), which must see every save."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or is_recomputing():
-        return False
-    top = _compat.top_saved_tensors_hooks()
-    return top is None or not (
-        isinstance(top[0], Frame) or _compat.is_torch_checkpoint_hook(top[0])
-    )
-
-
 class _Open:
     """What one thread has open of a model call: its session, the span recording now, and the
     spans recorded so far (their claims on our hook end with the call)."""
@@ -225,7 +212,7 @@ class _Recorder:
         state = self._open()
         if state.session is not None:
             return
-        state.off = not _records()
+        state.off = not records_now()  # no grad, a recompute, inside a checkpoint's frame
         if not state.off:
             state.session = gradient_checkpoint_session()
             state.session.__enter__()

@@ -46,6 +46,6 @@ docstring says which clauses others implement; code that relies on a rule says "
 
 from __future__ import annotations
 
-from .scope import gradient_checkpoint_scope, gradient_checkpoint_session
+from .scope import gradient_checkpoint_scope, gradient_checkpoint_session, records_now
 
-__all__ = ["gradient_checkpoint_scope", "gradient_checkpoint_session"]
+__all__ = ["gradient_checkpoint_scope", "gradient_checkpoint_session", "records_now"]

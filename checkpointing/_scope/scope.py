@@ -43,7 +43,7 @@ from .._state import is_recomputing
 from .router import _Claim, _thread_hooks, _ThreadHooks
 from .tape import _Tape, _TapeMode
 
-__all__ = ["gradient_checkpoint_scope", "gradient_checkpoint_session"]
+__all__ = ["gradient_checkpoint_scope", "gradient_checkpoint_session", "records_now"]
 
 _MSG_REUSED = (
     "checkpointing.gradient_checkpoint_scope: this scope object was already entered. A scope "
@@ -167,6 +167,12 @@ class gradient_checkpoint_session:
             raise CheckpointError(_MSG_WRONG_THREAD.format(what=what, now=now, owner=self._thread))
         self._claim = None
         claim.release()
+
+
+def records_now() -> bool:
+    """Whether a scope entered now in this thread would record (Rules 3 and 6): the planner's
+    spans ask before they open their session (NOTE [Planner model], Rule 22)."""
+    return _records_here(_thread_hooks())
 
 
 def _records_here(hooks: _ThreadHooks) -> bool:
