@@ -181,11 +181,12 @@ NOTE [Planner model]
           mode decides; no effect op) that does not compute costs nothing; every other op not
           kept costs its seconds and FLOPs. A region that keeps nothing but skips something
           pays the selective policy (Rule 13); keeping nothing without a policy stays an
-          option. In a decoder block with dropout the down projection (its output feeds only
-          dropout's ``mul``, which saves the mask) is skipped with nothing kept; keeping the
-          residual sum after attention skips the attention's output projection and its
-          dropout's ``mul`` too (torch.compile's partitioner does not run them either). The
-          profile records per op the activation storages it reads and whether it may be
+          option, with or without the draws (Rule 19). In a decoder block with dropout the
+          down projection (its output feeds only dropout's ``mul``, which saves the mask) is
+          skipped with nothing kept; keeping the residual sum after attention skips the
+          attention's output projection and its dropout's ``mul`` too (torch.compile's
+          partitioner does not run them either). The profile records per op the activation
+          storages it reads and whether it may be
           skipped; the solver gets each region's replay as plain data (``ReplayGraph``, its
           storages numbered within the region, so identical blocks give equal graphs and are
           solved once, Rule 17). The replay's taint refuses a blank that reaches a saved

@@ -307,10 +307,11 @@ class _Step:
         flops = op_flops(func, args, kwargs, out)
         if flops and seconds >= _TRUSTED_SECONDS:
             self.flop_samples.append((flops, seconds))
+        random = draws_random(func, args, kwargs)
+        writes = not random and _compat.op_mutates_inputs(func)
         if self.span is not None:
-            self.span.record(
-                func, args, kwargs, seconds, flops, fresh, [self.activation(t) for t in arguments]
-            )
+            activations = [self.activation(t) for t in arguments]
+            self.span.record(seconds, flops, fresh, activations, random, writes)
         if not self.stack:
             return
         _profile, counts, ops, _stop = self.stack[-1]
@@ -321,8 +322,8 @@ class _Step:
         )  # an input's storage is not an output's: its id is still the input's
         index = counts.get(func, 0)
         counts[func] = index + 1
-        if draws_random(func, args, kwargs) or _compat.op_mutates_inputs(func):
-            kind = "random" if draws_random(func, args, kwargs) else "inplace"
+        if random or writes:
+            kind = "random" if random else "inplace"
             fresh = [s for t in tensors(out) if (s := self.activation(t)) is not None]
         elif fresh:
             kind = "unit"

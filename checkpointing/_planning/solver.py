@@ -651,13 +651,16 @@ def _settle(
     """Rule 21: the knapsack over the units' groups (``_unit_groups``) proposes the sets; each
     is settled (the units the replay would skip anyway dropped: bytes for nothing) and priced
     exactly by the closure, with and without the draws (``group``: their bytes, -1: none),
-    beside keeping nothing without a policy."""
+    beside keeping nothing (or only the draws) without a selective policy."""
     objective = problem.objective
     proposed = [frozenset[int]()]
     if region.units:
         proposed += fronts.groups(_unit_groups(graph, sizes, objective)).sets()
     all_seconds, all_flops, _ = graph.replay(frozenset(), False, False)
     rows = [(0, all_seconds, all_flops, _NOTHING, False)]
+    if group >= 0:  # the draws kept and nothing else, no selective policy: the draws modes only
+        seconds, flops, _ = graph.replay(frozenset(), True, False)
+        rows.append((group, seconds + _modes_seconds(region, False, True), flops, _NOTHING, True))
     sets: dict[frozenset[int], int] = {}
     for units in dict.fromkeys(proposed):
         for draws in (False, True) if group >= 0 else (False,):

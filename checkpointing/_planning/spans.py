@@ -18,9 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .. import _compat
 from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session, records_now
-from .._selective import draws_random
 from .solver import Problem
 
 __all__ = ["SpanCost", "SpanHooks", "SpanKind", "SpanProfile", "span_problems"]
@@ -51,18 +49,16 @@ class SpanProfile:
 
     def record(
         self,
-        func: Any,
-        args: Any,
-        kwargs: Any,
         seconds: float,
         flops: int,
         fresh: Sequence[int],
         read: Sequence[int | None],
+        random: bool,
+        writes: bool,
     ) -> None:
-        if draws_random(func, args, kwargs) or (
-            _compat.op_mutates_inputs(func)
-            and any(s is None or s not in self.created for s in read)
-        ):
+        """One op: its fresh storages, the activation storages among its arguments (None for
+        a parameter, buffer or input), whether it draws and whether it writes an argument."""
+        if random or (writes and any(s is None or s not in self.created for s in read)):
             self.usable = False
         self.seconds.append(seconds)
         self.flops.append(flops)
