@@ -41,7 +41,7 @@ from checkpointing._selective import (
     replay_taint,
 )
 from checkpointing._selective.cache import _Blank
-from checkpointing._selective.skip import may_skip
+from checkpointing._selective.skip import _Taint, may_skip
 from checkpointing.policies import tag
 
 aten = torch.ops.aten
@@ -541,6 +541,44 @@ def test_rule14_taint_follows_ops_run_on_a_blank() -> None:
 
     message = raises_skip_error(fn, x, nth(keys_of(fn, x), aten.mm.default, 0))
     assert SKIPPED_BUT_SAVED in message
+
+
+def test_rule14_a_freed_storage_leaves_the_taint() -> None:
+    """A tainted storage leaves the taint when its last tensor is freed, not before (a view
+    keeps it), and a storage that reuses a freed one's id is not taken for it; once nothing
+    tainted is alive, an op runs without looking at its arguments."""
+    taint = CountingTaint()
+    try:
+        blank = torch.empty(4, 4)
+        taint.mark(blank, "mm (its call #0 in the region)")
+        view = blank.t()
+        del blank
+        gc.collect()
+        assert taint.origin_of(view) == "mm (its call #0 in the region)"
+        taint.mark(view * 2, "again")  # a temporary: marked, then freed at once
+        del view
+        assert taint.storages == {}
+        fresh = torch.ones(4, 4)
+        assert taint.origin_of(fresh) is None
+        assert torch.equal(taint.run(aten.mul.Tensor, (fresh, fresh), {}), fresh)
+        assert taint.checks == []
+        taint.mark(fresh, "mm (its call #1 in the region)")
+        with pytest.raises(checkpointing.CheckpointError, match="its call #1"):
+            taint.run(aten.nonzero.default, (fresh,), {})
+    finally:
+        taint.end()
+
+
+class CountingTaint(_Taint):
+    """A taint that notes the arguments it looks at for tainted storages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks: list[tuple[Any, ...]] = []
+
+    def origin_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        self.checks.append(args)
+        return super().origin_in(args, kwargs)
 
 
 def test_rule14_taint_reaches_views_made_before_an_in_place_write() -> None:

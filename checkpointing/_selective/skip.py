@@ -40,7 +40,10 @@ says where the others live)
           nested in another (a backward inside the region) chains its taint to the outer
           one's; each ends with its recompute mode. Cost while no blank was handed out: one
           ``is None`` per op the recompute mode runs, one type check per cached entry it
-          hands out, one ``ContextVar.get`` per tensor the frame's recompute packs. Reads
+          hands out, one ``ContextVar.get`` per tensor the frame's recompute packs. A tainted
+          storage leaves the taint when it is freed (a weak reference's callback): once none
+          is alive, as soon as a blank's last view is gone in the planner's plans, an op of
+          the replay costs one emptiness check more than without the taint. Reads
           that do not dispatch (``tolist()``, ``numpy()``, a data pointer given to C code)
           are not seen.
 
@@ -215,12 +218,14 @@ class _Taint:
         return None
 
     def mark(self, value: Any, origin: str) -> None:
-        """Taint the storages of the tensors in ``value`` as coming from ``origin``."""
+        """Taint the storages of the tensors in ``value`` as coming from ``origin``; each
+        leaves the taint when it is freed."""
         storages = self.storages
         for tensor in _tensors(value):
             if type(tensor) in _PLAIN and tensor.layout is _STRIDED:
                 storage = tensor.untyped_storage()
-                storages[id(storage)] = (weakref.ref(storage), origin)
+                key = id(storage)
+                storages[key] = (weakref.ref(storage, _forgetter(storages, key)), origin)
 
     def origin_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """The origin of the first tainted tensor among an op's arguments, or None. Runs for
@@ -244,8 +249,8 @@ class _Taint:
         """Run an op of the replay, tainting what it computes from tainted inputs; refuse one
         that would read tainted values. An op that reads no values taints nothing."""
         run: Callable[..., Any] = _runners.get(id(func)) or _runner(func)
-        if not reads_values(func):
-            return run(*args, **kwargs)
+        if (not self.storages and self.parent is None) or not reads_values(func):
+            return run(*args, **kwargs)  # nothing tainted is alive, or no value is read
         origin = self.origin_in(args, kwargs)
         if origin is None:
             return run(*args, **kwargs)
@@ -266,6 +271,20 @@ class _Taint:
         origin = self.origin_of(tensor)
         if origin is not None:
             raise CheckpointError(_MSG_SAVED.format(region=region(), index=index, origin=origin))
+
+
+def _forgetter(
+    storages: dict[int, tuple[_StorageRef, str]], key: int
+) -> Callable[[_StorageRef], None]:
+    """The callback that takes a freed storage out of ``storages`` (not a newer one that got
+    its id: that entry holds another reference)."""
+
+    def forget(ref: _StorageRef) -> None:
+        entry = storages.get(key)
+        if entry is not None and entry[0] is ref:
+            del storages[key]
+
+    return forget
 
 
 _replay_taint: ContextVar[_Taint | None] = ContextVar("checkpointing_replay_taint", default=None)
