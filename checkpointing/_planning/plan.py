@@ -768,8 +768,9 @@ class ActivationPlan:
         """Per region: decision, kept bytes, recompute ms; then the totals and the budget."""
         width = max([len("(outside regions)"), *(len(r.name) for r in self.regions)])
         type_width = max([4, *(len(r.type_name) for r in self.regions)])
+        decided = max([30, *(len(r.describe()) for r in self.regions)])
         header = (
-            f"{'region':<{width}}  {'type':<{type_width}}  {'decision':<30} "
+            f"{'region':<{width}}  {'type':<{type_width}}  {'decision':<{decided}} "
             f"{'kept bytes':>14} {'recompute ms':>13}"
         )
         lines = [
@@ -781,11 +782,11 @@ class ActivationPlan:
         ]
         for r in self.regions:
             lines.append(
-                f"{r.name:<{width}}  {r.type_name:<{type_width}}  {r.describe():<30} "
+                f"{r.name:<{width}}  {r.type_name:<{type_width}}  {r.describe():<{decided}} "
                 f"{r.kept_bytes:>14,} {r.recompute_ms:>13.3f}"
             )
         lines.append(
-            f"{'(outside regions)':<{width}}  {'':<{type_width}}  {'':<30} "
+            f"{'(outside regions)':<{width}}  {'':<{type_width}}  {'':<{decided}} "
             f"{self.outside_bytes:>14,} {0.0:>13.3f}"
         )
         for span in self.spans:
