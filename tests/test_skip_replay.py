@@ -41,7 +41,7 @@ from checkpointing._selective import (
     replay_taint,
 )
 from checkpointing._selective.cache import _Blank
-from checkpointing._selective.skip import _Taint, may_skip
+from checkpointing._selective.skip import _forgetter, _Taint, may_skip
 from checkpointing.policies import tag
 
 aten = torch.ops.aten
@@ -543,10 +543,22 @@ def test_rule14_taint_follows_ops_run_on_a_blank() -> None:
     assert SKIPPED_BUT_SAVED in message
 
 
+class CountingTaint(_Taint):
+    """A taint that notes the arguments it looks at for tainted storages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks: list[tuple[Any, ...]] = []
+
+    def origin_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        self.checks.append(args)
+        return super().origin_in(args, kwargs)
+
+
 def test_rule14_a_freed_storage_leaves_the_taint() -> None:
     """A tainted storage leaves the taint when its last tensor is freed, not before (a view
-    keeps it), and a storage that reuses a freed one's id is not taken for it; once nothing
-    tainted is alive, an op runs without looking at its arguments."""
+    keeps it); once nothing tainted is alive, an op runs without looking at its arguments; a
+    storage tainted again is still refused."""
     taint = CountingTaint()
     try:
         blank = torch.empty(4, 4)
@@ -569,16 +581,20 @@ def test_rule14_a_freed_storage_leaves_the_taint() -> None:
         taint.end()
 
 
-class CountingTaint(_Taint):
-    """A taint that notes the arguments it looks at for tainted storages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.checks: list[tuple[Any, ...]] = []
-
-    def origin_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        self.checks.append(args)
-        return super().origin_in(args, kwargs)
+def test_rule14_a_freed_storage_does_not_untaint_the_one_that_took_its_id() -> None:
+    """The callback of a freed storage's reference removes its own entry only: a storage made
+    later at the same address (same ``id``) and tainted keeps its entry."""
+    tensor = torch.ones(2)
+    storage = tensor.untyped_storage()
+    key = id(storage)
+    # Two distinct references (with callbacks: a plain ``weakref.ref`` is shared); the first
+    # stands for the freed storage's.
+    earlier = weakref.ref(storage, lambda _ref: None)
+    storages = {key: (weakref.ref(storage, lambda _ref: None), "mm (its call #1 in the region)")}
+    _forgetter(storages, key)(earlier)
+    assert storages[key][1] == "mm (its call #1 in the region)"
+    _forgetter(storages, key)(storages[key][0])
+    assert storages == {}
 
 
 def test_rule14_taint_reaches_views_made_before_an_in_place_write() -> None:
