@@ -282,7 +282,7 @@ def _forgetter(
     def forget(ref: _StorageRef) -> None:
         entry = storages.get(key)
         if entry is not None and entry[0] is ref:
-            del storages[key]
+            storages.pop(key, None)  # the replay's end may have cleared it meanwhile
 
     return forget
 
