@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from compile_support import COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
 from hf_support import tiny_llama
 from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from test_planner import TinyLlama, grads_of, llama_loss, measured
 from torch import nn
 
 import checkpointing
-from checkpointing import ActivationPlan, plan_checkpointing
+from checkpointing import ActivationPlan, _compat, plan_checkpointing
 from checkpointing._planning import plan as plan_module
 from checkpointing._planning.profile import profile_step, tail_regions
 from checkpointing._planning.solver import recompute_cost, solve
@@ -281,3 +282,32 @@ def test_rule22_a_planned_model_inside_a_checkpoint_keeps_gradients(outer: str) 
         plan.remove(model)
     for a, b in zip(plain, grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("gc_disabled")
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=COMPILE_MARKS) for b in ("aot_eager", "inductor")]
+)
+def test_rule22_a_compiled_planned_model_keeps_gradients(backend: str) -> None:
+    """``torch.compile`` of a planned model whose spans are recorded: the spans' hooks run
+    eagerly (a graph break at each), gradients equal the plain run's (bitwise with the eager
+    kernels of ``aot_eager``, to float rounding with inductor's), and no hook of ours is left
+    on the saved-tensors stack after the step."""
+    model, x = llama(), tokens()
+    plain = grads_of(model, x, llama_loss)
+    plan = low_plan(model, x)
+    assert {s.kind for s in plan.spans} == {"head", "tail"}, plan
+    plan.apply(model)
+    try:
+        torch.manual_seed(7)
+        loss = llama_loss(torch.compile(model, backend=backend)(x))
+        assert _compat.top_saved_tensors_hooks() is None
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    finally:
+        plan.remove(model)
+    for a, b in zip(plain, grads, strict=True):
+        if backend == "aot_eager":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b)
