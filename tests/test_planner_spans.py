@@ -290,10 +290,10 @@ def test_rule22_a_planned_model_inside_a_checkpoint_keeps_gradients(outer: str) 
     "backend", [pytest.param(b, marks=COMPILE_MARKS) for b in ("aot_eager", "inductor")]
 )
 def test_rule22_a_compiled_planned_model_keeps_gradients(backend: str) -> None:
-    """``torch.compile`` of a planned model whose spans are recorded: the spans' hooks run
-    eagerly (a graph break at each), gradients equal the plain run's (bitwise with the eager
-    kernels of ``aot_eager``, to float rounding with inductor's), and no hook of ours is left
-    on the saved-tensors stack after the step."""
+    """``torch.compile`` of a planned model with both spans (dynamo breaks the graph at our
+    entry points): gradients equal the plain run's (bitwise with the eager kernels of
+    ``aot_eager``, to float rounding with inductor's), and no hook of ours is left on the
+    saved-tensors stack after the forward."""
     model, x = llama(), tokens()
     plain = grads_of(model, x, llama_loss)
     plan = low_plan(model, x)

@@ -41,8 +41,8 @@ says where the others live)
           one's; each ends with its recompute mode. Cost while no blank was handed out: one
           ``is None`` per op the recompute mode runs, one type check per cached entry it
           hands out, one ``ContextVar.get`` per tensor the frame's recompute packs. A tainted
-          storage leaves the taint when it is freed (a weak reference's callback): once none
-          is alive, as soon as a blank's last view is gone in the planner's plans, an op of
+          storage leaves the taint when it is freed (a weak reference's callback); once none
+          is alive (in the planner's plans, soon after a blank's last view is gone), an op of
           the replay costs one emptiness check more than without the taint. Reads
           that do not dispatch (``tolist()``, ``numpy()``, a data pointer given to C code)
           are not seen.
