@@ -110,6 +110,55 @@ def test_rule22_a_head_that_draws_is_not_recorded() -> None:
     assert "head" not in {s.kind for s in plan.spans}
 
 
+class ScaledEmbedding(TinyLlama):
+    """The head scales its embedding in place by a parameter (``mul_`` writes only the
+    embedding, which the head made, and reads the parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((32,), 1.5))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        angles = torch.outer(torch.arange(tokens.shape[1]).float(), inv).repeat(1, 2)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.embed(tokens).mul_(self.scale)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+class CountedEmbedding(TinyLlama):
+    """The head writes a buffer in place (a call counter): not a tensor it made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(tokens)
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule22_a_head_writing_its_own_tensor_is_recorded_one_writing_a_buffer_is_not() -> None:
+    """An in-place op refuses the head only where what it writes is not the head's own: a
+    parameter read by ``mul_`` does not (the head is recorded, gradients bitwise equal to the
+    plain run's, bytes as predicted); a buffer written by ``add_`` does."""
+    torch.manual_seed(0)
+    model, x = ScaledEmbedding(), tokens()
+    plain = grads_of(model, x, llama_loss)
+    plan = low_plan(model, x)
+    assert "head" in {s.kind for s in plan.spans}, plan
+    report, grads = planned_step(plan, model, x, llama_loss)
+    assert report.activation_bytes == plan.kept_bytes, plan
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
+    torch.manual_seed(0)
+    counted = CountedEmbedding()
+    assert "head" not in {s.kind for s in low_plan(counted, x).spans}
+
+
 class KeywordAngles(TinyLlama):
     """The head's rotary angles reach the layers by keyword: a frame keeps them by plain
     reference, so recording the head cannot free them."""

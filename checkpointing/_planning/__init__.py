@@ -216,11 +216,11 @@ NOTE [Planner model]
           never under). The solver solves the step with each subset of
           the spans recorded (at most four problems) and takes the cheapest that fits; the
           floor is the lowest. A span is not offered where it draws random numbers (its tape
-          would keep an RNG state per draw, uncounted), runs an in-place op with an argument
-          it did not make (over-cautious: the profile does not say which argument is written),
-          or frees nothing; nor with a ``regions`` predicate. On the decoder and the tiny
-          Llama of ``benchmarks/planner.py`` this is what stood between the plans and the
-          compiler's FLOPs (one block boundary, 256 KiB, at each budget).
+          would keep an RNG state per draw, uncounted), writes in place a tensor it did not
+          make (an argument the op's schema marks as written: a parameter, a buffer, an
+          earlier activation), or frees nothing; nor with a ``regions`` predicate. On the
+          decoder and the tiny Llama of ``benchmarks/planner.py`` this is what stood between
+          the plans and the compiler's FLOPs (one block boundary, 256 KiB, at each budget).
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

@@ -310,8 +310,11 @@ class _Step:
         random = draws_random(func, args, kwargs)
         writes = not random and _compat.op_mutates_inputs(func)
         if self.span is not None:
+            written = _written(func, args, kwargs, arguments) if writes else []
             activations = [self.activation(t) for t in arguments]
-            self.span.record(seconds, flops, fresh, activations, random, writes)
+            self.span.record(
+                seconds, flops, fresh, activations, random, [self.activation(t) for t in written]
+            )
         if not self.stack:
             return
         _profile, counts, ops, _stop = self.stack[-1]
@@ -355,6 +358,20 @@ class _Step:
             self.outside.add(storage)
             if self.returned:
                 self.late.add(storage)
+
+
+def _written(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], arguments: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The tensors an op writes: the arguments its schema marks as written (``self`` of an
+    in-place op, ``out``); every argument of an op without a schema (a higher-order one)."""
+    if not isinstance(func, _compat.OpOverload):
+        return arguments
+    marked = [
+        args[position] if position < len(args) else kwargs.get(name)
+        for position, name in _compat.written_arguments(func)
+    ]
+    return list(tensors(marked))
 
 
 class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base

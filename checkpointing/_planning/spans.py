@@ -43,8 +43,8 @@ class SpanProfile:
     made: list[tuple[int, ...]] = field(default_factory=list)
     reads: list[tuple[int, ...]] = field(default_factory=list)
     usable: bool = True
-    """False where the span draws random numbers, or runs an in-place op with an argument it
-    did not make (a parameter, a buffer, an earlier activation): not offered."""
+    """False where the span draws random numbers, or writes in place a tensor it did not make
+    (a parameter, a buffer, an earlier activation): not offered."""
     created: set[int] = field(default_factory=set)
 
     def record(
@@ -54,11 +54,11 @@ class SpanProfile:
         fresh: Sequence[int],
         read: Sequence[int | None],
         random: bool,
-        writes: bool,
+        written: Sequence[int | None],
     ) -> None:
-        """One op: its fresh storages, the activation storages among its arguments (None for
-        a parameter, buffer or input), whether it draws and whether it writes an argument."""
-        if random or (writes and any(s is None or s not in self.created for s in read)):
+        """One op: its fresh storages, the activation storages among its arguments and among
+        those it writes (None for a parameter, buffer or input), and whether it draws."""
+        if random or any(s is None or s not in self.created for s in written):
             self.usable = False
         self.seconds.append(seconds)
         self.flops.append(flops)
