@@ -88,7 +88,8 @@ def test_rule22_spans_pay_off_against_the_plan_without_them() -> None:
     floors = [solve(problem, 0).floor_bytes for _, problem in variants]
     assert min(floors[1:]) < floors[0]
     budget = int(1.1 * floors[0])
-    spans, problem, chosen = plan_module._cheapest(variants, budget)
+    index, chosen = plan_module._cheapest(variants, budget)
+    spans, problem = variants[index]
     assert spans
     cost = recompute_cost(problem, chosen.choices)
     assert cost <= recompute_cost(base, solve(base, budget).choices)

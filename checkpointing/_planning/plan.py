@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -42,11 +42,14 @@ from .solver import (
     offloads,
     predicted_peak,
     recompute_cost,
+    recompute_flops,
+    recompute_seconds,
     region_recompute,
     skipped,
     solve,
 )
 from .spans import SpanCost, SpanHooks, SpanKind, span_problems
+from .trials import time_plans
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]
 
@@ -125,6 +128,11 @@ _MSG_BUDGET_TYPE = (
 _MSG_HOST_BUDGET = (
     "checkpointing.plan_checkpointing: host_budget must be None or an int >= 0 (bytes of host "
     "memory offloaded activations may use), got {got}. Fix: e.g. host_budget=8 * 1024**3."
+)
+_MSG_TIMING_STEPS = (
+    "checkpointing.plan_checkpointing: timing_steps must be an int >= 0 (steps each candidate "
+    "plan is timed for), got {got}. Fix: e.g. timing_steps=5, or timing_steps=0 to take the "
+    "prediction as it is."
 )
 _MSG_OBJECTIVE = (
     "checkpointing.plan_checkpointing: objective must be one of {allowed}, got {got}. Fix: "
@@ -221,6 +229,7 @@ def plan_checkpointing(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     host_budget: int | None = None,
     objective: ObjectiveName = "time",
+    timing_steps: int = 24,
 ) -> ActivationPlan:
     """Choose what to checkpoint so that the activations kept for backward fit ``budget``.
 
@@ -267,7 +276,7 @@ def plan_checkpointing(
         >>> model(x).sum().backward()
         >>> _ = plan.remove(model)
     """
-    _check_arguments(model, budget, example_kwargs, loss_fn, host_budget, objective)
+    _check_arguments(model, budget, example_kwargs, loss_fn, host_budget, objective, timing_steps)
     named = find_regions(model, regions)
     for name, module in named:
         if is_module_checkpointed(module):
@@ -283,18 +292,25 @@ def plan_checkpointing(
         ]
         named += tail
     profile = profile_step(model, named, args, kwargs, loss_fn, _RegionContexts({}), tail=len(tail))
-    base = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
-    variants: list[tuple[tuple[SpanCost, ...], Problem]] = (  # Rule 22: spans recorded or not
-        span_problems(
-            base,
-            profile.spans,
-            range(len(named) - len(tail), len(named)),
-            profile.policy_seconds_per_op,
-            frozenset(profile.late),
-        )
-        if regions is None
-        else [((), base)]
-    )
+    forward = [sum(op.seconds for op in r.ops) * r.calls for r in profile.regions]
+
+    def variants_at(scale: float, frame: float) -> list[tuple[tuple[SpanCost, ...], Problem]]:
+        """The problem and its span variants (Rule 22) with the selective policy's per-op cost
+        scaled by ``scale`` and ``frame`` of a region's forward time charged for checkpointing
+        it (Rule 23)."""
+        policy = profile.policy_seconds_per_op * scale
+        base = profile.problem(policy, profile.objective(objective))
+        if frame:
+            charged = zip(base.regions, forward, strict=True)
+            base = replace(
+                base, regions=tuple(replace(r, frame_seconds=frame * f) for r, f in charged)
+            )
+        if regions is not None:
+            return [((), base)]
+        spans = range(len(named) - len(tail), len(named))
+        return span_problems(base, profile.spans, spans, policy, frozenset(profile.late))
+
+    variants = variants_at(1.0, 0.0)
     first = [solve(problem, 0) for _, problem in variants]
     baseline, floor = first[0].baseline_bytes, min(f.floor_bytes for f in first)
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
@@ -304,36 +320,53 @@ def plan_checkpointing(
                 budget=budget_bytes, floor=floor, baseline=baseline, share=floor / max(baseline, 1)
             )
         )
-    spans, problem, solution = _cheapest(variants, budget_bytes)
-    solution = replace(  # Rule 22: the plan's ends and trade-off over all variants
-        solution,
-        floor_bytes=floor,
-        baseline_bytes=baseline,
-        frontier=_pareto_front([p for f in first for p in f.frontier]),
-    )
-    # Rule 10: nothing on CPU, where host memory is the device memory.
-    offload = (
-        [frozenset[int]()] * len(problem.regions)
-        if host_budget is None or profile.device.startswith("cpu")
-        else offloads(problem, solution, host_budget)
-    )
-    plan = ActivationPlan._from_solution(
-        profile, problem, solution, budget_bytes, offload, objective, spans
-    )
-    plan._model = weakref.ref(model)
-    return plan
+    frontier = _pareto_front([p for f in first for p in f.frontier])
+    perturbed = _PERTURBED if objective == "time" and timing_steps else ()
+    plans: dict[tuple[int, tuple[Choice, ...]], ActivationPlan] = {}
+    for scale, frame in ((1.0, 0.0), *perturbed):
+        index, found = _cheapest(variants_at(scale, frame), budget_bytes)
+        if (index, found.choices) in plans:
+            continue
+        spans, problem = variants[index]  # Rule 23: priced as measured, whatever drew it
+        solution = replace(  # Rule 22: the plan's ends and trade-off over all variants
+            found,
+            recompute_seconds=recompute_seconds(problem, found.choices),
+            recompute_flops=recompute_flops(problem, found.choices),
+            floor_bytes=floor,
+            baseline_bytes=baseline,
+            frontier=frontier,
+        )
+        # Rule 10: nothing on CPU, where host memory is the device memory.
+        offload = (
+            [frozenset[int]()] * len(problem.regions)
+            if host_budget is None or profile.device.startswith("cpu")
+            else offloads(problem, solution, host_budget)
+        )
+        plans[(index, found.choices)] = ActivationPlan._from_solution(
+            profile, problem, solution, budget_bytes, offload, objective, spans
+        )
+    candidates = list(plans.values())
+    chosen = candidates[0]
+    if len(candidates) > 1:  # Rule 23: the prediction's least sure prices disagree: time them
+        relative = time_plans(model, candidates, args, kwargs, loss_fn, timing_steps)
+        fastest = relative.index(min(relative))
+        chosen = candidates[fastest]
+        chosen.timed = (relative[fastest], *relative[:fastest], *relative[fastest + 1 :])
+    chosen._model = weakref.ref(model)
+    return chosen
 
 
 def _cheapest(
     variants: list[tuple[tuple[SpanCost, ...], Problem]], budget: int
-) -> tuple[tuple[SpanCost, ...], Problem, Solution]:
-    """Rule 22: the variant whose solution fits ``budget`` at the least cost (the fewest
-    recorded spans on a tie: they are listed first); where none fits, the fewest bytes."""
-    solved = [(spans, problem, solve(problem, budget)) for spans, problem in variants]
-    fitting = [v for v in solved if v[2].kept_bytes <= budget]
+) -> tuple[int, Solution]:
+    """Rule 22: the index of the variant whose solution fits ``budget`` at the least cost (the
+    fewest recorded spans on a tie: they are listed first), and that solution; where none
+    fits, the fewest bytes."""
+    solved = [(index, solve(problem, budget)) for index, (_, problem) in enumerate(variants)]
+    fitting = [v for v in solved if v[1].kept_bytes <= budget]
     if not fitting:
-        return min(solved, key=lambda v: v[2].kept_bytes)
-    return min(fitting, key=lambda v: recompute_cost(v[1], v[2].choices))
+        return min(solved, key=lambda v: v[1].kept_bytes)
+    return min(fitting, key=lambda v: recompute_cost(variants[v[0]][1], v[1].choices))
 
 
 def _pareto_front(points: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -352,6 +385,7 @@ def _check_arguments(
     loss_fn: object,
     host_budget: object,
     objective: object,
+    timing_steps: object = 0,
 ) -> None:
     """Every argument's type and range, before anything runs."""
     if not isinstance(objective, str) or objective not in _OBJECTIVES:
@@ -376,9 +410,16 @@ def _check_arguments(
             raise TypeError(_MSG_HOST_BUDGET.format(got=describe_value(host_budget)))
         if host_budget < 0:
             raise ValueError(_MSG_HOST_BUDGET.format(got=host_budget))
+    if isinstance(timing_steps, bool) or not isinstance(timing_steps, int):
+        raise TypeError(_MSG_TIMING_STEPS.format(got=describe_value(timing_steps)))
+    if timing_steps < 0:
+        raise ValueError(_MSG_TIMING_STEPS.format(got=timing_steps))
 
 
 _OBJECTIVES = ("time", "flops")
+# Rule 23: (scale of the selective policy's per-op cost, share of a region's forward time
+# charged for checkpointing it) of the prices that draw the candidate plans besides the measured.
+_PERTURBED: Final = ((0.5, 0.0), (2.0, 0.0), (1.0, 0.25), (0.5, 0.25))
 
 
 def find_regions(
@@ -541,6 +582,9 @@ class ActivationPlan:
             activations, the region being recomputed, gradients), above what the model and
             inputs hold; 0 where the device's allocator cannot be read.
         step_ms: the profiled step's time (forward and backward, without checkpointing).
+        timed: where ``plan_checkpointing`` timed candidate plans on the model (Rule 23), their
+            step times relative to each other (per round over the round's median, the median
+            of the rounds), this plan's first; else empty (also after JSON).
         objective: what the plan minimizes, ``"time"`` or ``"flops"``.
         solver: ``"exact"``, or ``"grid"``: solved on a byte grid of ``grid_bytes``, as if
             each region's bytes were rounded up to it.
@@ -586,6 +630,7 @@ class ActivationPlan:
         self._frontier = frontier
         self._model: weakref.ref[nn.Module] | None = None
         self._applied: _Applied | None = None
+        self.timed: tuple[float, ...] = ()
 
     @classmethod
     def _from_solution(
@@ -804,6 +849,12 @@ class ActivationPlan:
         )
         if self.peak_bytes:
             lines.append(f"predicted peak of the step: {self.peak_bytes:,} bytes")
+        if self.timed:
+            others = ", ".join(f"{t:.3f}" for t in self.timed[1:])
+            lines.append(
+                f"the fastest of {len(self.timed)} candidate plans timed on the model: step time "
+                f"{self.timed[0]:.3f} of their median, the others' {others}"
+            )
         lines.append(
             f"smallest reachable: {self.floor_bytes:,} bytes; objective: {self.objective}; "
             f"solver: {solver}; device: {self.device}"

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import reduce
 from typing import Final, Literal
 
@@ -218,6 +218,10 @@ class RegionChoices:
     """The region runs plainly whatever the budget: a recorded tail's module (Rule 22)."""
     referenced: frozenset[int] = frozenset()
     """The inputs a checkpoint keeps by plain reference (keyword, nested; Rule 22)."""
+    frame_seconds: float = 0.0
+    """A charge for checkpointing the region at all, weighed into the cost the solver minimizes
+    but not into the predicted seconds: how the planner draws candidate plans that checkpoint
+    fewer regions (Rule 23)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,9 +376,13 @@ def recompute_flops(problem: Problem, choices: Sequence[Choice]) -> int:
 
 
 def recompute_cost(problem: Problem, choices: Sequence[Choice]) -> float:
-    """What the solver minimizes: the objective's weighing of seconds and FLOPs."""
+    """What the solver minimizes: the objective's weighing of seconds and FLOPs, with the
+    problem's charge per checkpointed region (Rule 23)."""
+    frames = sum(
+        r.frame_seconds for r, c in zip(problem.regions, choices, strict=True) if c.checkpoint
+    )
     return problem.objective.cost(
-        recompute_seconds(problem, choices), recompute_flops(problem, choices)
+        recompute_seconds(problem, choices) + frames, recompute_flops(problem, choices)
     )
 
 
@@ -850,6 +858,12 @@ def _pareto(nbytes: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
 # -- across regions: the multiple-choice knapsack --------------------------------------------
 
 
+def _charged(options: _Options, charge: float) -> _Options:
+    """Rule 23: ``options`` with ``charge`` added to the cost of each checkpointed one (plain is
+    the last and cheapest, so the order stays fewest bytes, costliest first)."""
+    return replace(options, cost=options.cost + charge * (options.point != _PLAIN))
+
+
 class _Table:
     """Rule 17: the least cost at every byte step of the additive count, region by region, with
     back-pointers to read the options back."""
@@ -939,6 +953,10 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
     choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
     fronts = _Fronts()
     options = [region_options(problem, i, fronts) for i in range(len(problem.regions))]
+    options = [
+        _charged(o, problem.objective.cost(r.frame_seconds, 0)) if r.frame_seconds else o
+        for o, r in zip(options, problem.regions, strict=True)
+    ]
     lowest = [o.choice(0) for o in options]
     plain = [Choice(False)] * len(options)
     baseline = kept_bytes(problem, plain)

@@ -1,0 +1,115 @@
+"""Timing candidate plans on the model itself (NOTE [Planner model], Rule 23).
+
+Owns running a few real steps with each candidate plan installed, interleaved so that a slow
+spell on a shared machine hits them alike, and naming the fastest. Which plans are candidates is
+``plan``'s business; installing one is ``ActivationPlan.apply``'s.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
+
+import torch
+from torch import nn
+
+from .profile import default_loss, tensors, untouched
+
+_SURE: Final = 0.01  # the sign test's level for stopping early
+
+
+class Installable(Protocol):
+    def apply(self, model: nn.Module) -> nn.Module: ...
+
+    def remove(self, model: nn.Module) -> nn.Module: ...
+
+
+def time_plans(
+    model: nn.Module,
+    plans: Sequence[Installable],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    steps: int,
+) -> list[float]:
+    """Per plan, its step time relative to the others: over at most ``steps`` rounds, the median
+    of its forward+backward step's seconds divided by the round's mean over the plans. Every
+    round runs every plan once, the order turned by one each round, after a warm-up round not
+    counted and a garbage collection (none runs during a step). Dividing by the round's mean
+    takes out what a slow spell of a shared machine does to all alike. The rounds stop early
+    once the fastest so far was faster than each other plan in so many rounds that a coin
+    would have done it with a chance below ``_SURE`` (a sign test; seven rounds at the
+    least). Gradients go nowhere (``autograd.grad``); the model, ``.grad`` and the RNG states
+    are left as they were (Rule 8), and no plan is left applied."""
+    inputs = list(tensors((args, kwargs)))
+    wrt = [p for p in model.parameters() if p.requires_grad] + [
+        t for t in inputs if t.requires_grad
+    ]
+    device = next((t.device for t in (*model.parameters(), *inputs)), torch.device("cpu"))
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else None
+    relative: list[list[float]] = [[] for _ in plans]
+    rounds: list[list[float]] = []
+    order = list(range(len(plans)))
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
+            for round_ in range(1 + steps):
+                gc.collect()
+                seconds = [0.0] * len(plans)
+                for index in order[round_ % len(order) :] + order[: round_ % len(order)]:
+                    plans[index].apply(model)
+                    try:
+                        seconds[index] = _step(model, args, kwargs, loss_fn, wrt, synchronize)
+                    finally:
+                        plans[index].remove(model)
+                middle = statistics.fmean(seconds)
+                if round_ and middle > 0:
+                    rounds.append(seconds)
+                    for index, taken in enumerate(seconds):
+                        relative[index].append(taken / middle)
+                    if _settled(relative, rounds):
+                        break
+    finally:
+        if collecting:
+            gc.enable()
+    return [statistics.median(r) if r else 1.0 for r in relative]
+
+
+def _settled(relative: list[list[float]], rounds: list[list[float]]) -> bool:
+    """Whether the plan of least median so far beat every other in enough rounds (the sign
+    test: a fair coin wins that many of them with a chance of at most ``_SURE``)."""
+    medians = [statistics.median(r) for r in relative]
+    best = medians.index(min(medians))
+    count = len(rounds)
+    for other in range(len(relative)):
+        if other == best:
+            continue
+        wins = sum(seconds[best] < seconds[other] for seconds in rounds)
+        if sum(math.comb(count, k) for k in range(wins, count + 1)) / 2**count > _SURE:
+            return False
+    return True
+
+
+def _step(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    wrt: list[torch.Tensor],
+    synchronize: Callable[[], None] | None,
+) -> float:
+    if synchronize is not None:
+        synchronize()
+    start = time.perf_counter()
+    output = model(*args, **kwargs)
+    loss = default_loss(output) if loss_fn is None else loss_fn(output)
+    del output
+    torch.autograd.grad(loss, wrt, allow_unused=True)
+    if synchronize is not None:
+        synchronize()
+    return time.perf_counter() - start
