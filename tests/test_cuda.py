@@ -495,6 +495,38 @@ def test_planner_offloads_with_a_host_budget_fits_the_budget_and_keeps_gradients
     assert mms == [(width, width)] * 3, str(report)
 
 
+def test_planner_times_its_candidate_plans_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule 23 on CUDA: with prices moved far enough to give other plans, the candidates are
+    timed (the device synchronized around each step) and the plan returned is exact: the
+    plain run's gradients bit for bit, dropout included, and the bytes within the budget."""
+    from checkpointing._planning import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_PERTURBED", ((0.0, 0.0), (1000.0, 0.0), (1.0, 10.0)))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True) for _ in range(3))
+    ).cuda()
+    (x,) = _leaves((2, 32, 64))
+    wrt = [*model.parameters(), x]
+
+    def grads() -> Sequence[Tensor]:
+        torch.manual_seed(7)
+        return torch.autograd.grad(model(x).sum(), wrt)
+
+    plain = grads()
+    plan = checkpointing.plan_checkpointing(model, x, budget=0.5, timing_steps=3)
+    assert len(plan.timed) >= 2, str(plan)
+    plan.apply(model)
+    try:
+        planned = grads()
+        with checkpointing.saved_tensors_report() as report:
+            model(x).sum().backward()
+    finally:
+        plan.remove(model)
+    assert_tensors_equal(planned, plain, "planned")
+    assert report.activation_bytes <= plan.budget_bytes, str(plan)
+
+
 def test_report_on_oom_prints_the_report_when_cuda_runs_out_of_memory() -> None:
     """A real out-of-memory error (a request larger than the device): the allocator's observer
     prints the report once, with the request, each region's held bytes and its rows; the error

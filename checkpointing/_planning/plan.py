@@ -257,6 +257,11 @@ def plan_checkpointing(
             with FLOPs breaking ties within the profile's noise; ``"flops"``: the fewest
             recomputed FLOPs (matrix work, as torch's FLOP counter and the compiler count
             it), with time breaking ties.
+        timing_steps: with ``objective="time"``, where the prediction's least sure prices (the
+            selective policy's cost per op, what a checkpointed region costs beyond its ops)
+            moved give other plans, each is applied and timed on the model for at most this
+            many interleaved steps (fewer once one is clearly fastest) and the fastest is
+            returned; 0: the predicted plan, untimed.
 
     Returns:
         An ``ActivationPlan``: ``print(plan)``, ``plan.apply(model)``, ``plan.remove(model)``,
@@ -583,7 +588,7 @@ class ActivationPlan:
             inputs hold; 0 where the device's allocator cannot be read.
         step_ms: the profiled step's time (forward and backward, without checkpointing).
         timed: where ``plan_checkpointing`` timed candidate plans on the model (Rule 23), their
-            step times relative to each other (per round over the round's median, the median
+            step times relative to each other (per round over the round's mean, the median
             of the rounds), this plan's first; else empty (also after JSON).
         objective: what the plan minimizes, ``"time"`` or ``"flops"``.
         solver: ``"exact"``, or ``"grid"``: solved on a byte grid of ``grid_bytes``, as if
@@ -853,7 +858,7 @@ class ActivationPlan:
             others = ", ".join(f"{t:.3f}" for t in self.timed[1:])
             lines.append(
                 f"the fastest of {len(self.timed)} candidate plans timed on the model: step time "
-                f"{self.timed[0]:.3f} of their median, the others' {others}"
+                f"{self.timed[0]:.3f} of their mean, the others' {others}"
             )
         lines.append(
             f"smallest reachable: {self.floor_bytes:,} bytes; objective: {self.objective}; "
