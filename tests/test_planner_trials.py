@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ from torch import nn
 from checkpointing import plan_checkpointing
 from checkpointing._module import is_module_checkpointed
 from checkpointing._planning import plan as plan_module
-from checkpointing._planning import solver
+from checkpointing._planning import solver, trials
 from checkpointing._planning.solver import Problem, solve
 from checkpointing._planning.trials import time_plans
 
@@ -208,3 +209,18 @@ def test_timing_steps_must_be_a_count(steps: object, error: type[Exception]) -> 
     """A bad ``timing_steps`` fails before anything runs, naming what it expects."""
     with pytest.raises(error, match=r"timing_steps must be an int >= 0"):
         plan_checkpointing(transformer(), torch.randn(2, 16, 32), budget=0.5, timing_steps=steps)  # type: ignore[arg-type]
+
+
+def test_the_timing_stops_once_a_sign_test_names_the_fastest() -> None:
+    """A plan faster than each other in every round is named after seven rounds (a coin would
+    do it with a chance of 1/128 < 1 %), not after six (1/64); one lost round needs more."""
+
+    def settled(rounds: list[list[float]]) -> bool:
+        relative = [[r[i] / statistics.fmean(r) for r in rounds] for i in range(len(rounds[0]))]
+        return trials._settled(relative, rounds)
+
+    assert not settled([[1.0, 1.1, 1.2]] * 6)
+    assert settled([[1.0, 1.1, 1.2]] * 7)
+    assert not settled([[1.0, 1.1, 1.2]] * 6 + [[1.0, 0.9, 1.2]])
+    assert not settled([[1.0, 1.1, 1.2]] * 9 + [[1.0, 0.9, 1.2]])  # 9 of 10: 11/1024
+    assert settled([[1.0, 1.1, 1.2]] * 10 + [[1.0, 0.9, 1.2]])  # 10 of 11: 12/2048

@@ -130,9 +130,9 @@ _MSG_HOST_BUDGET = (
     "memory offloaded activations may use), got {got}. Fix: e.g. host_budget=8 * 1024**3."
 )
 _MSG_TIMING_STEPS = (
-    "checkpointing.plan_checkpointing: timing_steps must be an int >= 0 (steps each candidate "
-    "plan is timed for), got {got}. Fix: e.g. timing_steps=5, or timing_steps=0 to take the "
-    "prediction as it is."
+    "checkpointing.plan_checkpointing: timing_steps must be an int >= 0 (the most steps each "
+    "candidate plan is timed for), got {got}. Fix: e.g. timing_steps=24 (the default), or "
+    "timing_steps=0 to take the predicted plan untimed."
 )
 _MSG_OBJECTIVE = (
     "checkpointing.plan_checkpointing: objective must be one of {allowed}, got {got}. Fix: "
@@ -237,8 +237,9 @@ def plan_checkpointing(
     enabled also under ``no_grad`` or ``inference_mode`` (the model, its buffers, ``.grad`` and
     the RNG states are left as they were), then chooses per region whether to checkpoint it
     and, inside checkpointed regions, which op outputs to keep, recompute or (with
-    ``host_budget`` on an accelerator) offload, at the least predicted recompute time. Nothing
-    is installed until ``plan.apply(model)``.
+    ``host_budget`` on an accelerator) offload, at the least predicted recompute time; with
+    ``objective="time"``, where the prediction's least sure prices moved give other plans, the
+    fastest of them timed on the model. Nothing is installed until ``plan.apply(model)``.
 
     Args:
         model: any ``nn.Module``; it must run without checkpointing while it is profiled.

@@ -376,8 +376,8 @@ def recompute_flops(problem: Problem, choices: Sequence[Choice]) -> int:
 
 
 def recompute_cost(problem: Problem, choices: Sequence[Choice]) -> float:
-    """What the solver minimizes: the objective's weighing of seconds and FLOPs, with the
-    problem's charge per checkpointed region (Rule 23)."""
+    """What the solver minimizes: the objective's weighing of seconds and FLOPs, with each
+    checkpointed region's charge (Rule 23)."""
     frames = sum(
         r.frame_seconds for r, c in zip(problem.regions, choices, strict=True) if c.checkpoint
     )
