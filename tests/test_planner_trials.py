@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from typing import Any
 
 import pytest
@@ -211,16 +212,48 @@ def test_timing_steps_must_be_a_count(steps: object, error: type[Exception]) -> 
         plan_checkpointing(transformer(), torch.randn(2, 16, 32), budget=0.5, timing_steps=steps)  # type: ignore[arg-type]
 
 
-def test_the_timing_stops_once_a_sign_test_names_the_fastest() -> None:
-    """A plan faster than each other in every round is named after seven rounds (a coin would
-    do it with a chance of 1/128 < 1 %), not after six (1/64); one lost round needs more."""
+def test_a_plan_leaves_the_race_once_a_sign_test_says_it_is_slower() -> None:
+    """A plan slower than the fastest in every round leaves after seven rounds (a coin would do
+    it with a chance of 1/128 < 1 %), not after six (1/64); one round it won needs more."""
 
-    def settled(rounds: list[list[float]]) -> bool:
+    def racing(rounds: list[list[float]]) -> list[int]:
+        by_plan = [dict(enumerate(r)) for r in rounds]
         relative = [[r[i] / statistics.fmean(r) for r in rounds] for i in range(len(rounds[0]))]
-        return trials._settled(relative, rounds)
+        return trials._still_racing(relative, by_plan, list(range(len(rounds[0]))))
 
-    assert not settled([[1.0, 1.1, 1.2]] * 6)
-    assert settled([[1.0, 1.1, 1.2]] * 7)
-    assert not settled([[1.0, 1.1, 1.2]] * 6 + [[1.0, 0.9, 1.2]])
-    assert not settled([[1.0, 1.1, 1.2]] * 9 + [[1.0, 0.9, 1.2]])  # 9 of 10: 11/1024
-    assert settled([[1.0, 1.1, 1.2]] * 10 + [[1.0, 0.9, 1.2]])  # 10 of 11: 12/2048
+    assert racing([[1.0, 1.1, 1.2]] * 6) == [0, 1, 2]
+    assert racing([[1.0, 1.1, 1.2]] * 7) == [0]
+    assert racing([[1.0, 1.1, 1.2]] * 6 + [[1.0, 0.9, 1.2]]) == [0, 1]
+    assert racing([[1.0, 1.1, 1.2]] * 9 + [[1.0, 0.9, 1.2]]) == [0, 1]  # 9 of 10: 11/1024
+    assert racing([[1.0, 1.1, 1.2]] * 10 + [[1.0, 0.9, 1.2]]) == [0]  # 10 of 11: 12/2048
+
+
+class Sleepy(nn.Module):
+    """A linear layer whose forward sleeps while plan "b" is applied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.slow = nn.Linear(8, 8), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.slow:
+            time.sleep(0.005)
+        return self.linear(x)
+
+
+class Slowing(Recording):
+    def apply(self, model: nn.Module) -> nn.Module:
+        model.slow = self.name == "b"
+        return super().apply(model)
+
+
+def test_the_race_times_only_the_plans_still_in_it() -> None:
+    """A plan slower every round leaves the race after seven timed rounds; with one plan left
+    the timing ends, long before ``steps``."""
+    model, x = Sleepy(), torch.randn(4, 8, requires_grad=True)
+    events: list[tuple[str, str]] = []
+    plans = [Slowing("a", events), Slowing("b", events)]
+    relative = time_plans(model, plans, (x,), {}, None, steps=20)
+    applied = [name for kind, name in events if kind == "apply"]
+    assert applied.count("a") == applied.count("b") == 1 + 7  # a warm-up and seven timed rounds
+    assert relative[0] < 1 < relative[1]

@@ -261,7 +261,7 @@ def plan_checkpointing(
         timing_steps: with ``objective="time"``, where the prediction's least sure prices (the
             selective policy's cost per op, what a checkpointed region costs beyond its ops)
             moved give other plans, each is applied and timed on the model for at most this
-            many interleaved steps (fewer once one is clearly fastest) and the fastest is
+            many interleaved steps (one leaves once clearly slower) and the fastest is
             returned; 0: the predicted plan, untimed.
 
     Returns:

@@ -37,14 +37,15 @@ def time_plans(
     steps: int,
 ) -> list[float]:
     """Per plan, its step time relative to the others: over at most ``steps`` rounds, the median
-    of its forward+backward step's seconds divided by the round's mean over the plans. Every
-    round runs every plan once, the order turned by one each round, after a warm-up round not
-    counted and a garbage collection (none runs during a step). Dividing by the round's mean
-    takes out what a slow spell of a shared machine does to all alike. The rounds stop early
-    once the fastest so far was faster than each other plan in so many rounds that a coin
-    would have done it with a chance below ``_SURE`` (a sign test; seven rounds at the
-    least). Gradients go nowhere (``autograd.grad``); the model, ``.grad`` and the RNG states
-    are left as they were (Rule 8), and no plan is left applied."""
+    of its forward+backward step's seconds divided by the round's mean over the plans that ran
+    in it. Every round runs every plan still in the race once, the order turned by one each
+    round, after a warm-up round not counted and a garbage collection (none runs during a
+    step). Dividing by the round's mean takes out what a slow spell of a shared machine does to
+    all alike. A plan leaves the race once the fastest so far was faster than it in so many
+    rounds that a coin would have done it with a chance below ``_SURE`` (a sign test; seven
+    rounds at the least); the rounds end when one is left. Gradients go nowhere
+    (``autograd.grad``); the model, ``.grad`` and the RNG states are left as they were (Rule
+    8), and no plan is left applied."""
     inputs = list(tensors((args, kwargs)))
     wrt = [p for p in model.parameters() if p.requires_grad] + [
         t for t in inputs if t.requires_grad
@@ -52,27 +53,29 @@ def time_plans(
     device = next((t.device for t in (*model.parameters(), *inputs)), torch.device("cpu"))
     synchronize = torch.cuda.synchronize if device.type == "cuda" else None
     relative: list[list[float]] = [[] for _ in plans]
-    rounds: list[list[float]] = []
-    order = list(range(len(plans)))
+    rounds: list[dict[int, float]] = []
+    racing = list(range(len(plans)))
     collecting = gc.isenabled()
     gc.disable()
     try:
         with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
             for round_ in range(1 + steps):
                 gc.collect()
-                seconds = [0.0] * len(plans)
-                for index in order[round_ % len(order) :] + order[: round_ % len(order)]:
+                seconds: dict[int, float] = {}
+                turn = round_ % len(racing)
+                for index in racing[turn:] + racing[:turn]:
                     plans[index].apply(model)
                     try:
                         seconds[index] = _step(model, args, kwargs, loss_fn, wrt, synchronize)
                     finally:
                         plans[index].remove(model)
-                middle = statistics.fmean(seconds)
+                middle = statistics.fmean(seconds.values())
                 if round_ and middle > 0:
                     rounds.append(seconds)
-                    for index, taken in enumerate(seconds):
+                    for index, taken in seconds.items():
                         relative[index].append(taken / middle)
-                    if _settled(relative, rounds):
+                    racing = _still_racing(relative, rounds, racing)
+                    if len(racing) == 1:
                         break
     finally:
         if collecting:
@@ -80,19 +83,22 @@ def time_plans(
     return [statistics.median(r) if r else 1.0 for r in relative]
 
 
-def _settled(relative: list[list[float]], rounds: list[list[float]]) -> bool:
-    """Whether the plan of least median so far beat every other in enough rounds (the sign
-    test: a fair coin wins that many of them with a chance of at most ``_SURE``)."""
-    medians = [statistics.median(r) for r in relative]
-    best = medians.index(min(medians))
-    count = len(rounds)
-    for other in range(len(relative)):
-        if other == best:
-            continue
-        wins = sum(seconds[best] < seconds[other] for seconds in rounds)
-        if sum(math.comb(count, k) for k in range(wins, count + 1)) / 2**count > _SURE:
-            return False
-    return True
+def _still_racing(
+    relative: list[list[float]], rounds: list[dict[int, float]], racing: list[int]
+) -> list[int]:
+    """The plans of ``racing`` that the one of least median so far has not yet beaten in so
+    many of the rounds both ran that a fair coin would win that many with a chance of at most
+    ``_SURE`` (the sign test)."""
+    best = min(racing, key=lambda index: statistics.median(relative[index]))
+    kept = []
+    for other in racing:
+        both = [r for r in rounds if other in r and best in r]
+        wins = sum(r[best] < r[other] for r in both)
+        count = len(both)
+        tail = sum(math.comb(count, k) for k in range(wins, count + 1)) / 2**count
+        if other == best or tail > _SURE:
+            kept.append(other)
+    return kept
 
 
 def _step(
