@@ -222,29 +222,28 @@ NOTE [Planner model]
           decoder and the tiny Llama of ``benchmarks/planner.py`` this is what stood between
           the plans and the compiler's FLOPs (one block boundary, 256 KiB, at each budget).
   Rule 23. Timed candidates (``objective="time"``, ``trials.py``). Two prices of the
-          prediction are the least sure: the selective policy's per-op cost (Rule 13, one
-          noisy number per profile: 8-46 us per op on W2 over profiles) and what a
-          checkpointed region costs beyond its ops, which the model does not price at all (on
-          W2 on CPU 1.0-1.6 ms per block in a four-block model, 0-0.5 ms for a block alone;
-          RESULTS.md, "the default objective at 30 %"). So the planner also solves with the
-          policy's price halved and doubled, and with a quarter of each region's forward time
-          charged for checkpointing it (``RegionChoices.frame_seconds``: in the cost the
-          solver minimizes, never in the predicted seconds), and the charge with the price
-          halved; every plan is priced as measured whatever drew it. Where that gives more
-          than one distinct plan, each is applied and timed on the model (``trials.py``): every
-          plan once a round, the order turned, a warm-up round first, garbage collected between
-          rounds and never during a step, each step divided by its round's mean (a slow spell
-          of a shared machine hits all alike). A plan leaves the race once the one of least
-          median so far beat it in so many of the rounds both ran that a coin would have done
-          it with a chance below 1 % (a sign test: seven rounds at the least); the rounds end
-          when one is left, or after ``timing_steps``. The fastest is returned, with the
-          timings (``ActivationPlan.timed``). On W2 at budget 0.3 (three candidates, 40
-          rounds: medians 75.8, 83.5 and 80.5 ms), windows of 8 rounds divided by the round's
-          median named the fastest in 95 % of 400 resampled windows, 5 rounds undivided in
-          85 %; with 5 undivided rounds `planner.py --ab` still found the 30 % plan 2.8 %
-          slower, with this rule 1.002-1.007 (RESULTS.md). The model, ``.grad`` and the RNG
-          states are left as found (Rule 8); no plan stays applied, whatever a step raises.
-          ``timing_steps=0`` takes the prediction as it is.
+          prediction are the least sure: the selective policy's per-op cost (Rule 13, one noisy
+          number per profile: 8-46 us per op on W2 over profiles) and what a checkpointed region
+          costs beyond its ops, which the model does not price at all (on W2 on CPU 1.0-1.6 ms per
+          block in a four-block model, 0-0.5 ms for a block alone; RESULTS.md, "the default
+          objective at 30 %"). So the planner also solves with the policy's price halved and
+          doubled, and with a quarter of each region's forward time charged for checkpointing it
+          (``RegionChoices.frame_seconds``: in the cost the solver minimizes, never in the predicted
+          seconds), and the charge with the price halved; every plan is priced as measured whatever
+          drew it. Where that gives more than one distinct plan, each is applied and timed on the
+          model (``trials.py``): every plan once a round, the order turned, a warm-up round first,
+          the garbage collector off (its youngest generation collected between rounds), each step
+          divided by its round's mean (a slow spell of a shared machine hits all alike). A plan
+          leaves the race once the one of least median so far beat it in so many of the rounds both
+          ran that a coin would have done it with a chance below 1 % (a sign test: seven rounds at
+          the least); the rounds end when one is left, or after ``timing_steps``. The fastest is
+          returned, with the timings (``ActivationPlan.timed``). On W2 at budget 0.3 (three
+          candidates, 40 rounds: medians 75.8, 83.5 and 80.5 ms), windows of 8 rounds divided by the
+          round's median named the fastest in 95 % of 400 resampled windows, 5 rounds undivided in
+          85 %; with 5 undivided rounds `planner.py --ab` still found the 30 % plan 2.8 % slower,
+          with this rule 1.002-1.007 (RESULTS.md). The model, ``.grad`` and the RNG states are left
+          as found (Rule 8); no plan stays applied, whatever a step raises. ``timing_steps=0`` takes
+          the prediction as it is.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

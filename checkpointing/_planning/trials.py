@@ -36,16 +36,17 @@ def time_plans(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     steps: int,
 ) -> list[float]:
-    """Per plan, its step time relative to the others: over at most ``steps`` rounds, the median
-    of its forward+backward step's seconds divided by the round's mean over the plans that ran
-    in it. Every round runs every plan still in the race once, the order turned by one each
-    round, after a warm-up round not counted and a garbage collection (none runs during a
-    step). Dividing by the round's mean takes out what a slow spell of a shared machine does to
-    all alike. A plan leaves the race once the fastest so far was faster than it in so many
-    rounds that a coin would have done it with a chance below ``_SURE`` (a sign test; seven
-    rounds at the least); the rounds end when one is left. Gradients go nowhere
-    (``autograd.grad``); the model, ``.grad`` and the RNG states are left as they were (Rule
-    8), and no plan is left applied."""
+    """Per plan, its step time relative to the others: over at most ``steps`` rounds, the median of
+    its forward+backward step's seconds divided by the round's mean over the plans that ran in
+    it. Every round runs every plan still in the race once, the order turned by one each round,
+    after a warm-up round not counted. The garbage collector is off during the race (none runs
+    in a step); its youngest generation is collected between rounds (a full collection of a
+    large process costs more than a small model's round). Dividing by the round's mean takes out
+    what a slow spell of a shared machine does to all alike. A plan leaves the race once the
+    fastest so far was faster than it in so many rounds that a coin would have done it with a
+    chance below ``_SURE`` (a sign test; seven rounds at the least); the rounds end when one is
+    left. Gradients go nowhere (``autograd.grad``); the model, ``.grad`` and the RNG states are
+    left as they were (Rule 8), and no plan is left applied."""
     inputs = list(tensors((args, kwargs)))
     wrt = [p for p in model.parameters() if p.requires_grad] + [
         t for t in inputs if t.requires_grad
@@ -60,7 +61,7 @@ def time_plans(
     try:
         with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
             for round_ in range(1 + steps):
-                gc.collect()
+                gc.collect(0)
                 seconds: dict[int, float] = {}
                 turn = round_ % len(racing)
                 for index in racing[turn:] + racing[:turn]:
