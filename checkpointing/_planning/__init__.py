@@ -241,7 +241,7 @@ NOTE [Planner model]
           candidates, 40 rounds: medians 75.8, 83.5 and 80.5 ms), windows of 8 rounds divided by the
           round's median named the fastest in 95 % of 400 resampled windows, 5 rounds undivided in
           85 %; with 5 undivided rounds `planner.py --ab` still found the 30 % plan 2.8 % slower,
-          with this rule 1.002-1.007 (RESULTS.md). The model, ``.grad`` and the RNG states are left
+          with this rule 0.999-1.007 (RESULTS.md). The model, ``.grad`` and the RNG states are left
           as found (Rule 8); no plan stays applied, whatever a step raises. ``timing_steps=0`` takes
           the prediction as it is.
 
