@@ -545,6 +545,17 @@ def all_choices(problem: Problem):
     return itertools.product(*per_region)
 
 
+def least_per_budget(problem: Problem, measure: Callable[[Problem, Any], float]):
+    """Per budget from the floor to the plain run's bytes: (budget, the least ``measure`` over
+    every choice that fits it), by brute force."""
+    choices = list(all_choices(problem))
+    plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
+    floor = solve(problem, plain).floor_bytes
+    for budget in range(floor, plain + 1):
+        fitting = (c for c in choices if kept_bytes(problem, c) <= budget)
+        yield budget, min(measure(problem, c) for c in fitting)
+
+
 def shared_storages(problem: Problem) -> bool:
     """Whether two regions may keep one storage (then the additive byte model overcounts)."""
     seen: set[int] = set()
@@ -616,13 +627,7 @@ def test_solver_with_policy_cost_is_near_brute_force(problem: Problem, policy: f
         problem,
         regions=tuple(dataclasses.replace(r, policy_seconds=policy) for r in problem.regions),
     )
-    choices = list(all_choices(problem))
-    plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
-    floor = solve(problem, plain).floor_bytes
-    for budget in range(floor, plain + 1):
-        best = min(
-            recompute_seconds(problem, c) for c in choices if kept_bytes(problem, c) <= budget
-        )
+    for budget, best in least_per_budget(problem, recompute_seconds):
         solution = solve(problem, budget)
         assert solution.kept_bytes == kept_bytes(problem, solution.choices) <= budget
         assert solution.recompute_seconds >= best - 1e-12

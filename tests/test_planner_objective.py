@@ -20,8 +20,8 @@ from hypothesis import given
 from strategies import planner_problems
 from test_planner import (
     TinyLlama,
-    all_choices,
     grads_of,
+    least_per_budget,
     llama_loss,
     loss_of,
     measured,
@@ -182,15 +182,7 @@ def test_flops_objective_is_the_brute_force_optimum(problem: Problem) -> None:
         ),
         objective=Objective(seconds=1e-6, flops=1.0),
     )
-    choices = list(all_choices(problem))
-    plain = solver.kept_bytes(problem, [solver.Choice(False)] * len(problem.regions))
-    floor = solve(problem, plain).floor_bytes
-    for budget in range(floor, plain + 1):
-        best = min(
-            solver.recompute_flops(problem, c)
-            for c in choices
-            if solver.kept_bytes(problem, c) <= budget
-        )
+    for budget, best in least_per_budget(problem, solver.recompute_flops):
         answer = solve(problem, budget)
         assert answer.kept_bytes <= budget
         assert answer.recompute_flops >= best

@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import planner_problems
-from test_planner import all_choices, grads_of, measured, shared_storages, transformer
+from test_planner import grads_of, least_per_budget, measured, shared_storages, transformer
 from torch import nn
 
 from checkpointing import plan_checkpointing
@@ -47,15 +47,7 @@ def test_a_frame_charge_is_minimized_exactly_and_never_predicted(
             for r, c in zip(problem.regions, charges, strict=False)
         ),
     )
-    choices = list(all_choices(problem))
-    plain = solver.kept_bytes(problem, [solver.Choice(False)] * len(problem.regions))
-    floor = solve(problem, plain).floor_bytes
-    for budget in range(floor, plain + 1):
-        best = min(
-            solver.recompute_cost(problem, c)
-            for c in choices
-            if solver.kept_bytes(problem, c) <= budget
-        )
+    for budget, best in least_per_budget(problem, solver.recompute_cost):
         answer = solve(problem, budget)
         charged = sum(
             r.frame_seconds

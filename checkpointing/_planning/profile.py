@@ -533,11 +533,7 @@ def profile_step(
         for t in (*model.parameters(), *model.buffers(), *inputs)
         if (key := _storage_key(t)) is not None
     }
-    wrt = [p for p in model.parameters() if p.requires_grad] + [
-        t for t in inputs if t.requires_grad
-    ]
-    device = next((t.device for t in (*model.parameters(), *inputs)), torch.device("cpu"))
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else None
+    wrt, device, synchronize = step_setting(model, inputs)
     steps = []
     # Rule 8: the profiled steps train, so grad is on whatever the caller's mode (restored after).
     with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
@@ -554,6 +550,18 @@ def profile_step(
                 model, regions, args, kwargs, profile, policy_modes, synchronize
             )
     return profile
+
+
+def step_setting(
+    model: nn.Module, inputs: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.device, Callable[[], None] | None]:
+    """What a measured step of ``model`` on ``inputs`` differentiates (the parameters and the
+    inputs that require grad), its device, and how to wait for that device (None on CPU)."""
+    wrt = [p for p in model.parameters() if p.requires_grad] + [
+        t for t in inputs if t.requires_grad
+    ]
+    device = next((t.device for t in (*model.parameters(), *inputs)), torch.device("cpu"))
+    return wrt, device, torch.cuda.synchronize if device.type == "cuda" else None
 
 
 def _plain_peak(

@@ -17,7 +17,7 @@ from typing import Any, Final, Protocol
 import torch
 from torch import nn
 
-from .profile import default_loss, tensors, untouched
+from .profile import default_loss, step_setting, tensors, untouched
 
 _SURE: Final = 0.01  # the sign test's level for stopping early
 
@@ -48,11 +48,7 @@ def time_plans(
     left. Gradients go nowhere (``autograd.grad``); the model, ``.grad`` and the RNG states are
     left as they were (Rule 8), and no plan is left applied."""
     inputs = list(tensors((args, kwargs)))
-    wrt = [p for p in model.parameters() if p.requires_grad] + [
-        t for t in inputs if t.requires_grad
-    ]
-    device = next((t.device for t in (*model.parameters(), *inputs)), torch.device("cpu"))
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else None
+    wrt, _device, synchronize = step_setting(model, inputs)
     relative: list[list[float]] = [[] for _ in plans]
     rounds: list[dict[int, float]] = []
     racing = list(range(len(plans)))
