@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import reduce
 from typing import Final, Literal
 
@@ -586,7 +586,8 @@ def region_options(problem: Problem, index: int, fronts: _Fronts | None = None) 
     columns = _with_draws(problem, region, (nbytes, cost, seconds, flops, point))
     nbytes, cost, seconds, flops, point, draws = columns
     nbytes = torch.cat([torch.tensor([_bytes(problem, region.saved)]), nbytes])
-    cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), cost])
+    charge = objective.cost(region.frame_seconds, 0)  # Rule 23
+    cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), cost + charge])
     seconds = torch.cat([torch.tensor([0.0], dtype=torch.float64), seconds])
     flops = torch.cat([torch.tensor([0]), flops])
     point = torch.cat([torch.tensor([_PLAIN]), point])
@@ -615,7 +616,8 @@ def _replay_options(
             settled.nbytes + _bytes(problem, region.inputs),
         ]
     )
-    cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), settled.cost])
+    charge = problem.objective.cost(region.frame_seconds, 0)  # Rule 23
+    cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), settled.cost + charge])
     seconds = torch.cat([torch.tensor([0.0], dtype=torch.float64), settled.seconds])
     flops = torch.cat([torch.tensor([0]), settled.flops])
     point = torch.cat([torch.tensor([_PLAIN]), settled.point])
@@ -858,12 +860,6 @@ def _pareto(nbytes: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
 # -- across regions: the multiple-choice knapsack --------------------------------------------
 
 
-def _charged(options: _Options, charge: float) -> _Options:
-    """Rule 23: ``options`` with ``charge`` added to the cost of each checkpointed one (plain is
-    the last and cheapest, so the order stays fewest bytes, costliest first)."""
-    return replace(options, cost=options.cost + charge * (options.point != _PLAIN))
-
-
 class _Table:
     """Rule 17: the least cost at every byte step of the additive count, region by region, with
     back-pointers to read the options back."""
@@ -953,10 +949,6 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
     choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
     fronts = _Fronts()
     options = [region_options(problem, i, fronts) for i in range(len(problem.regions))]
-    options = [
-        _charged(o, problem.objective.cost(r.frame_seconds, 0)) if r.frame_seconds else o
-        for o, r in zip(options, problem.regions, strict=True)
-    ]
     lowest = [o.choice(0) for o in options]
     plain = [Choice(False)] * len(options)
     baseline = kept_bytes(problem, plain)
