@@ -3,8 +3,8 @@
 ``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
 region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22);
 ``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs; the CPU allocator's peak is
-read through ``_compat``); ``solver.py`` chooses.
-The rules below are shared by all of them.
+read through ``_compat``); ``solver.py`` chooses; ``trials.py`` times candidate plans on the
+model (Rule 23). The rules below are shared by all of them.
 
 NOTE [Planner model]
   Rule 1. Bytes are storages: a tensor kept for backward costs its whole storage, once, however
