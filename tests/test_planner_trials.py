@@ -37,8 +37,9 @@ def _unit(index: int, storage: int) -> Unit:
     return Unit(("aten.mm.default", index), 0.0, (storage,))
 
 
-# Checkpointing the second region recomputes nothing but pays its charge: without the charge the
-# solver may take it at budget 6 (it ties with keeping the region), with it must not.
+# Checkpointing the second region recomputes nothing but pays its charge, so at budget 6 it must
+# stay plain. Charged after its options were pruned, it could not: plain, with more bytes at the
+# same (zero) cost, had been pruned already.
 _TIPPED = Problem(
     (
         RegionChoices(frozenset({0, 1}), frozenset({0}), 0.0, (_unit(0, 1), _unit(1, 2))),
