@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from compile_support import COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
 from hf_support import tiny_llama
 from test_leaks import gc_disabled  # noqa: F401  (a fixture)
@@ -141,11 +142,33 @@ class CountedEmbedding(TinyLlama):
         return super().forward(tokens)
 
 
+class NormedEmbedding(TinyLlama):
+    """The head batch-normalizes its embedding with running statistics: in training, batch norm
+    writes them (buffers) though its schema does not mark them as written. (``nn.BatchNorm1d``
+    would also bump ``num_batches_tracked`` with a marked ``add_``; this does not.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(32))
+        self.register_buffer("var", torch.ones(32))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        angles = torch.outer(torch.arange(tokens.shape[1]).float(), inv).repeat(1, 2)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.embed(tokens).transpose(1, 2)
+        x = F.batch_norm(x, self.mean, self.var, training=self.training).transpose(1, 2)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
 @pytest.mark.usefixtures("gc_disabled")
 def test_rule22_a_head_writing_its_own_tensor_is_recorded_one_writing_a_buffer_is_not() -> None:
     """An in-place op refuses the head only where what it writes is not the head's own: a
     parameter read by ``mul_`` does not (the head is recorded, gradients bitwise equal to the
-    plain run's, bytes as predicted); a buffer written by ``add_`` does."""
+    plain run's, bytes as predicted); a buffer written by ``add_`` does, and so do batch norm's
+    running statistics, which its schema does not mark as written."""
     torch.manual_seed(0)
     model, x = ScaledEmbedding(), tokens()
     plain = grads_of(model, x, llama_loss)
@@ -158,6 +181,10 @@ def test_rule22_a_head_writing_its_own_tensor_is_recorded_one_writing_a_buffer_i
     torch.manual_seed(0)
     counted = CountedEmbedding()
     assert "head" not in {s.kind for s in low_plan(counted, x).spans}
+    torch.manual_seed(0)
+    normed = NormedEmbedding()
+    assert "head" in {s.kind for s in low_plan(normed.eval(), x).spans}  # reads its statistics
+    assert "head" not in {s.kind for s in low_plan(normed.train(), x).spans}  # writes them
 
 
 class KeywordAngles(TinyLlama):

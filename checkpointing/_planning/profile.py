@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from .._scope.ops import written_tensors
 from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
 from .._state import ForwardState
 from .flops import op_flops
@@ -310,7 +311,12 @@ class _Step:
         random = draws_random(func, args, kwargs)
         writes = not random and _compat.op_mutates_inputs(func)
         if self.span is not None:
-            written = _written(func, args, kwargs, arguments) if writes else []
+            # Every argument of an op without a schema (a higher-order one) counts as written.
+            written = (
+                written_tensors(func, args, kwargs)
+                if isinstance(func, _compat.OpOverload)
+                else arguments
+            )
             activations = [self.activation(t) for t in arguments]
             self.span.record(
                 seconds, flops, fresh, activations, random, [self.activation(t) for t in written]
@@ -358,20 +364,6 @@ class _Step:
             self.outside.add(storage)
             if self.returned:
                 self.late.add(storage)
-
-
-def _written(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], arguments: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """The tensors an op writes: the arguments its schema marks as written (``self`` of an
-    in-place op, ``out``); every argument of an op without a schema (a higher-order one)."""
-    if not isinstance(func, _compat.OpOverload):
-        return arguments
-    marked = [
-        args[position] if position < len(args) else kwargs.get(name)
-        for position, name in _compat.written_arguments(func)
-    ]
-    return list(tensors(marked))
 
 
 class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
@@ -564,6 +556,21 @@ def step_setting(
     return wrt, device, torch.cuda.synchronize if device.type == "cuda" else None
 
 
+def plain_step(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    wrt: list[torch.Tensor],
+) -> None:
+    """One forward, loss and backward; the gradients go nowhere (``autograd.grad``) and are
+    dropped at the step's end."""
+    output = model(*args, **kwargs)
+    loss = default_loss(output) if loss_fn is None else loss_fn(output)
+    del output
+    torch.autograd.grad(loss, wrt, allow_unused=True)
+
+
 def _plain_peak(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -576,11 +583,7 @@ def _plain_peak(
     gradients kept to its end), above what it held before; 0 on devices it cannot read."""
 
     def run() -> None:
-        output = model(*args, **kwargs)
-        loss = default_loss(output) if loss_fn is None else loss_fn(output)
-        del output
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-        del loss, grads
+        plain_step(model, args, kwargs, loss_fn, wrt)
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)

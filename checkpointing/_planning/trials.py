@@ -17,7 +17,7 @@ from typing import Any, Final, Protocol
 import torch
 from torch import nn
 
-from .profile import default_loss, step_setting, tensors, untouched
+from .profile import plain_step, step_setting, tensors, untouched
 
 _SURE: Final = 0.01  # the sign test's level for stopping early
 
@@ -106,13 +106,11 @@ def _step(
     wrt: list[torch.Tensor],
     synchronize: Callable[[], None] | None,
 ) -> float:
+    """The seconds of one ``plain_step`` (the device synchronized around it)."""
     if synchronize is not None:
         synchronize()
     start = time.perf_counter()
-    output = model(*args, **kwargs)
-    loss = default_loss(output) if loss_fn is None else loss_fn(output)
-    del output
-    torch.autograd.grad(loss, wrt, allow_unused=True)
+    plain_step(model, args, kwargs, loss_fn, wrt)
     if synchronize is not None:
         synchronize()
     return time.perf_counter() - start

@@ -176,12 +176,28 @@ def _written_ids(
     kwargs: dict[str, Any],
 ) -> set[int]:
     """Ids of the tensors an op writes: schema-marked arguments plus hidden writes."""
-    ids: set[int] = set()
+    return {id(t) for t in _written_tensors(written, hidden_writes, args, kwargs)}
+
+
+def _written_tensors(
+    written: tuple[tuple[int, str], ...],
+    hidden_writes: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Iterator[torch.Tensor]:
     for position, name in written:
         value = args[position] if position < len(args) else kwargs.get(name)
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(tensor, torch.Tensor):
-                ids.add(id(tensor))
+                yield tensor
     if hidden_writes and len(args) > 5 and args[5] is True:
-        ids.update(id(t) for t in args[3:5] if isinstance(t, torch.Tensor))
-    return ids
+        yield from (t for t in args[3:5] if isinstance(t, torch.Tensor))
+
+
+def written_tensors(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in this call: the arguments its schema marks as written, and
+    batch norm's running statistics in training mode (which it does not mark)."""
+    facts = _op_facts.get(id(func)) or _learn_facts(func)
+    return list(_written_tensors(facts[1], facts[4], args, kwargs))
