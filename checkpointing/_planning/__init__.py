@@ -217,8 +217,10 @@ NOTE [Planner model]
           the spans recorded (at most four problems) and takes the cheapest that fits; the
           floor is the lowest. A span is not offered where it draws random numbers (its tape
           would keep an RNG state per draw, uncounted), writes in place a tensor it did not
-          make (an argument the op's schema marks as written: a parameter, a buffer, an
-          earlier activation), or frees nothing; nor with a ``regions`` predicate. On the
+          make (an argument the op's schema marks as written, or batch norm's running
+          statistics in training, which it does not mark, as the scope's tape counts them: a
+          parameter, a buffer, an earlier activation), or frees nothing; nor with a
+          ``regions`` predicate. On the
           decoder and the tiny Llama of ``benchmarks/planner.py`` this is what stood between
           the plans and the compiler's FLOPs (one block boundary, 256 KiB, at each budget).
   Rule 23. Timed candidates (``objective="time"``, ``trials.py``). Two prices of the
