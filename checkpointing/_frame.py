@@ -68,7 +68,7 @@ import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
-from typing import Any, Final, Protocol, Self
+from typing import Any, Final, NoReturn, Protocol, Self
 
 import torch
 
@@ -109,6 +109,7 @@ __all__ = [
     "early_stop_enabled",
     "run_generator",
     "set_checkpoint_early_stop",
+    "stop_recompute",
     "unpack_holder",
 ]
 
@@ -231,6 +232,13 @@ class _StopRecompute(BaseException):
 
     A ``BaseException`` so that a user's ``except Exception`` inside the region cannot swallow
     it (torch uses ``Exception`` and can be defeated that way)."""
+
+
+def stop_recompute() -> NoReturn:
+    """End the running recompute here, as early stop would: a region that ``end_at`` ended
+    before a child ends its re-run there too (NOTE [Module checkpoint hooks], Rule 7); the
+    holders must all be filled by then, as the count check after it verifies."""
+    raise _StopRecompute
 
 
 @_compat.disable_dynamo

@@ -27,6 +27,12 @@ NOTE [Module checkpoint hooks]
           while dynamo traces, hands that call to torch's checkpoint with the same options. It
           holds the module weakly (no cycle); pickling and ``copy.deepcopy`` rebuild it on the
           copy. ``remove_checkpoint_module`` puts back what was there.
+  Rule 7. The planner may end a module's region early, at the start of a child it calls last
+          (``end_at``: a post-norm block's final norm, NOTE [Planner model], Rule 24): the
+          child's pre-hook ends the generator the module's own pre-hook started in this call,
+          and the module's forward hook then finds it ended. The recompute re-runs the module's
+          forward and ends before the child (early stop, or the child's pre-hook where early
+          stop is off); a call that never reaches the child ends at the module's end as usual.
 
 Rejected: torch's ``_no_hook`` as a ``context_fn`` wrapper around the user's recompute context: it
 makes every ``context_fn`` non-default, so ``debug=True`` can never be used (torch raises). We
@@ -41,15 +47,16 @@ import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Final
 
+import torch
 from torch import nn
 
 from . import _compat, _compiled
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
-from ._frame import checkpoint_without_reentrant_generator_impl
+from ._frame import checkpoint_without_reentrant_generator_impl, stop_recompute
 from ._state import ContextFn, noop_context_fn, state_hooks_from
 
-__all__ = ["checkpoint_module", "is_module_checkpointed", "remove_checkpoint_module"]
+__all__ = ["checkpoint_module", "end_at", "is_module_checkpointed", "remove_checkpoint_module"]
 
 _OPTIONS: Final = (
     "preserve_rng_state",
@@ -107,7 +114,8 @@ class _ModuleCheckpoint:
         # Rule 6: what torch's region gets while dynamo traces.
         context_fn = _compiled.traceable_context_fn(options["context_fn"])
         self.traced_options = {**options, "context_fn": context_fn}
-        self.open: dict[int, list[Generator[None, None, None]]] = {}
+        # Per thread, the open calls' generators; None where ``end_at`` ended one (Rule 7).
+        self.open: dict[int, list[Generator[None, None, None] | None]] = {}
         self.recomputing: dict[int, int] = {}  # thread -> depth of re-runs in progress (Rule 3)
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -144,8 +152,31 @@ class _ModuleCheckpoint:
         gen = stack.pop()
         if not stack:
             del self.open[thread]  # Rule 2: nothing of a finished call stays
-        for _ in gen:
-            internal_error("the frame generator yielded twice")
+        if gen is not None:  # None: ended at a child's start (Rule 7)
+            _finish(gen)
+
+    def end_early(self, *_hook_args: object) -> None:
+        """Rule 7: a child's pre-hook: end the region of the module's running call here."""
+        if _compiled.compiling():
+            return  # Rule 6
+        self._end_early()
+
+    @_compat.skip_dynamo_in_code
+    def _end_early(self) -> None:
+        thread = threading.get_ident()
+        if self.recomputing.get(thread):
+            stop_recompute()  # Rule 7: the re-run ends where the forward's region ended
+        stack = self.open.get(thread)
+        if not stack or stack[-1] is None:
+            return  # not started, or ended at an earlier call of the child
+        gen, stack[-1] = stack[-1], None
+        _finish(gen)
+
+
+def _finish(gen: Generator[None, None, None]) -> None:
+    """The generator's second ``next()``: pop the frame's hooks and check the forward."""
+    for _ in gen:
+        internal_error("the frame generator yielded twice")
 
 
 class _Rerun:
@@ -290,6 +321,15 @@ def checkpoint_module(
     module.register_forward_hook(state.forward_hook, prepend=True, always_call=True)
     module.forward = _CheckpointedForward(module, module.__dict__.get("forward"), state)  # Rule 6
     return module
+
+
+def end_at(module: nn.Module, child: nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """Rule 7: end ``module``'s region (installed by ``checkpoint_module``) at the start of
+    ``child``, a module it calls last; the handle removes the hook. For the planner."""
+    state = _installed(module)
+    if state is None:
+        internal_error("end_at on a module that checkpoint_module has not installed")
+    return child.register_forward_pre_hook(state.end_early, prepend=True)
 
 
 def remove_checkpoint_module(module: nn.Module) -> nn.Module:

@@ -89,7 +89,7 @@ def test_rule22_spans_pay_off_against_the_plan_without_them() -> None:
     floors = [solve(problem, 0).floor_bytes for _, problem in variants]
     assert min(floors[1:]) < floors[0]
     budget = int(1.1 * floors[0])
-    index, chosen = plan_module._cheapest(variants, budget)
+    index, chosen = plan_module._cheapest([problem for _, problem in variants], budget)
     spans, problem = variants[index]
     assert spans
     cost = recompute_cost(problem, chosen.choices)

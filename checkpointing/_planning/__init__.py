@@ -1,7 +1,8 @@
 """Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
 
 ``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
-region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22);
+region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22) and the
+blocks' trails (Rule 24);
 ``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs; the CPU allocator's peak is
 read through ``_compat``); ``solver.py`` chooses; ``trials.py`` times candidate plans on the
 model (Rule 23). The rules below are shared by all of them.
@@ -212,10 +213,12 @@ NOTE [Planner model]
           counts it so. A model call under ``no_grad``, in a recompute or inside a
           checkpoint's frame (the whole planned model checkpointed again) records no span:
           that frame must see every save, in forward and in recompute alike. A recorded span
-          pays its replay and its recording (per op, priced as the selective modes: over,
-          never under). The solver solves the step with each subset of
-          the spans recorded (at most four problems) and takes the cheapest that fits; the
-          floor is the lowest. A span is not offered where it draws random numbers (its tape
+          pays its replay and its recording: per op, priced as the selective modes, and per
+          call what a scope and its session cost beyond that (``spans.span_call_seconds``,
+          measured once per process: about 0.25 ms on this CPU; without it a W2 trail was
+          priced at 0.06 ms and three cost 1.3-1.9 ms a step, Rule 24). The solver solves
+          the step with each subset of the spans recorded (at most four problems) and takes
+          the cheapest that fits; the floor is the lowest. A span is not offered where it draws random numbers (its tape
           would keep an RNG state per draw, uncounted), writes in place a tensor it did not
           make (an argument the op's schema marks as written, or batch norm's running
           statistics in training, which it does not mark, as the scope's tape counts them: a
@@ -246,6 +249,31 @@ NOTE [Planner model]
           with this rule 0.999-1.007 (RESULTS.md). The model, ``.grad`` and the RNG states are left
           as found (Rule 8); no plan stays applied, whatever a step raises. ``timing_steps=0`` takes
           the prediction as it is.
+  Rule 24. Trails. A post-norm block ends by calling its final norm on a residual sum
+          (``norm2(h + ff)``), and the next block's frame keeps the norm's output as its input;
+          a plan that keeps the sum, to skip the matmul behind it, kept that boundary twice,
+          where torch.compile's partitioner keeps the sum and remakes the norm. The profile
+          notes per block (blocks only, one call per step) the child module it calls last:
+          once, with no op after it, its output the block's; and what the block had saved, and
+          its early stop (Rule 16), when the child started (``profile.Trail``). The plan may
+          record every block's such child as a trail, all of them or none (beside the head and
+          tail subsets: at most eight problems): the block's region ends where the child
+          starts (``end_at``: its frame ends in the child's pre-hook, and its recompute there
+          too, by early stop or, where early stop is off, by that hook; NOTE [Module checkpoint
+          hooks], Rule 7), and a ``gradient_checkpoint_scope`` records the child as a span
+          (Rule 22): what it makes (the next block's input, the norm's statistics) is kept
+          nowhere, what it reads (the sum) is kept by its tape, its replay and its recording
+          are paid. The region's problem is the profile cut at the child: its ops, saves and
+          early stop as they were then. A trail none of whose storages anyone else keeps (the
+          last block's, whose output only the loss reads) is left out; so is one that draws
+          random numbers or writes what it did not make (Rule 22's conditions). Pre-norm blocks
+          (a Llama's, GPT-2's, a ViT's) end in a residual add, not a child call: no trail. On
+          W2 at the compiler's 0.2 budget a plan recomputes 1.074 GFLOP against the compiler's
+          1.107 (1.174 before), at the same bytes (RESULTS.md). With ``objective="time"`` the
+          cheapest plan without trails is one more candidate of Rule 23's race where the
+          prediction chose trails (their machinery is priced per call, Rule 22, but a W2 step
+          is where a 1 % error shows). Under ``torch.compile`` the blocks are torch's regions,
+          whole: the end hook returns at once while dynamo traces.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

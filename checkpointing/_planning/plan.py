@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import _compat
 from .._errors import describe_value
-from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
+from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
 from .._selective import (
     SKIP_IN_REPLAY,
     CheckpointPolicy,
@@ -48,7 +48,7 @@ from .solver import (
     skipped,
     solve,
 )
-from .spans import SpanCost, SpanHooks, SpanKind, span_problems
+from .spans import SpanCost, SpanHooks, SpanKind, span_call_seconds, span_problems
 from .trials import time_plans
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]
@@ -100,7 +100,9 @@ class RegionDecision:
 class SpanDecision:
     """Code around the blocks that the plan records and recomputes in backward (Rule 22): the
     ``"head"`` from the model's start to the start of module ``last`` (``first`` is ``""``, the
-    model), or the ``"tail"`` from the start of module ``first`` to the end of module ``last``."""
+    model), or the ``"tail"`` from the start of module ``first`` to the end of module ``last``;
+    or a ``"trail"``: module ``last``, the child region ``first`` calls last, whose frame ends
+    where it starts (Rule 24)."""
 
     kind: SpanKind
     first: str
@@ -112,12 +114,14 @@ class SpanDecision:
         """Where it starts and ends, for the table."""
         if self.kind == "head":
             return f"head: the model's start to {self.last}'s, recorded and recomputed"
+        if self.kind == "trail":
+            return f"trail: {self.last}, recorded and recomputed ({self.first} ends before it)"
         return f"tail: {self.first}'s start to {self.last}'s end, recorded and recomputed"
 
 
 _MSG_SPAN = (
     "checkpointing.ActivationPlan.apply: the plan records a span ({kind!r}) bounded by module "
-    "{name!r}, which the model does not have (or the kind is neither 'head' nor 'tail'). Fix: "
+    "{name!r}, which the model does not have (or the kind is not 'head', 'tail' or 'trail'). Fix: "
     "apply the plan to the model it was made for, or plan this model again."
 )
 _MSG_BUDGET_TYPE = (
@@ -299,25 +303,47 @@ def plan_checkpointing(
         named += tail
     profile = profile_step(model, named, args, kwargs, loss_fn, _RegionContexts({}), tail=len(tail))
     forward = [sum(op.seconds for op in r.ops) * r.calls for r in profile.regions]
+    weights = profile.objective(objective)  # one weighing for every variant: costs compare
+    trailed = profile.trailed() if regions is None else None  # Rule 24
 
-    def variants_at(scale: float, frame: float) -> list[tuple[tuple[SpanCost, ...], Problem]]:
-        """The problem and its span variants (Rule 22) with the selective policy's per-op cost
-        scaled by ``scale`` and ``frame`` of a region's forward time charged for checkpointing
-        it (Rule 23)."""
+    def variants_at(scale: float, frame: float) -> list[_Variant]:
+        """The problem and its span variants (Rules 22 and 24) with the selective policy's
+        per-op cost scaled by ``scale`` and ``frame`` of a region's forward time charged for
+        checkpointing it (Rule 23)."""
         policy = profile.policy_seconds_per_op * scale
-        base = profile.problem(policy, profile.objective(objective))
-        if frame:
-            charged = zip(base.regions, forward, strict=True)
-            base = replace(
-                base, regions=tuple(replace(r, frame_seconds=frame * f) for r, f in charged)
-            )
+
+        def base_of(step: StepProfile) -> Problem:
+            base = step.problem(policy, weights)
+            if frame:
+                charged = zip(base.regions, forward, strict=True)
+                base = replace(
+                    base, regions=tuple(replace(r, frame_seconds=frame * f) for r, f in charged)
+                )
+            return base
+
         if regions is not None:
-            return [((), base)]
-        spans = range(len(named) - len(tail), len(named))
-        return span_problems(base, profile.spans, spans, policy, frozenset(profile.late))
+            return [((), base_of(profile), profile)]
+        ends = range(len(named) - len(tail), len(named))
+        late = frozenset(profile.late)
+        call = span_call_seconds()
+        found = [
+            (costs, problem, profile)
+            for costs, problem in span_problems(
+                base_of(profile), profile.spans, ends, policy, late, call_seconds=call
+            )
+        ]
+        if trailed is not None:
+            step, trails = trailed
+            found += [
+                (costs, problem, step)
+                for costs, problem in span_problems(
+                    base_of(step), profile.spans, ends, policy, late, trails, call
+                )
+            ]
+        return found
 
     variants = variants_at(1.0, 0.0)
-    first = [solve(problem, 0) for _, problem in variants]
+    first = [solve(problem, 0) for _, problem, _ in variants]
     baseline, floor = first[0].baseline_bytes, min(f.floor_bytes for f in first)
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
     if budget_bytes < floor:
@@ -329,11 +355,17 @@ def plan_checkpointing(
     frontier = _pareto_front([p for f in first for p in f.frontier])
     perturbed = _PERTURBED if objective == "time" and timing_steps else ()
     plans: dict[tuple[int, tuple[Choice, ...]], ActivationPlan] = {}
-    for scale, frame in ((1.0, 0.0), *perturbed):
-        index, found = _cheapest(variants_at(scale, frame), budget_bytes)
+    draws = [(1.0, 0.0, True), *((scale, frame, True) for scale, frame in perturbed)]
+    if perturbed and trailed is not None:
+        draws.append((1.0, 0.0, False))  # Rule 24: trails' machinery timed against none
+    for scale, frame, trails in draws:
+        drawn = variants_at(scale, frame)  # those without trails first: indices agree
+        index, found = _cheapest(
+            [problem for _, problem, step in drawn if trails or step is profile], budget_bytes
+        )
         if (index, found.choices) in plans:
             continue
-        spans, problem = variants[index]  # Rule 23: priced as measured, whatever drew it
+        spans, problem, step = variants[index]  # Rule 23: priced as measured, whatever drew it
         solution = replace(  # Rule 22: the plan's ends and trade-off over all variants
             found,
             recompute_seconds=recompute_seconds(problem, found.choices),
@@ -349,7 +381,7 @@ def plan_checkpointing(
             else offloads(problem, solution, host_budget)
         )
         plans[(index, found.choices)] = ActivationPlan._from_solution(
-            profile, problem, solution, budget_bytes, offload, objective, spans
+            step, problem, solution, budget_bytes, offload, objective, spans
         )
     candidates = list(plans.values())
     chosen = candidates[0]
@@ -362,17 +394,19 @@ def plan_checkpointing(
     return chosen
 
 
-def _cheapest(
-    variants: list[tuple[tuple[SpanCost, ...], Problem]], budget: int
-) -> tuple[int, Solution]:
+# A problem to solve: the spans it records (Rules 22 and 24), and the profile it was made of.
+_Variant = tuple[tuple[SpanCost, ...], Problem, StepProfile]
+
+
+def _cheapest(problems: list[Problem], budget: int) -> tuple[int, Solution]:
     """Rule 22: the index of the variant whose solution fits ``budget`` at the least cost (the
     fewest recorded spans on a tie: they are listed first), and that solution; where none
     fits, the fewest bytes."""
-    solved = [(index, solve(problem, budget)) for index, (_, problem) in enumerate(variants)]
+    solved = [(index, solve(problem, budget)) for index, problem in enumerate(problems)]
     fitting = [v for v in solved if v[1].kept_bytes <= budget]
     if not fitting:
         return min(solved, key=lambda v: v[1].kept_bytes)
-    return min(fitting, key=lambda v: recompute_cost(variants[v[0]][1], v[1].choices))
+    return min(fitting, key=lambda v: recompute_cost(problems[v[0]], v[1].choices))
 
 
 def _pareto_front(points: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -568,6 +602,8 @@ class _Applied:
     modules: list[nn.Module]
     hook: torch.utils.hooks.RemovableHandle
     spans: SpanHooks
+    ends: list[torch.utils.hooks.RemovableHandle]
+    """Rule 24: the hooks that end a region's frame at its trail."""
 
 
 class ActivationPlan:
@@ -688,6 +724,10 @@ class ActivationPlan:
             for cost in span_costs
             for span in profile.spans
             if span.kind == cost.kind
+        ) + tuple(  # Rule 24: a trail names its region and its child module
+            SpanDecision("trail", names[c.region], c.module, 1e3 * c.seconds, c.flops)
+            for c in span_costs
+            if c.kind == "trail"
         )
         return cls(
             regions=tuple(decisions),
@@ -733,19 +773,25 @@ class ActivationPlan:
                 )
             )
         chosen = self._regions_in(model)
-        head, tail = self._spans_in(model)
+        head, tail, trails = self._spans_in(model)
         installed: list[nn.Module] = []
+        ends: list[torch.utils.hooks.RemovableHandle] = []
         try:  # all or nothing: what was installed goes again if a later step raises
             for module, context_fn in chosen:
                 checkpoint_module(module, context_fn=context_fn)
                 installed.append(module)
+            for region, child in trails:  # Rule 24: before the trail's scope starts
+                if is_module_checkpointed(region):
+                    ends.append(end_at(region, child))
             hook = model.register_forward_pre_hook(_ShapeCheck(self.input_shapes), with_kwargs=True)
-            spans = SpanHooks(model, head, tail)
+            spans = SpanHooks(model, head, tail, [child for _region, child in trails])
         except BaseException:
+            for handle in ends:
+                handle.remove()
             for module in installed:
                 remove_checkpoint_module(module)
             raise
-        self._applied = _Applied(weakref.ref(model), installed, hook, spans)
+        self._applied = _Applied(weakref.ref(model), installed, hook, spans, ends)
         self._model = weakref.ref(model)
         return model
 
@@ -779,19 +825,25 @@ class ActivationPlan:
 
     def _spans_in(
         self, model: nn.Module
-    ) -> tuple[nn.Module | None, tuple[nn.Module, nn.Module] | None]:
+    ) -> tuple[
+        nn.Module | None,
+        tuple[nn.Module, nn.Module] | None,
+        list[tuple[nn.Module, nn.Module]],
+    ]:
         """Rule 22: the module whose start ends the head, and the tail's first and last
-        modules, where the plan records them (checked by ``_regions_in``: they are regions)."""
+        modules, where the plan records them (checked by ``_regions_in``: they are regions);
+        Rule 24: each trail's region and child module."""
         modules = dict(model.named_modules())
         for span in self.spans:
             for name in (span.first, span.last):
-                if name not in modules or span.kind not in ("head", "tail"):
+                if name not in modules or span.kind not in ("head", "tail", "trail"):
                     raise ValueError(_MSG_SPAN.format(kind=span.kind, name=name))
         head = next((modules[s.last] for s in self.spans if s.kind == "head"), None)
         tail = next(
             ((modules[s.first], modules[s.last]) for s in self.spans if s.kind == "tail"), None
         )
-        return head, tail
+        trails = [(modules[s.first], modules[s.last]) for s in self.spans if s.kind == "trail"]
+        return head, tail, trails
 
     def remove(self, model: nn.Module) -> nn.Module:
         """Undo ``apply(model)``: the regions run plainly again. Returns ``model``. (Called
@@ -800,6 +852,8 @@ class ActivationPlan:
         applied = self._applied
         if applied is None or applied.model() is not model:
             raise ValueError(_MSG_NOT_APPLIED.format(type_name=type(model).__name__))
+        while applied.ends:
+            applied.ends.pop().remove()
         while applied.modules:
             remove_checkpoint_module(applied.modules[-1])
             applied.modules.pop()

@@ -18,7 +18,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 import torch
@@ -98,6 +98,37 @@ class RegionProfile:
     stop: int = 0
     """How many ops of one call recompute runs: those up to the last one during which autograd
     saved a tensor; early stop ends recompute there (Rule 16)."""
+    trail: Trail | None = None
+    """The child module the region calls last, where a scope may record it (Rule 24)."""
+
+
+@dataclass(slots=True)
+class Trail:
+    """A child module a region calls last, once, its output the region's (a post-norm block's
+    final norm): where the region's frame may end and a scope record the child (Rule 24)."""
+
+    name: str
+    """The child's qualified name."""
+    start: int
+    """The position of its first op among the region's."""
+    saved: frozenset[int]
+    """What autograd had saved in the region when the child started."""
+    stop: int
+    """The region's early stop at that moment (Rule 16)."""
+    span: SpanProfile
+
+
+@dataclass(slots=True)
+class _ChildCall:
+    """A child call of a running region, while profiling (Rule 24)."""
+
+    name: str
+    start: int
+    saved: frozenset[int]
+    stop: int
+    span: SpanProfile
+    output: Any = None
+    end: int = -1
 
 
 @dataclass(slots=True)
@@ -184,6 +215,37 @@ class StepProfile:
             self.peak_bytes,
         )
 
+    def trailed(self) -> tuple[StepProfile, list[SpanProfile]] | None:
+        """Rule 24: this step with every region that has a trail cut at its start (its ops,
+        saves and early stop as they were when the child started), and the trails as spans;
+        None where no region has one. A trail none of whose storages another region or the
+        code outside them keeps (the last block's, making the model's output) is left out."""
+        trails: list[SpanProfile] = []
+        regions = []
+        for index, region in enumerate(self.regions):
+            trail = region.trail
+            others = set(self.outside).union(
+                *(r.saved | r.inputs for r in self.regions if r is not region)
+            )
+            if trail is None or not others & trail.span.created:  # it would free nothing
+                regions.append(region)
+                continue
+            trail.span.start = trail.span.until = index
+            trail.span.module = trail.name
+            trails.append(trail.span)
+            regions.append(
+                replace(
+                    region,
+                    ops=region.ops[: trail.start],
+                    saved=set(trail.saved),
+                    stop=trail.stop,
+                    trail=None,
+                )
+            )
+        if not trails:
+            return None
+        return replace(self, regions=regions), trails
+
 
 def _draws(region: RegionProfile, needed: list[OpCall]) -> Unit | None:
     """Rule 19: the region's random ops as one group, or None where keeping them cannot help
@@ -226,7 +288,7 @@ class _Step:
         # Per running region call: its profile, op occurrence counts, ops, and (a one-element
         # list, updated in place) how many ops had run when autograd last saved a tensor.
         self.stack: list[tuple[RegionProfile, dict[object, int], list[OpCall], list[int]]] = []
-        self.calls: dict[int, list[tuple[list[OpCall], int]]] = {}
+        self.calls: dict[int, list[tuple[list[OpCall], int, Trail | None]]] = {}
         self.outside: set[int] = set()
         self.flop_samples: list[tuple[int, float]] = []
         # Rule 14: the captured RNG states, alive for the step (no address reused), by identity.
@@ -241,6 +303,7 @@ class _Step:
         self.tail.start, self.tail.until = self.tail_first, self.tail_last
         self.returned = False  # the model's forward has returned: the loss runs now
         self.late: set[int] = set()  # storages saved after it (Rule 22)
+        self.children: list[list[_ChildCall]] = []  # per running region call (Rule 24)
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule 2)."""
@@ -267,6 +330,7 @@ class _Step:
         if torch.is_grad_enabled():  # a frame captures nothing under no_grad
             profile.states.update(self.capture_rng(args))
         self.stack.append((profile, {}, [], [0]))
+        self.children.append([])
 
     def capture_rng(self, args: tuple[Any, ...]) -> Iterator[int]:
         """Rule 14: the ids of the RNG states a frame entered here would keep, captured as the
@@ -284,11 +348,39 @@ class _Step:
                 self.storage_bytes[known[1]] = tensor.untyped_storage().nbytes()
             yield known[1]
 
-    def leave(self, index: int) -> None:
+    def leave(self, index: int, output: Any = None) -> None:
         if index == self.tail_last and self.span is self.tail:
             self.span = None
         _profile, _counts, ops, stop = self.stack.pop()
-        self.calls.setdefault(index, []).append((ops, stop[0]))
+        calls = self.children.pop()
+        trail = None
+        if calls and output is not None:  # Rule 24: its last child, called once, ends it
+            last = calls[-1]
+            if (
+                last.end == len(ops) > last.start
+                and last.output is output
+                and sum(c.name == last.name for c in calls) == 1
+                and last.span.usable
+            ):
+                trail = Trail(last.name, last.start, last.saved, last.stop, last.span)
+        self.calls.setdefault(index, []).append((ops, stop[0], trail))
+
+    def child_enter(self, index: int, name: str) -> None:
+        """Rule 24: a child of region ``index`` starts (recorded as a span where the region is
+        the one running and no head or tail span records)."""
+        if not self.stack or self.stack[-1][0] is not self.profiles[index] or self.span is not None:
+            return
+        profile, _counts, ops, stop = self.stack[-1]
+        call = _ChildCall(name, len(ops), frozenset(profile.saved), stop[0], SpanProfile("trail"))
+        self.children[-1].append(call)
+        self.span = call.span
+
+    def child_leave(self, output: Any) -> None:
+        calls = self.children[-1] if self.children else None
+        if calls and self.span is not None and self.span is calls[-1].span:
+            calls[-1].output = output
+            calls[-1].end = len(self.stack[-1][2])
+            self.span = None
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any, seconds: float) -> None:
         """Record one op: its fresh storages get ids (Rule 1); its kind (Rules 4-6); what it
@@ -358,6 +450,8 @@ class _Step:
         storage = self.activation(tensor)
         if storage is None:
             return
+        if self.span is not None:
+            self.span.saves.add(storage)
         if self.stack:
             self.stack[-1][0].saved.add(storage)
         else:
@@ -687,7 +781,7 @@ def _one_step(
     """One forward+backward under the recorder; gradients go nowhere (``autograd.grad``)."""
     step = _Step(regions, leaves, tail)
     handles = []
-    for index, (_name, module) in enumerate(regions):
+    for index, (name, module) in enumerate(regions):
         handles.append(
             module.register_forward_pre_hook(
                 lambda _m, a, k, i=index: step.enter(i, a, k), with_kwargs=True
@@ -695,9 +789,20 @@ def _one_step(
         )
         handles.append(
             module.register_forward_hook(
-                lambda _m, _a, _o, i=index: step.leave(i), always_call=True
+                lambda _m, _a, o, i=index: step.leave(i, o), always_call=True
             )
         )
+        if index >= len(regions) - tail:
+            continue  # Rule 24: blocks only; the tail is a span of its own (Rule 22)
+        for child_name, child in module.named_children():
+            handles.append(
+                child.register_forward_pre_hook(
+                    lambda _m, _a, i=index, n=f"{name}.{child_name}": step.child_enter(i, n)
+                )
+            )
+            handles.append(
+                child.register_forward_hook(lambda _m, _a, o: step.child_leave(o), always_call=True)
+            )
     start = time.perf_counter()
     try:
         with (
@@ -749,12 +854,14 @@ def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: 
     region summed op by op; identical regions then share their ops' median times (Rule 9)."""
     last, _ = steps[-1]
     for index, profile in enumerate(last.profiles):
-        calls = [ops for ops, _stop in last.calls.get(index, [])]
+        calls = [ops for ops, _stop, _trail in last.calls.get(index, [])]
         profile.calls = len(calls)
         if not calls:
             continue
         _check_calls_agree(profile.name, calls)
-        profile.stop = max(stop for _ops, stop in last.calls[index])
+        profile.stop = max(stop for _ops, stop, _trail in last.calls[index])
+        if len(calls) == 1:  # Rule 24: one call, one place to end the frame
+            profile.trail = last.calls[index][0][2]
         # Each op's time: its fastest over the steps, summed over the region's calls.
         seconds = [0.0] * len(calls[0])
         for call in range(len(calls)):
@@ -784,6 +891,9 @@ def _combine(steps: list[tuple[_Step, float]], shapes: list[list[int]], device: 
                 span.seconds = [min(a, b) for a, b in zip(span.seconds, mine.seconds, strict=True)]
     _estimate_small_times(last)
     _share_identical_times(last.profiles, last.storage_bytes)
+    for profile in last.profiles:  # Rule 24: the trail's ops' times as the region's
+        if profile.trail is not None:
+            profile.trail.span.seconds = [op.seconds for op in profile.ops[profile.trail.start :]]
     step_seconds = [seconds for _, seconds in steps]
     return StepProfile(
         regions=last.profiles,

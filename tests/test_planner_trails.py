@@ -1,0 +1,211 @@
+"""A post-norm block's final norm recorded as a trail (NOTE [Planner model], Rule 24): the
+block's frame ends where the norm starts, a scope records the norm, and the next block's input
+is recomputed from the residual sum instead of kept. Gradients equal to the plain run's, bytes
+and FLOPs equal to the plan's, and trails found only where they exist."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from compile_support import COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
+from test_leaks import gc_disabled  # noqa: F401  (a fixture)
+from test_planner import grads_of, measured
+from torch import nn
+
+import checkpointing
+from checkpointing import ActivationPlan, _compat, plan_checkpointing
+from checkpointing._module import checkpoint_module, end_at, remove_checkpoint_module
+from checkpointing._planning.flops import FlopCount
+from checkpointing._planning.profile import profile_step
+
+WIDTH, SEQ, BATCH, DEPTH = 16, 8, 2, 3
+
+
+def encoder(norm_first: bool = False) -> nn.Sequential:
+    """Post-norm (``norm_first=False``, the default: each block ends in its ``norm2``) or
+    pre-norm blocks, with dropout."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *(
+            nn.TransformerEncoderLayer(
+                WIDTH, 2, 2 * WIDTH, dropout=0.1, batch_first=True, norm_first=norm_first
+            )
+            for _ in range(DEPTH)
+        )
+    ).train()
+
+
+def inputs() -> torch.Tensor:
+    return torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def flops_plan(model: nn.Module, x: torch.Tensor, share: float) -> ActivationPlan:
+    """A plan with objective "flops" at ``share`` of the way from its floor to keeping all."""
+    probe = plan_checkpointing(model, x, budget=1.0, objective="flops")
+    budget = int(probe.floor_bytes + share * (probe.baseline_bytes - probe.floor_bytes))
+    return plan_checkpointing(model, x, budget=budget, objective="flops")
+
+
+def recomputed_flops(model: nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of one step's backward (recompute included)."""
+    loss = model(x).sum()
+    with FlopCount() as counter:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.flops
+
+
+def test_rule24_the_profile_finds_post_norm_trails_and_no_pre_norm_one() -> None:
+    """Each post-norm block but the last (whose norm makes the model's output, kept by nobody)
+    has its ``norm2`` as a trail; pre-norm blocks end in a residual add, no child call."""
+    model, x = encoder(), inputs()
+    named = [(str(i), m) for i, m in enumerate(model)]
+    profile = profile_step(model, named, (x,), {}, None)
+    trailed = profile.trailed()
+    assert trailed is not None
+    step, trails = trailed
+    assert [t.module for t in trails] == [f"{i}.norm2" for i in range(DEPTH - 1)]
+    for region, cut in zip(profile.regions, step.regions, strict=True):
+        if region.trail is None or region is cut:
+            continue
+        assert len(cut.ops) == region.trail.start < len(region.ops)
+        assert cut.stop <= region.trail.start
+        assert cut.saved <= region.saved
+    pre = encoder(norm_first=True)
+    named = [(str(i), m) for i, m in enumerate(pre)]
+    assert profile_step(pre, named, (x,), {}, None).trailed() is None
+
+
+@pytest.mark.usefixtures("gc_disabled")
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.5])
+def test_rule24_trails_keep_gradients_bytes_and_flops_as_planned(share: float) -> None:
+    """With trails recorded: gradients bitwise equal to the plain run's (dropout included), the
+    report's bytes and the backward's recomputed FLOPs equal to the plan's, and the block
+    inputs the trails remake are not kept."""
+    model, x = encoder(), inputs()
+    plain = grads_of(model, x, None)
+    plain_flops = recomputed_flops(model, x)
+    plan = flops_plan(model, x, share)
+    trails = [s for s in plan.spans if s.kind == "trail"]
+    assert [(s.first, s.last) for s in trails] == [(str(i), f"{i}.norm2") for i in range(2)]
+    plan.apply(model)
+    try:
+        report, grads = measured(model, x, None)
+        flops = recomputed_flops(model, x) - plain_flops
+    finally:
+        plan.remove(model)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
+    assert report.activation_bytes == plan.kept_bytes
+    assert flops == plan.recompute_flops
+    kept = [r for r in report.records if r.decision == "saved" and r.op == "native_layer_norm"]
+    assert not [r for r in kept if r.region in ("0", "1")], report
+
+
+@pytest.mark.parametrize("share", [0.0, 0.2])
+def test_rule24_trails_recompute_fewer_flops_at_the_same_bytes(share: float) -> None:
+    """Against the same model planned without spans (a ``regions`` predicate), at the same
+    budget: the residual sum a trail's scope holds stands for the next block's input, which is
+    no longer kept, so the sum's producers need not be recomputed: fewer FLOPs, no more bytes."""
+    model, x = encoder(), inputs()
+    blocks = lambda m: isinstance(m, nn.TransformerEncoderLayer)  # noqa: E731
+    probe = plan_checkpointing(model, x, budget=1.0, objective="flops", regions=blocks)
+    budget = int(probe.floor_bytes + share * (probe.baseline_bytes - probe.floor_bytes))
+    trailed = plan_checkpointing(model, x, budget=budget, objective="flops")
+    without = plan_checkpointing(model, x, budget=budget, objective="flops", regions=blocks)
+    assert [s.kind for s in trailed.spans] == ["trail", "trail"]
+    assert not without.spans
+    assert trailed.kept_bytes <= budget
+    assert trailed.recompute_flops < without.recompute_flops
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule24_trails_hold_with_early_stop_off_and_after_json() -> None:
+    """With early stop off the block's re-run ends at its trail's start all the same; a plan read
+    back from JSON records the same trails and gives the same gradients."""
+    model, x = encoder(), inputs()
+    plain = grads_of(model, x, None)
+    plan = flops_plan(model, x, 0.1)
+    again = ActivationPlan.from_json(json.loads(plan.to_json()))
+    assert again.spans == plan.spans
+    for applied in (plan, again):
+        applied.apply(model)
+        try:
+            with checkpointing.set_checkpoint_early_stop(False):
+                grads = grads_of(model, x, None)
+        finally:
+            applied.remove(model)
+        for a, b in zip(plain, grads, strict=True):
+            assert torch.equal(a, b)
+    assert "trail: 0.norm2, recorded and recomputed (0 ends before it)" in str(plan)
+
+
+class Gated(nn.Module):
+    """Calls ``last`` at its end, or first, or not at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.last = nn.LayerNorm(6)
+        self.where = "end"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "first":
+            x = self.last(x)
+        x = torch.tanh(self.body(x)) * x
+        return self.last(x) if self.where == "end" else x.sin()
+
+
+@pytest.mark.usefixtures("gc_disabled")
+@pytest.mark.parametrize("where", ["end", "first", "never"])
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_rule24_end_at_keeps_gradients_wherever_the_child_runs(
+    where: str, early_stop: bool
+) -> None:
+    """``end_at`` ends the frame at the child's start, whether the child runs last, first (the
+    rest runs outside the frame and keeps what it saves) or never (the frame ends at the
+    module's end): gradients bitwise equal to the plain run's; removed, nothing stays."""
+    torch.manual_seed(0)
+    module = Gated()
+    module.where = where
+    x = torch.randn(3, 6, requires_grad=True)
+    wrt = [x, *(module.body if where == "never" else module).parameters()]
+    plain = torch.autograd.grad(module(x).square().sum(), wrt)
+    checkpoint_module(module)
+    handle = end_at(module, module.last)
+    try:
+        with checkpointing.set_checkpoint_early_stop(early_stop):
+            out = module(x)
+        assert _compat.top_saved_tensors_hooks() is None
+        grads = torch.autograd.grad(out.square().sum(), wrt)
+    finally:
+        handle.remove()
+        remove_checkpoint_module(module)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
+    assert not module.last._forward_pre_hooks
+
+
+@pytest.mark.usefixtures("gc_disabled")
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=COMPILE_MARKS)])
+def test_rule24_a_compiled_planned_model_with_trails_keeps_gradients(backend: str) -> None:
+    """Under ``torch.compile`` the blocks are torch's regions (whole: the trail's hook does
+    nothing while dynamo traces) and no scope records inside them: gradients equal the plain
+    run's, no hook of ours left on the saved-tensors stack."""
+    model, x = encoder(), inputs()
+    plain = grads_of(model, x, None)
+    plan = flops_plan(model, x, 0.1)
+    assert any(s.kind == "trail" for s in plan.spans)
+    plan.apply(model)
+    try:
+        torch.manual_seed(7)
+        loss = torch.compile(model, backend=backend)(x).sum()
+        assert _compat.top_saved_tensors_hooks() is None
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    finally:
+        plan.remove(model)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
