@@ -218,14 +218,14 @@ NOTE [Planner model]
           measured once per process: about 0.25 ms on this CPU; without it a W2 trail was
           priced at 0.06 ms and three cost 1.3-1.9 ms a step, Rule 24). The solver solves
           the step with each subset of the spans recorded (at most four problems) and takes
-          the cheapest that fits; the floor is the lowest. A span is not offered where it draws random numbers (its tape
-          would keep an RNG state per draw, uncounted), writes in place a tensor it did not
-          make (an argument the op's schema marks as written, or batch norm's running
-          statistics in training, which it does not mark, as the scope's tape counts them: a
-          parameter, a buffer, an earlier activation), or frees nothing; nor with a
-          ``regions`` predicate. On the
-          decoder and the tiny Llama of ``benchmarks/planner.py`` this is what stood between
-          the plans and the compiler's FLOPs (one block boundary, 256 KiB, at each budget).
+          the cheapest that fits; the floor is the lowest. A span is not offered where it
+          draws random numbers (its tape would keep an RNG state per draw, uncounted), writes
+          in place a tensor it did not make (an argument the op's schema marks as written, or
+          batch norm's running statistics in training, which it does not mark, as the scope's
+          tape counts them: a parameter, a buffer, an earlier activation), or frees nothing;
+          nor with a ``regions`` predicate. On the decoder and the tiny Llama of
+          ``benchmarks/planner.py`` this is what stood between the plans and the compiler's
+          FLOPs (one block boundary, 256 KiB, at each budget).
   Rule 23. Timed candidates (``objective="time"``, ``trials.py``). Two prices of the
           prediction are the least sure: the selective policy's per-op cost (Rule 13, one noisy
           number per profile: 8-46 us per op on W2 over profiles) and what a checkpointed region
