@@ -6,6 +6,7 @@ and FLOPs equal to the plan's, and trails found only where they exist."""
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -140,6 +141,24 @@ def test_rule24_trails_hold_with_early_stop_off_and_after_json() -> None:
         for a, b in zip(plain, grads, strict=True):
             assert torch.equal(a, b)
     assert "trail: 0.norm2, recorded and recomputed (0 ends before it)" in str(plan)
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule24_a_pickled_planned_model_keeps_its_trails() -> None:
+    """``torch.save`` of a model with a trailed plan applied: the copy's frames still end at the
+    norms and its scopes still record them (its bytes are the plan's), gradients bitwise equal."""
+    model, x = encoder(), inputs()
+    plain = grads_of(model, x, None)
+    plan = flops_plan(model, x, 0.1)
+    plan.apply(model)
+    try:
+        twin = pickle.loads(pickle.dumps(model))
+    finally:
+        plan.remove(model)
+    report, grads = measured(twin, x, None)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a, b)
+    assert report.activation_bytes == plan.kept_bytes
 
 
 class Gated(nn.Module):
