@@ -211,9 +211,9 @@ def test_rule24_end_at_keeps_gradients_wherever_the_child_runs(
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
 @pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=COMPILE_MARKS)])
 def test_rule24_a_compiled_planned_model_with_trails_keeps_gradients(backend: str) -> None:
-    """Under ``torch.compile`` the blocks are torch's regions (whole: the trail's hook does
-    nothing while dynamo traces) and no scope records inside them: gradients equal the plain
-    run's, no hook of ours left on the saved-tensors stack."""
+    """Under ``torch.compile`` the blocks are torch's regions (whole: the hook that would end
+    them at the norm does nothing while dynamo traces): gradients equal the plain run's, no hook
+    of ours left on the saved-tensors stack."""
     model, x = encoder(), inputs()
     plain = grads_of(model, x, None)
     plan = flops_plan(model, x, 0.1)
