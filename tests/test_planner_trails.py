@@ -18,6 +18,7 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan, _compat, plan_checkpointing
 from checkpointing._module import checkpoint_module, end_at, remove_checkpoint_module
+from checkpointing._planning import plan as plan_module
 from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.profile import profile_step
 
@@ -141,6 +142,38 @@ def test_rule24_trails_hold_with_early_stop_off_and_after_json() -> None:
         for a, b in zip(plain, grads, strict=True):
             assert torch.equal(a, b)
     assert "trail: 0.norm2, recorded and recomputed (0 ends before it)" in str(plan)
+
+
+def test_rule24_the_plan_without_trails_races_only_where_it_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ``objective="time"`` the cheapest plan without trails is timed beside the others,
+    but not where the budget lies below the floor without trails: blocks ending in an expanding
+    linear layer keep their narrow inputs only through the trails. Every plan the race sees fits,
+    and so does the one returned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(32, 8), nn.Tanh(), nn.Linear(8, 32)) for _ in range(4))
+    )
+    x = torch.randn(64, 32, requires_grad=True)
+    blocks = lambda m: isinstance(m, nn.Sequential) and len(m) == 3  # noqa: E731
+    trailed = plan_checkpointing(model, x, budget=1.0, objective="flops")
+    without = plan_checkpointing(model, x, budget=1.0, objective="flops", regions=blocks)
+    assert trailed.floor_bytes < without.floor_bytes
+    budget = (trailed.floor_bytes + without.floor_bytes) // 2
+    raced: list[ActivationPlan] = []
+
+    def spy(model: nn.Module, plans: list[ActivationPlan], *args: object) -> list[float]:
+        raced.extend(plans)
+        return [1.0] * (len(plans) - 1) + [0.5]  # the last drawn wins: the one without trails
+
+    monkeypatch.setattr(plan_module, "time_plans", spy)
+    chosen = plan_checkpointing(model, x, budget=budget)
+    assert all(p.kept_bytes <= budget for p in raced), [p.kept_bytes for p in raced]
+    assert chosen.kept_bytes <= budget
+    assert any(s.kind == "trail" for s in chosen.spans)
+    above = plan_checkpointing(model, x, budget=without.floor_bytes + 2048)
+    assert above.kept_bytes <= without.floor_bytes + 2048
 
 
 @pytest.mark.usefixtures("gc_disabled")

@@ -363,8 +363,8 @@ def plan_checkpointing(
         index, found = _cheapest(
             [problem for _, problem, step in drawn if trails or step is profile], budget_bytes
         )
-        if (index, found.choices) in plans:
-            continue
+        if (index, found.choices) in plans or found.kept_bytes > budget_bytes:
+            continue  # drawn before, or (without trails, below their floor) over the budget
         spans, problem, step = variants[index]  # Rule 23: priced as measured, whatever drew it
         solution = replace(  # Rule 22: the plan's ends and trade-off over all variants
             found,
