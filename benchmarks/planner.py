@@ -726,13 +726,20 @@ def solve_time(depth: int = 32) -> dict[str, float]:
     )
     times = {}
     for objective in OBJECTIVES:
-        base = profile.problem(profile.policy_seconds_per_op, profile.objective(objective))
+        weights = profile.objective(objective)
+        policy = profile.policy_seconds_per_op
         ends = range(len(blocks), len(blocks) + len(tail))
-        variants = span_problems(
-            base, profile.spans, ends, profile.policy_seconds_per_op, frozenset(profile.late)
-        )
+        late = frozenset(profile.late)
+        base = profile.problem(policy, weights)
+        variants = [p for _, p in span_problems(base, profile.spans, ends, policy, late)]
+        trailed = profile.trailed()  # Rule 24 (a Llama's pre-norm blocks have none)
+        if trailed is not None:
+            step, trails = trailed
+            cut = step.problem(policy, weights)
+            recorded = span_problems(cut, profile.spans, ends, policy, late, trails)
+            variants += [p for _, p in recorded]
         start = time.process_time()
-        floors = [solve(problem, 0) for _, problem in variants]
+        floors = [solve(problem, 0) for problem in variants]
         floor_seconds = time.process_time() - start
         start = time.process_time()
         for share in (0.3, 0.7):
