@@ -222,7 +222,7 @@ class StepProfile:
         code outside them keeps (the last block's, making the model's output) is left out."""
         trails: list[SpanProfile] = []
         regions = []
-        for index, region in enumerate(self.regions):
+        for region in self.regions:
             trail = region.trail
             others = set(self.outside).union(
                 *(r.saved | r.inputs for r in self.regions if r is not region)
@@ -230,8 +230,6 @@ class StepProfile:
             if trail is None or not others & trail.span.created:  # it would free nothing
                 regions.append(region)
                 continue
-            trail.span.start = trail.span.until = index
-            trail.span.module = trail.name
             trails.append(trail.span)
             regions.append(
                 replace(
@@ -362,6 +360,8 @@ class _Step:
                 and sum(c.name == last.name for c in calls) == 1
                 and last.span.usable
             ):
+                last.span.start = last.span.until = index
+                last.span.module = last.name
                 trail = Trail(last.name, last.start, last.saved, last.stop, last.span)
         self.calls.setdefault(index, []).append((ops, stop[0], trail))
 
