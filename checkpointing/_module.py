@@ -278,9 +278,9 @@ def checkpoint_module(
     Args:
         module: the module whose every call becomes one checkpointed region.
         use_reentrant: must be ``False``: ``True`` raises ``NotImplementedError`` (as torch).
-        preserve_rng_state, context_fn, determinism_check, debug, early_stop,
-            respect_saved_tensors_hooks, recompute_state_hooks: as in
-            ``checkpointing.checkpoint(..., use_reentrant=False)``.
+        preserve_rng_state: as in ``checkpointing.checkpoint(..., use_reentrant=False)``, as
+            are ``context_fn``, ``determinism_check``, ``debug``, ``early_stop``,
+            ``respect_saved_tensors_hooks`` and ``recompute_state_hooks``.
 
     Returns:
         ``module`` itself.

@@ -38,7 +38,13 @@ _MSG_NO_OUTPUT_REQUIRES_GRAD = (
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """Reentrant checkpoint (``use_reentrant=True``). See NOTE [Reentrant checkpoint]."""
+    """Reentrant checkpoint (``use_reentrant=True``), as ``torch.utils.checkpoint``'s.
+
+    Forward runs the function under ``torch.no_grad()`` and keeps only its inputs; backward
+    re-runs it with gradients on detached copies of the inputs (under the forward's RNG state)
+    and back-propagates through that re-run. Only ``.backward()`` can drive it:
+    ``torch.autograd.grad`` raises, as with torch's.
+    """
 
     @staticmethod
     def forward(

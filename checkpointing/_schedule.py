@@ -60,6 +60,7 @@ from typing import Any, Final, Literal, get_args
 
 import torch
 
+from . import _compat
 from ._errors import internal_assert
 
 __all__ = [
@@ -148,7 +149,8 @@ class SequentialSchedule:
 
     @property
     def recompute_time(self) -> float | None:
-        """Predicted seconds spent re-running layers in backward (NOTE Rule 3)."""
+        """Predicted seconds spent re-running layers in backward: each layer runs once more
+        per checkpointed segment around it."""
         if self.costs is None:
             return None
         return sum(c * cost.time for c, cost in zip(self.recompute_counts, self.costs, strict=True))
@@ -185,7 +187,8 @@ class SequentialSchedule:
 
     @property
     def peak_bytes(self) -> int | None:
-        """Predicted activation peak over forward and backward (NOTE Rule 4): an upper bound."""
+        """Predicted activation peak over forward and backward, in bytes: an upper bound (the
+        chain's input and output included; the checkpoints' RNG states left out)."""
         if self.costs is None:
             return None
         model = _Model(self.costs, self.input_bytes)
@@ -338,7 +341,7 @@ def _cost_numbers(cost: LayerCost) -> _Numbers:
     return tuple(getattr(cost, name) for name in _COST_FIELDS)
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
+@_compat.assume_constant_result
 def _optimal_in_trace(numbers: tuple[_Numbers, ...], input_bytes: int, budget: int) -> _Numbers:
     """``_optimal`` while dynamo traces: run by dynamo at trace time and taken as a constant,
     instead of traced (the dynamic program computes with tensors, which would land in the
@@ -444,7 +447,7 @@ def _memory_floor(costs: tuple[LayerCost, ...], input_bytes: int) -> int:
     return floor
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
+@_compat.assume_constant_result
 def _memory_floor_in_trace(numbers: tuple[_Numbers, ...], input_bytes: int) -> int:
     """``memory_floor`` run by dynamo at trace time, on the costs as numbers (as
     ``_optimal_in_trace``)."""

@@ -91,7 +91,7 @@ def is_recomputing() -> bool:
     a forward hook's side effect the second time.
 
     In code that ``torch.compile`` traces it is ``False``: the compiled code is traced once and
-    serves forward and the compiler's recompute alike (NOTE [Compiled regions]).
+    serves forward and the compiler's recompute alike.
     """
     if torch.compiler.is_dynamo_compiling():
         return False

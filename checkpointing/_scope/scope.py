@@ -74,8 +74,8 @@ class gradient_checkpoint_scope:
     ``with gradient_checkpoint_scope(): x = a + b`` then ``y = x * c``: autograd saves ``x`` for
     ``y``'s backward, but only a small holder is kept; the first backward that needs ``x``
     replays ``a + b`` from the ops recorded in the block (the block itself is not re-run), with
-    random ops drawing exactly what they drew the first time. See NOTE [Gradient checkpoint
-    scope] (in ``checkpointing._scope``) and the README for the rules and limits.
+    random ops drawing exactly what they drew the first time. The documentation's page "The
+    scope API" gives the rules and the limits.
     """
 
     __slots__ = ("_claim", "_mode", "_phase", "_tape", "_thread")
@@ -124,7 +124,8 @@ class gradient_checkpoint_scope:
     @disable_dynamo
     def exit_saved_tensors_hooks_scope(self) -> None:
         """Give up this scope's claim on the saved-tensors hook now, if not done yet (RETURNN's
-        method). Tensors of this scope saved from now on are stored as usual (Rule 9)."""
+        method). Tensors of this scope saved from now on are stored as usual; by default the
+        hook leaves by itself once the scope's tensors are dead."""
         self._check_thread("exit_saved_tensors_hooks_scope()")
         if self._claim is not None:
             self._claim.release()
@@ -140,8 +141,7 @@ class gradient_checkpoint_session:
 
     The robust mode around a training step: scopes inside it need no lazy lingering, and the
     hook leaves at the end of the block (or, if scope tensors outlive it, when they die).
-    See NOTE [Gradient checkpoint scope], Rule 9. A session object can be entered again once
-    it has been left, not while it is open.
+    A session object can be entered again once it has been left, not while it is open.
     """
 
     __slots__ = ("_claim", "_thread")
