@@ -202,6 +202,15 @@ def disable_dynamo(fn: _F) -> _F:
     return disable(fn)
 
 
+def assume_constant_result(fn: _F) -> _F:
+    """Mark ``fn`` so that dynamo calls it at trace time and treats its result as a constant,
+    as ``torch.compiler.assume_constant_result`` does, without importing ``torch._dynamo`` (about
+    1 s, most of ``import checkpointing``) when nothing compiles (2.11-2.15: that decorator only
+    sets ``fn._dynamo_marked_constant``; tests/test_import.py checks the two agree)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]  # the attribute dynamo reads
+    return fn
+
+
 def skip_dynamo_in_code(fn: _F) -> _F:
     """Keep dynamo out of ``fn`` and of every frame it calls, as ``disable_dynamo`` does, but
     recorded once on ``fn``'s code object, so that a call costs nothing (no wrapper frame, no

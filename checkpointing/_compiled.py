@@ -116,7 +116,7 @@ _MESSAGES: Final = {
 _said: set[str] = set()
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
+@_compat.assume_constant_result
 def say_once(what: str) -> bool:
     """Rule 3: warn about ``what`` once per process; dynamo runs this while tracing."""
     if what not in _said:
