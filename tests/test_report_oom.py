@@ -8,9 +8,12 @@ memory. See NOTE [Out-of-memory report].
 from __future__ import annotations
 
 import io
+import threading
+import weakref
 
 import pytest
 import torch
+from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 
 import checkpointing
 from checkpointing._report import oom
@@ -113,3 +116,72 @@ def test_a_file_without_write_is_refused() -> None:
         checkpointing.report_on_oom(file="log.txt"),  # type: ignore[arg-type]  # the mistake
     ):
         pass
+
+
+def _failing_step(refs: list[weakref.ref[torch.Tensor]]) -> None:
+    """A training step that runs out of memory: its activations live in this frame, which the
+    error's traceback holds."""
+    x = torch.randn(64, 64, requires_grad=True)
+    y = _forward(x)
+    refs.extend([weakref.ref(x), weakref.ref(y)])
+    raise torch.OutOfMemoryError("simulated")
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_a_handled_oom_error_is_not_kept_by_the_blocks_around_it() -> None:
+    """Retry on OOM inside an outer block: once the error is handled, the failed step's tensors
+    are gone (``gc`` off), though the outer block is still open; the inner block printed."""
+    outer, inner = io.StringIO(), io.StringIO()
+    refs: list[weakref.ref[torch.Tensor]] = []
+    with checkpointing.report_on_oom(file=outer):
+        try:
+            with checkpointing.report_on_oom(file=inner):
+                _failing_step(refs)
+        except torch.OutOfMemoryError:
+            pass
+        assert len(refs) == 2
+        assert [ref() is None for ref in refs] == [True, True]
+    assert inner.getvalue().count("report_on_oom:") == 1
+    assert outer.getvalue() == ""
+
+
+@pytest.mark.usefixtures("gc_disabled")
+def test_a_handled_oom_error_is_not_kept_by_a_block_in_another_thread() -> None:
+    """A block open in another thread keeps nothing of this thread's handled error (``gc`` off)."""
+    entered, release = threading.Event(), threading.Event()
+    other = io.StringIO()
+
+    def wait_in_a_block() -> None:
+        with checkpointing.report_on_oom(file=other):
+            entered.set()
+            release.wait(timeout=30)
+
+    thread = threading.Thread(target=wait_in_a_block)
+    thread.start()
+    refs: list[weakref.ref[torch.Tensor]] = []
+    try:
+        assert entered.wait(timeout=30)
+        try:
+            with checkpointing.report_on_oom(file=io.StringIO()):
+                _failing_step(refs)
+        except torch.OutOfMemoryError:
+            pass
+        assert len(refs) == 2
+        assert [ref() is None for ref in refs] == [True, True]
+    finally:
+        release.set()
+        thread.join()
+    assert other.getvalue() == ""
+
+
+def test_an_error_printed_inside_and_raised_again_outside_prints_once() -> None:
+    """The same error leaving two nested blocks prints once, though no block holds it."""
+    outer, inner = io.StringIO(), io.StringIO()
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        checkpointing.report_on_oom(file=outer),
+        checkpointing.report_on_oom(file=inner),
+    ):
+        _failing_step([])
+    assert inner.getvalue().count("report_on_oom:") == 1
+    assert outer.getvalue() == ""

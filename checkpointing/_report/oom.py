@@ -19,6 +19,12 @@ NOTE [Out-of-memory report]
           block must hear of it. Nested blocks print once (the innermost).
   Rule 3. Printing must never hide the error: a failure while building or printing the report
           is printed in its place (``traceback``), and the out-of-memory error goes on.
+  Rule 4. No block holds an error. The error's traceback holds the frames of the failed step,
+          and with them its tensors: a block that kept it (the retry-on-OOM pattern: an outer
+          block around a loop that catches the error) would keep the failed step alive until it
+          exits, and a block of another thread until that thread's block exits. The block the
+          error leaves holds it only while printing; what the blocks around it remember, so as
+          not to print it again (Rule 1), is a weak reference to it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import gc
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final, TextIO
@@ -50,7 +57,8 @@ _OBSERVED: Final = object()  # the allocator's observer printed for the error ab
 
 class _Block:
     """One active ``report_on_oom`` block: where it prints, and what it has printed for
-    (Rule 1): ``_OBSERVED``, an error an inner block printed for, or None."""
+    (Rule 1): ``_OBSERVED``, a weak reference to an error an inner block printed for (Rule 4),
+    or None."""
 
     __slots__ = ("file", "reported")
 
@@ -121,6 +129,19 @@ def _mark(reported: object) -> None:
             block.reported = reported
 
 
+def _weak(error: BaseException) -> object:
+    """What a block remembers of an error it need not print (Rule 4): a weak reference, or
+    None for an error type without weak references (it may then print twice, never leak)."""
+    try:
+        return weakref.ref(error)
+    except TypeError:
+        return None
+
+
+def _is_ref_to(reported: object, error: BaseException) -> bool:
+    return isinstance(reported, weakref.ref) and reported() is error
+
+
 def _on_cuda_oom(device: int, requested: int, allocated: int, free: int) -> None:
     """The allocator's observer (Rule 2): print for the blocks active now, any thread."""
     with _lock:
@@ -174,9 +195,10 @@ def report_on_oom(file: TextIO | None = None) -> Iterator[None]:
     try:
         yield
     except torch.OutOfMemoryError as error:
-        if block.reported is not error and block.reported is not _OBSERVED:
+        reported = block.reported
+        if reported is not _OBSERVED and not _is_ref_to(reported, error):
             _print_into(block, f"{type(error).__name__}: {error}")
-        _mark(error)  # the blocks around this one see the same error: printed already
+        _mark(_weak(error))  # the blocks around this one see the same error (Rule 4)
         raise
     finally:
         block.reported = None  # no cycle through the error's traceback
