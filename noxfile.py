@@ -1,4 +1,5 @@
-"""Development sessions: ``nox`` runs tests, lint, typecheck, examples; ``nox -s bench`` on demand.
+"""Development sessions: ``nox`` runs tests, lint, typecheck, examples, docs; ``nox -s bench`` on
+demand.
 
 Every session that imports torch installs torch first, then the package, then its tools from
 ``[dependency-groups]`` in ``pyproject.toml``. ``tests`` has one session per supported release
@@ -27,7 +28,7 @@ TORCH_RELEASES = ["2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 # The release every other session uses, and the one `tests` runs on by default.
 DEFAULT_TORCH = "2.13.0"
 
-nox.options.sessions = [f"tests(torch='{DEFAULT_TORCH}')", "lint", "typecheck", "examples"]
+nox.options.sessions = [f"tests(torch='{DEFAULT_TORCH}')", "lint", "typecheck", "examples", "docs"]
 
 
 def _install(
@@ -79,6 +80,22 @@ def examples(session: nox.Session) -> None:
         session.error("no examples/*.py to run")
     for script in scripts:
         session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site strictly (``mkdocs build --strict``: a broken link, anchor
+    or API reference fails); ``-- serve`` serves it instead. The site goes to ``site/``.
+
+    mkdocstrings reads the docstrings without importing the package: no torch here.
+    """
+    session.install(*nox.project.dependency_groups(PYPROJECT, "docs"))
+    # Material prints a notice about MkDocs 2.0 on every build; docs/about.md says why we pin.
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:])
+    else:
+        session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
 @nox.session(default=False)

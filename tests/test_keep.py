@@ -703,12 +703,12 @@ def test_state_hooks_on_every_entry_point(entry: str) -> None:
 
 
 def test_readme_recipe_runs_as_written() -> None:
-    """README "Keep by code": its example runs as written."""
-    readme = (Path(checkpointing.__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Keep by code") :]
+    """docs/guide/keep.md ("Keep by code"): its example runs as written."""
+    page = (Path(checkpointing.__file__).parent.parent / "docs" / "guide" / "keep.md").read_text()
+    section = page[page.index("# Keep by code") :]
     recipe = section[section.index("```python") + len("```python") : section.index("```\n", 20)]
     namespace: dict[str, Any] = {}
-    exec(compile(recipe, "README.md", "exec"), namespace)
+    exec(compile(recipe, "docs/guide/keep.md", "exec"), namespace)
     assert namespace["x"].grad is not None
 
 

@@ -669,14 +669,15 @@ def test_soak_callback_route_leaves_no_cyclic_garbage(tmp_path: Path) -> None:
 # loader warns that the pinned memory it asks for is not used.
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
 def test_readme_recipe_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's "With PEFT and the Trainer" recipe runs as written and saves an adapter
-    with every LoRA tensor."""
-    readme = (Path(checkpointing.__file__).parent.parent / "README.md").read_text()
-    section = readme.split("### With PEFT and the Trainer", 1)[1]
+    """The "With PEFT and the Trainer" recipe (docs/guide/transformers.md) runs as written and
+    saves an adapter with every LoRA tensor."""
+    root = Path(checkpointing.__file__).parent.parent
+    page = (root / "docs" / "guide" / "transformers.md").read_text()
+    section = page.split("## With PEFT and the Trainer", 1)[1]
     recipe = section.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
-    exec(compile(recipe, "README.md", "exec"), namespace)
+    exec(compile(recipe, "docs/guide/transformers.md", "exec"), namespace)
     layer = namespace["model"].get_base_model().model.layers[0]
     assert "save_matmuls" in repr(layer._gradient_checkpointing_func)
     saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
