@@ -65,7 +65,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, Final, NoReturn, Protocol, Self
@@ -86,6 +86,7 @@ from ._determinism import (
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
 from ._keep import Span, bind_frame
+from ._regions import region_label
 from ._selective import replay_taint
 from ._state import (
     ContextFn,
@@ -296,7 +297,7 @@ class Frame:
         self.state_hooks = state_hooks  # Rule 12
         self.state_entry = tuple(hook.snapshot() for hook in state_hooks) if state_hooks else ()
         self.observed = listener.get() is not None  # a report watches this frame
-        token = current_region.set(f"inputs of {self.region()}") if self.observed else None
+        token = current_region.set(f"inputs of {self.region(args)}") if self.observed else None
         # See NOTE [Nestable checkpoint], Rule 2: saved through the parent's hook, if any.
         self.saved_args = _compat.save_inputs(args)
         # See NOTE [Nestable checkpoint], Rule 10: set while the pack hook is on the stack.
@@ -325,11 +326,10 @@ class Frame:
             self.spans = []
         self.spans.append(span)
 
-    def region(self) -> str:
-        """How reports name this region (``region_name``: set by ``checkpoint_module``)."""
-        fn = self.fn
-        name = getattr(fn, "region_name", None) or getattr(fn, "__qualname__", None)
-        return f"checkpoint({name or type(fn).__name__})"
+    def region(self, args: Sequence[Any] | None = None) -> str:
+        """How reports and messages name this region (NOTE [Region names]); ``args``: the
+        positional inputs, before ``saved_args`` holds them."""
+        return region_label(self.fn, self.saved_args if args is None else args)
 
     # The forward's pack hook is the frame itself: calling it runs ``pack``, one Python frame and
     # no bound method made per call; and the frame carries Rule 10's marks.

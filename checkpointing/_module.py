@@ -189,9 +189,9 @@ class _Rerun:
         self.state = state
 
     @property
-    def region_name(self) -> str:
-        """How reports name the region: after the module's class, as ``checkpoint(module)``."""
-        return type(self.module).__qualname__
+    def region_module(self) -> nn.Module:
+        """The module whose region this is (NOTE [Region names], Rule 1)."""
+        return self.module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         recomputing = self.state.recomputing

@@ -62,6 +62,7 @@ import torch
 
 from . import _compat
 from ._errors import internal_assert
+from ._units import format_bytes
 
 __all__ = [
     "STRATEGIES",
@@ -198,7 +199,7 @@ class SequentialSchedule:
         return "\n".join(self._lines())
 
     def _lines(self) -> Iterator[str]:
-        budget = "" if self.budget is None else f", budget {_fmt_bytes(self.budget)}"
+        budget = "" if self.budget is None else f", budget {format_bytes(self.budget)}"
         yield (
             f"SequentialSchedule(strategy={self.strategy!r}, {self.n_layers} layers, "
             f"{sum(self.recompute_counts)} layer re-runs, depth {self.depth}{budget})"
@@ -207,8 +208,8 @@ class SequentialSchedule:
             recompute, forward = self.recompute_time or 0.0, self.forward_time or 0.0
             share = f" ({recompute / forward:.0%} of a forward)" if forward > 0 else ""
             yield (
-                f"predicted: kept {_fmt_bytes(self.kept_bytes or 0)}, peak "
-                f"{_fmt_bytes(self.peak_bytes or 0)}, recompute {_fmt_time(recompute)}{share}"
+                f"predicted: kept {format_bytes(self.kept_bytes or 0)}, peak "
+                f"{format_bytes(self.peak_bytes or 0)}, recompute {_fmt_time(recompute)}{share}"
             )
         yield from self._tree(self.segments, "")
 
@@ -227,21 +228,13 @@ class SequentialSchedule:
         if segment.checkpointed:
             layers = self.costs[segment.start : segment.end]
             return text + f"  re-run {_fmt_time(sum(c.time for c in layers))}"
-        return text + f"  keeps {_fmt_bytes(self._kept((segment,), self.costs))}"
+        return text + f"  keeps {format_bytes(self._kept((segment,), self.costs))}"
 
 
 def _walk(segments: tuple[Segment, ...]) -> Iterator[Segment]:
     for segment in segments:
         yield segment
         yield from _walk(segment.children)
-
-
-def _fmt_bytes(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    if size < 1024**2:
-        return f"{size / 1024:.1f} KiB"
-    return f"{size / 1024**2:.1f} MiB"
 
 
 def _fmt_time(seconds: float) -> str:

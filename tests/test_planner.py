@@ -356,7 +356,13 @@ def test_saved_ops_are_the_plan_s_keys() -> None:
     plan.apply(model)
     report, _ = measured(model, x, None)
     plan.remove(model)
-    kept = sorted(r.op for r in report.records if r.region == "sac" and r.decision == "saved")
+    kept = sorted(  # what the regions' caches keep: saved in a region, not by reference
+        r.op
+        for r in report.records
+        if r.decision == "saved"
+        and r.region.startswith("TransformerEncoderLayer #")
+        and r.op not in ("rng state", "keyword input", "nested input")
+    )
     assert sorted(set(kept)) == sorted(set(expected))
     assert len(kept) >= len(expected)
 

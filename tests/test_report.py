@@ -39,13 +39,13 @@ def test_checkpointed_region_rows_are_recomputed_and_only_inputs_kept() -> None:
         y.sum().backward()
     kept = [(r.op, r.region) for r in report.records if r.decision == "saved"]
     assert kept == [
-        ("(input or parameter)", "inputs of checkpoint(Sequential)"),
-        ("rng state", "checkpoint(Sequential)"),
+        ("(input or parameter)", "inputs of Sequential #1"),
+        ("rng state", "Sequential #1"),
     ]
     assert report.kept_bytes == x.numel() * x.element_size() + RNG_STATE_BYTES
     assert report.activation_bytes == RNG_STATE_BYTES  # the input is a leaf: not an activation
     recomputed = [r for r in report.records if r.decision == "recomputed"]
-    assert {r.region for r in recomputed} == {"checkpoint(Sequential)"}
+    assert {r.region for r in recomputed} == {"Sequential #1"}
     assert "gelu" in {r.op for r in recomputed}
 
 
@@ -85,15 +85,19 @@ def test_kept_bytes_matches_the_floor_for_a_chain() -> None:
 
 
 def test_table_has_header_rows_and_totals() -> None:
-    """``str(report)`` is a table with a header, one line per row and the totals."""
+    """``report.table()`` (and ``detail()``) is the headline, a header, one line per row and
+    the totals."""
     x = torch.randn(3, requires_grad=True)
     with saved_tensors_report() as report:
         checkpointing.checkpoint(torch.sin, x, use_reentrant=False).exp().sum().backward()
-    text = str(report)
-    assert text.splitlines()[0].startswith("op")
-    assert "kept for backward:" in text
+    text = report.table()
+    assert report.detail() == text
+    lines = text.splitlines()
+    assert lines[0].startswith("saved-tensor report:")
+    assert lines[1].startswith("op")
+    assert "activations kept:" in text
     assert "recompute cost:" in text
-    assert len(text.splitlines()) == len(report.records) + 5
+    assert len(lines) == len(report.records) + 6
 
 
 def test_selective_cache_counts_towards_kept_bytes() -> None:

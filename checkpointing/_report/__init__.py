@@ -3,7 +3,8 @@
 Owns ``saved_tensors_report`` in its two forms, ``report_on_oom`` and the report's data
 (``SavedTensorsReport``, ``SavedTensorRecord``). JAX's ``print_saved_residuals`` is the model:
 one row per tensor, with the op that produced it, the name ``policies.tag`` gave it, shape,
-dtype, bytes, the region it belongs to and what happens to it (saved, recomputed, offloaded).
+dtype, bytes, the region it belongs to and what happens to it (saved, recomputed, offloaded);
+printed by default as one line per region (``_regions`` labels them: NOTE [Region names]).
 
 One concept per module; each imports only from the ones listed before it:
 
@@ -27,13 +28,20 @@ from contextlib import AbstractContextManager
 from typing import Final, overload
 
 import torch
+from torch import nn
 
 from .graph import report_from_graph, roots_of
 from .oom import report_on_oom
-from .records import SavedTensorRecord, SavedTensorsReport
+from .records import RegionTotals, SavedTensorRecord, SavedTensorsReport
 from .watch import watch_step
 
-__all__ = ["SavedTensorRecord", "SavedTensorsReport", "report_on_oom", "saved_tensors_report"]
+__all__ = [
+    "RegionTotals",
+    "SavedTensorRecord",
+    "SavedTensorsReport",
+    "report_on_oom",
+    "saved_tensors_report",
+]
 
 
 class _Watch:
@@ -47,17 +55,21 @@ _WATCH: Final = _Watch()
 
 
 @overload
-def saved_tensors_report() -> AbstractContextManager[SavedTensorsReport]: ...
+def saved_tensors_report(
+    *, model: nn.Module | None = None
+) -> AbstractContextManager[SavedTensorsReport]: ...
 
 
 @overload
 def saved_tensors_report(
-    outputs: torch.Tensor | Sequence[torch.Tensor],
+    outputs: torch.Tensor | Sequence[torch.Tensor], *, model: nn.Module | None = None
 ) -> SavedTensorsReport: ...
 
 
 def saved_tensors_report(
     outputs: torch.Tensor | Sequence[torch.Tensor] | _Watch = _WATCH,
+    *,
+    model: nn.Module | None = None,
 ) -> AbstractContextManager[SavedTensorsReport] | SavedTensorsReport:
     """Report every tensor kept for backward: by watching a step, or from its loss.
 
@@ -69,7 +81,18 @@ def saved_tensors_report(
     what each node saved without unpacking it, so no checkpointed region is recomputed and
     backward runs afterwards as usual. It sees what the graph and our checkpoints hold
     (recomputed, saved and offloaded tensors, RNG states, selective caches, kept spans), not
-    recompute cost (see NOTE [Report from a graph] for the rest).
+    recompute cost.
+
+    ``print(report)`` shows one line per region (tensors, bytes saved, recomputed and
+    offloaded) and the totals; ``print(report.table())`` one row per tensor. A region that runs
+    a module (``checkpoint(layer, x)``, ``checkpoint_module``, ``checkpoint_wrapper``, a plan,
+    the Hugging Face integration) is labelled by the module's path in ``model`` and its class,
+    ``model.layers.3 (LlamaDecoderLayer)``, as ``model.named_modules()`` names it; without
+    ``model``, by its class and a number, ``LlamaDecoderLayer #4`` (the fourth met). A region
+    that runs a plain function is labelled ``checkpoint(<its qualified name>)``.
+
+    ``activation_bytes`` is what an ``ActivationPlan`` calls ``kept_bytes``; the report's own
+    ``kept_bytes`` also counts the inputs and parameters that backward needs.
 
     Example:
         >>> import torch, checkpointing
@@ -80,10 +103,14 @@ def saved_tensors_report(
         ...     y.sum().backward()
         >>> report.recompute_ops > 0
         True
-        >>> loss = checkpointing.checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False).sum()
-        >>> sorted({r.decision for r in checkpointing.saved_tensors_report(loss).records})
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        >>> loss = checkpointing.checkpoint(model[0], x, use_reentrant=False).relu().sum()
+        >>> report = checkpointing.saved_tensors_report(loss, model=model)
+        >>> list(report.regions())
+        ['0 (Linear)', '(outside any region)']
+        >>> sorted({r.decision for r in report.records})
         ['recomputed', 'saved']
     """
     if isinstance(outputs, _Watch):
-        return watch_step()
-    return report_from_graph(roots_of(outputs))
+        return watch_step(model)
+    return report_from_graph(roots_of(outputs), model)

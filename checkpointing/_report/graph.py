@@ -26,8 +26,8 @@ NOTE [Report from a graph]
           region's inputs are its parent's holders), its RNG states, keyword and nested inputs,
           the outputs its kept spans hold for the replay ("span output", NOTE [Kept spans],
           Rule 3); and, when its recompute context is a selective checkpoint's, the cache's live
-          entries: "saved" and "offloaded" rows in region "sac", as the watched report names
-          them. Entries already handed out to a recompute are gone, and not listed.
+          entries: "saved" and "offloaded" rows in the frame's region, as the watched report
+          names them. Entries already handed out to a recompute are gone, and not listed.
   Rule 4. Bytes: each storage counts once (``records.Tally``). Every kept storage is an
           activation except those of leaf tensors that require grad (and views of them): the
           walk cannot tell when a tensor was made, so a tensor made before the step without
@@ -39,6 +39,9 @@ NOTE [Report from a graph]
           (``MmBackward0`` is "mm"), as the watched report names ops.
   Rule 6. Rows come in forward order (the nodes' sequence numbers): each frame's own rows
           first, then its tensors, then its selective cache's.
+  Rule 7. Regions are labelled as NOTE [Region names] says, with one naming for the whole walk
+          (the model given, or numbers). Nodes are read in forward order (their sequence
+          numbers), so that the numbers count regions as the watched report does.
 
 What the walk cannot see: recompute cost (nothing runs: ``recompute_counted`` is False); the
 names of recomputed tensors (no tensor exists) and of tensors copied to the host (the copy is
@@ -56,12 +59,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import torch
+from torch import nn
 
 from .. import _compat
 from .._errors import describe_value
 from .._events import Decision, Kept, tag_name
 from .._frame import Frame, Holder, unpack_holder
 from .._keep import held_outputs
+from .._regions import RegionNames, naming
 from .._scope.router import _Delegated, _Passed
 from .._scope.tape import _ScopeHolder
 from .._selective.cache import _HostAlias, _HostCopy, _Packed, _Saved, _Tree
@@ -72,7 +77,6 @@ from .watch import watcher_unpack
 
 __all__ = ["report_from_graph", "roots_of"]
 
-_SAC: Final = "sac"
 _HOOKS: Final = "(saved-tensors hooks)"
 _UNKNOWN_CHECKPOINT: Final = "(a checkpoint the report does not know)"
 _REGION_INPUT: Final = "(region input)"  # the op of a region's input that nothing traces
@@ -143,11 +147,16 @@ def roots_of(outputs: torch.Tensor | Sequence[torch.Tensor]) -> list[Any]:
     return nodes
 
 
-def report_from_graph(roots: Iterable[Any]) -> SavedTensorsReport:
-    """Walk the graph from ``roots`` (autograd nodes) and report what it saved (the NOTE)."""
+def report_from_graph(roots: Iterable[Any], model: nn.Module | None = None) -> SavedTensorsReport:
+    """Walk the graph from ``roots`` (autograd nodes) and report what it saved (the NOTE);
+    ``model`` names module regions by path (Rule 7)."""
     report = SavedTensorsReport(recompute_counted=False)
     walk = _Walk(Tally(report))
-    walk.run(roots)
+    token = naming.set(RegionNames(model))
+    try:
+        walk.run(roots)
+    finally:
+        naming.reset(token)
     walk.tally.note(_NOTE_NOT_COUNTED)
     return report
 
@@ -189,8 +198,9 @@ class _Walk:
             if node in seen:
                 continue
             seen.add(node)
-            self.node(node)
             todo.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
+        for node in sorted(seen, key=_compat.node_sequence_number):  # Rule 7: forward order
+            self.node(node)
         for rows in list(self.frames.values()):
             self.frame_rows(rows)
         self.rows.sort(key=lambda row: (row[0], row[1]))
@@ -355,9 +365,9 @@ class _Walk:
                 self.kept(tensor, (first, -300), f"keep({span.name}) in {region}", "span output")
         context = frame.recompute_context
         if isinstance(context, _CachedMode):
-            self.cache_rows(context, (last, 1_000_000))
+            self.cache_rows(context, (last, 1_000_000), region)
 
-    def cache_rows(self, context: _CachedMode, key: _Key) -> None:
+    def cache_rows(self, context: _CachedMode, key: _Key, region: str) -> None:
         """The live entries of a selective checkpoint's cache (Rule 3)."""
         for cache_key, record in context.cache.records.items():
             if not record.kept:
@@ -365,19 +375,19 @@ class _Walk:
             op = _op_of_cache_key(cache_key)
             for _, slot in sorted(record.kept.items(), key=lambda item: item[0]):
                 for entry in _entries(slot):
-                    self.cache_entry(entry, op, key)
+                    self.cache_entry(entry, op, key, region)
 
-    def cache_entry(self, entry: Any, op: str, key: _Key) -> None:
+    def cache_entry(self, entry: Any, op: str, key: _Key, region: str) -> None:
         if isinstance(entry, _Saved):
-            self.tensor(entry.alias, key, _SAC, "saved", op, op)
+            self.tensor(entry.alias, key, region, "saved", op, op)
         elif isinstance(entry, _HostAlias):
-            self.tensor(entry.alias, key, _SAC, "offloaded", op, op, nbytes=entry.nbytes)
+            self.tensor(entry.alias, key, region, "offloaded", op, op, nbytes=entry.nbytes)
         elif isinstance(entry, _HostCopy):
-            self.tensor(entry.host, key, _SAC, "offloaded", op, op, nbytes=entry.nbytes)
+            self.tensor(entry.host, key, region, "offloaded", op, op, nbytes=entry.nbytes)
         elif isinstance(entry, _Packed):
             self.tally.note(_NOTE_FOREIGN_HOOKS)
             for tensor in _leaf_tensors(entry.packed):
-                self.tensor(tensor, key, _SAC, "saved", op, op)
+                self.tensor(tensor, key, region, "saved", op, op)
 
 
 def _entries(slot: object) -> list[Any]:

@@ -1,22 +1,33 @@
 """What a saved-tensor report holds and how it prints, and the bookkeeping both builders share.
 
-Owns ``SavedTensorRecord`` (one row), ``SavedTensorsReport`` (the rows, the totals, the table)
+Owns ``SavedTensorRecord`` (one row), ``SavedTensorsReport`` (the rows, the totals, and its two
+printouts: a summary with one line per region, the default, and the table of rows, on request)
 and ``Tally``, which adds rows to a report and counts each storage once in its byte totals. How
 rows are found is the builders' business: ``watch`` (hooks around a step) and ``graph`` (a walk
-of the autograd graph from a loss).
+of the autograd graph from a loss); how regions are labelled, ``_regions``'.
+
+Two byte totals, named apart on purpose: ``activation_bytes`` is what an ``ActivationPlan``
+calls ``kept_bytes`` (the activations kept between forward and backward, each storage once: a
+plan's prediction is checked against it); the report's own ``kept_bytes`` adds the inputs and
+parameters that backward also needs, which stay in memory whatever is checkpointed. Printouts
+say "activations kept" for the first and "with inputs and parameters" for the second.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from .._events import Decision
+from .._units import format_bytes
 
 __all__ = [
     "LEAF",
     "OUTSIDE",
+    "SELECTIVE",
+    "RegionTotals",
     "SavedTensorRecord",
     "SavedTensorsReport",
     "Tally",
@@ -28,6 +39,11 @@ OUTSIDE = "(outside any region)"
 """The region of a tensor saved by no checkpoint of ours."""
 LEAF = "(input or parameter)"
 """The op of a tensor no op made: an input or a parameter (a leaf tensor)."""
+SELECTIVE = "sac"
+"""The region the selective modes announce their outputs in; a report puts them in the region
+whose forward runs, and keeps this name only where none runs (torch's own checkpoint)."""
+_INPUTS = "inputs of "  # a region's inputs, kept for it by its parent
+_SPAN = re.compile(r"^keep\(.*?\) in ")  # what a kept span holds, in its region
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +70,15 @@ class SavedTensorsReport:
     recompute_ops: int = 0
     recompute_flops: int = 0
     kept_bytes: int = 0
-    """Bytes of the distinct storages kept between forward and backward (device memory)."""
+    """Bytes of the distinct storages kept between forward and backward (device memory),
+    inputs and parameters included: not what a plan calls ``kept_bytes``, which is
+    ``activation_bytes`` here."""
     activation_bytes: int = 0
     """The part of ``kept_bytes`` that is activations: storages that ops made inside the block
     (saved masks included, though they do not require grad), not those of inputs and
-    parameters, which stay in memory whether or not anything is checkpointed. A report built
-    from a loss sees no block: there, every kept storage but those of leaf tensors that require
-    grad is an activation."""
+    parameters, which stay in memory whether or not anything is checkpointed. This is what an
+    ``ActivationPlan``'s ``kept_bytes`` predicts. A report built from a loss sees no block:
+    there, every kept storage but those of leaf tensors that require grad is an activation."""
     rng_state_bytes: int = 0
     """The part of ``activation_bytes`` that is RNG states our checkpoints keep for recompute
     (each distinct state once). torch's own checkpoint keeps one per region too, but out of
@@ -87,26 +105,72 @@ class SavedTensorsReport:
                 totals[record.region] = totals.get(record.region, 0) + record.nbytes
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
-    def table(self) -> str:
-        """A fixed-width table of the records, then the totals."""
+    def regions(self) -> dict[str, RegionTotals]:
+        """Per region, in the order the step met them: its rows' count and bytes per decision.
+        A region's inputs (rows "inputs of R") and what its kept spans hold ("keep(name) in
+        R") count towards R: the region keeps them. A tensor listed twice counts twice."""
+        found: dict[str, RegionTotals] = {}
+        for record in self.records:
+            region = region_of_row(record.region)
+            totals = found.get(region)
+            if totals is None:
+                totals = found[region] = RegionTotals()
+            totals.add(record)
+        return found
+
+    def summary(self) -> str:
+        """One line per region (tensors, bytes saved, recomputed and offloaded), then the
+        totals, the recompute cost and the notes. The default printout (``str(report)``)."""
+        regions = self.regions()
+        width = max([len("region"), *(len(name) for name in regions)])
         header = (
-            f"{'op':<28} {'name':<12} {'shape':<20} {'dtype':<9} {'bytes':>12}  "
+            f"{'region':<{width}}  {'tensors':>7}  {'saved':>10}  {'recomputed':>10}  "
+            f"{'offloaded':>10}"
+        )
+        lines = [self._headline(len(regions)), header, "-" * len(header)]
+        for name, totals in regions.items():
+            lines.append(
+                f"{name:<{width}}  {totals.tensors:>7}  {format_bytes(totals.saved):>10}  "
+                f"{format_bytes(totals.recomputed):>10}  {format_bytes(totals.offloaded):>10}"
+            )
+        lines.append("-" * len(header))
+        lines.extend(self._footer())
+        lines.append("(one row per tensor: print(report.table()))")
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """A fixed-width table of the records (one row per tensor), then the totals."""
+        header = (
+            f"{'op':<28} {'name':<12} {'shape':<20} {'dtype':<9} {'bytes':>10}  "
             f"{'decision':<10} region"
         )
-        lines = [header, "-" * len(header)]
+        lines = [self._headline(len(self.regions())), header, "-" * len(header)]
         for r in self.records:
             dtype = str(r.dtype).removeprefix("torch.")
             lines.append(
                 f"{r.op[:28]:<28} {(r.name or '')[:12]:<12} {str(list(r.shape))[:20]:<20} "
-                f"{dtype:<9} {r.nbytes:>12,}  {r.decision:<10} {r.region}"
+                f"{dtype:<9} {format_bytes(r.nbytes):>10}  {r.decision:<10} {r.region}"
             )
-        totals = self.bytes_by_decision()
         lines.append("-" * len(header))
-        lines.append(
-            f"kept for backward: {self.kept_bytes:,} bytes in distinct storages, "
-            f"{self.activation_bytes:,} of them activations; "
-            + ", ".join(f"{k}: {v:,} bytes" for k, v in totals.items())
+        lines.extend(self._footer())
+        return "\n".join(lines)
+
+    detail = table
+    """The table of rows: ``print(report.detail())`` is ``print(report.table())``."""
+
+    def _headline(self, n_regions: int) -> str:
+        return (
+            f"saved-tensor report: {len(self.records)} tensors in {n_regions} regions; "
+            f"activations kept: {format_bytes(self.activation_bytes)} (each storage once; "
+            f"{format_bytes(self.kept_bytes)} with inputs and parameters)"
         )
+
+    def _footer(self) -> list[str]:
+        totals = self.bytes_by_decision()
+        lines = [
+            "tensor bytes by decision (a tensor listed twice counts twice): "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in totals.items())
+        ]
         if self.recompute_counted:
             lines.append(
                 f"recompute cost: {self.recompute_ops} ops, {self.recompute_flops:,} FLOPs "
@@ -115,10 +179,35 @@ class SavedTensorsReport:
         else:
             lines.append("recompute cost: not counted (no backward ran under the report)")
         lines.extend(f"note: {note}" for note in self.notes)
-        return "\n".join(lines)
+        return lines
 
     def __str__(self) -> str:
-        return self.table()
+        return self.summary()
+
+
+@dataclass
+class RegionTotals:
+    """One region's line of the summary: how many rows, and their bytes per decision."""
+
+    tensors: int = 0
+    saved: int = 0
+    recomputed: int = 0
+    offloaded: int = 0
+
+    def add(self, record: SavedTensorRecord) -> None:
+        self.tensors += 1
+        if record.decision == "saved":
+            self.saved += record.nbytes
+        elif record.decision == "recomputed":
+            self.recomputed += record.nbytes
+        else:
+            self.offloaded += record.nbytes
+
+
+def region_of_row(region: str) -> str:
+    """The region a row counts towards in the summary: "inputs of R" and "keep(name) in R"
+    are R's."""
+    return _SPAN.sub("", region.removeprefix(_INPUTS))
 
 
 class Tally:

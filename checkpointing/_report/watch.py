@@ -28,6 +28,11 @@ How it watches (no mechanism knows about the report; they only announce through 
      times the allocator's, and different on every run (freed addresses are reused, and
      storages are keyed by address). A reentrant checkpoint's RNG states are kept by plain
      reference and announced by no one: ``notes`` says so.
+  5. Regions are labelled as NOTE [Region names] says, with the report's naming (the model
+     given, or numbers) lent to the mechanisms while the block runs. The selective modes
+     announce their saved and offloaded outputs as region "sac" (they do not know the frame):
+     the row takes the region whose forward runs, where one does (a selective context given to
+     torch's own checkpoint runs in none, and keeps "sac").
 
 Activations are the kept storages that ops made inside the block, except those of leaf tensors
 that require grad (inputs and parameters created there). Whether a tensor requires grad does not
@@ -46,14 +51,16 @@ from contextlib import contextmanager
 from typing import Any, Final
 
 import torch
+from torch import nn
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .. import _compat
 from .._events import Decision, Kept, current_region, listener, note_tag, tag_name
+from .._regions import RegionNames, naming
 from .._selective import TAG_OP
 from .._state import is_recomputing
-from .records import LEAF, OUTSIDE, SavedTensorsReport, Tally, storage_key
+from .records import LEAF, OUTSIDE, SELECTIVE, SavedTensorsReport, Tally, storage_key
 
 __all__ = ["watch_step", "watcher_unpack"]
 
@@ -83,6 +90,8 @@ class _Watcher:
         saves is kept outside autograd's graph, so it counts towards ``kept_bytes`` here."""
         if _compat.current_graph_task_id() != -1:  # See "How it watches", 4
             return
+        if region == SELECTIVE:  # See "How it watches", 5
+            region = current_region.get() or region
         self.record(tensor, region, decision)
         if decision == "saved":
             self.tally.keep(tensor, activation=True)  # an op's output, though detached
@@ -168,18 +177,21 @@ class _ProducerMode(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 @contextmanager
-def watch_step() -> Iterator[SavedTensorsReport]:
+def watch_step(model: nn.Module | None = None) -> Iterator[SavedTensorsReport]:
     """``with saved_tensors_report() as report:``: watch the block; the report is filled while
-    it runs and complete when it exits."""
+    it runs and complete when it exits. ``model`` names module regions by path ("How it
+    watches", 5)."""
     report = SavedTensorsReport()
     watcher = _Watcher(report)
     token = listener.set(watcher)
+    names = naming.set(RegionNames(model))
     _compat.push_saved_tensors_hooks(watcher, watcher.unpack)
     try:
         with _ProducerMode(watcher):
             yield report
     finally:
         _compat.pop_saved_tensors_hooks()
+        naming.reset(names)
         listener.reset(token)
 
 

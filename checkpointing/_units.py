@@ -1,0 +1,35 @@
+"""How sizes print: bytes in B, KiB, MiB, GiB or TiB, for every printout of the package.
+
+Owns ``format_bytes``. Reports, plans, schedules and the out-of-memory printout call it, so that a
+size reads the same everywhere. It imports nothing of ours: every module may use it. Values kept
+as data (``kept_bytes`` and the like) stay exact integers; only their printing is rounded.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["format_bytes"]
+
+_UNITS: Final = ("KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(size: int | float) -> str:
+    """``size`` bytes for a reader: exact below 1 KiB, else one decimal in the largest binary
+    unit that keeps the number at least 1 (powers of 1024, as torch's memory summaries print).
+
+    >>> format_bytes(512), format_bytes(1536), format_bytes(5 * 2**20), format_bytes(-3 * 2**30)
+    ('512 B', '1.5 KiB', '5.0 MiB', '-3.0 GiB')
+    """
+    magnitude = abs(size)
+    if magnitude < 1024:
+        return f"{size:.0f} B" if isinstance(size, float) else f"{size} B"
+    value = float(magnitude)
+    unit = _UNITS[0]
+    for unit in _UNITS:
+        value /= 1024
+        # Move up while the value would print as 1024.0 or more (1023.96 KiB is 1.0 MiB).
+        if round(value, 1) < 1024 or unit == _UNITS[-1]:
+            break
+    sign = "-" if size < 0 else ""
+    return f"{sign}{value:.1f} {unit}"
