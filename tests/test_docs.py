@@ -7,8 +7,8 @@ on the site:
 - ``<!-- docs-test: skip REASON -->``: the block is not run (a GPU, several processes, a model
   from the Hub). ``SKIPPED`` pins how many such blocks each page has, so a mark cannot be added
   or forgotten unnoticed; a CUDA-only block without one fails here, on a machine without a GPU.
-- ``<!-- docs-test: requires NAME -->``: run only where ``checkpointing`` has ``NAME`` (an
-  entry point still landing), skipped with that reason otherwise.
+- ``<!-- docs-test: requires NAME -->``: run only where ``checkpointing.NAME`` exists (an entry
+  point still landing; ``NAME`` may be dotted, ``policies.save_attention``), skipped otherwise.
 
 A hidden set-up block (``<!-- docs-test: setup`` then code then ``-->``) runs where it stands,
 for the tiny model or tensors that a fragment on the page assumes.
@@ -16,6 +16,7 @@ for the tiny model or tensors that a fragment on the page assumes.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,16 @@ def _blocks(path: Path) -> list[Block]:
     return blocks
 
 
+def _has(dotted: str) -> bool:
+    """Whether ``checkpointing.<dotted>`` exists (e.g. ``policies.save_attention``)."""
+    target: object = checkpointing
+    for part in dotted.split("."):
+        if not hasattr(target, part):
+            return False
+        target = getattr(target, part)
+    return True
+
+
 def _name(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
@@ -122,7 +133,7 @@ def test_page_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     for block in blocks:
         if block.skip is not None:
             continue
-        absent = [n for n in block.requires if not hasattr(checkpointing, n)]
+        absent = [n for n in block.requires if not _has(n)]
         if absent:
             missing += absent
             continue
@@ -152,3 +163,39 @@ def test_readme_is_a_front_page() -> None:
     assert lines[marker + 1] == "```bash"
     assert lines[marker + 2].startswith("python3.11 -m venv .venv && ")
     assert lines[marker + 3] == "```"
+
+
+def test_readme_links_resolve() -> None:
+    """Every relative link of README.md names a file of the repository (the site's own links
+    are checked by ``mkdocs build --strict``)."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if "://" not in t]
+    assert len(local) >= 10, local
+    assert [t for t in local if not (ROOT / t).exists()] == []
+
+
+def _catalogue_hook() -> Any:
+    """docs/hooks/messages.py, loaded as MkDocs loads it (by path: docs/ is no package)."""
+    spec = importlib.util.spec_from_file_location("messages", ROOT / "docs/hooks/messages.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_troubleshooting_catalogue_has_every_message() -> None:
+    """The troubleshooting page's catalogue (built from the source) shows every ``_MSG_*``
+    constant of the package, each with its text."""
+    hook = _catalogue_hook()
+    defined = set()
+    for path in (ROOT / "checkpointing").rglob("*.py"):
+        dotted = ".".join(path.relative_to(ROOT / "checkpointing").with_suffix("").parts)
+        for name in re.findall(r"^(_MSG_\w+)\b", path.read_text(), flags=re.MULTILINE):
+            defined.add(f"{dotted}.{name}")
+    page = hook.on_page_markdown((ROOT / "docs" / "troubleshooting.md").read_text())
+    assert hook.MARKER not in page
+    shown = set(re.findall(r"^`([\w.]+\._MSG_\w+)`$", page, flags=re.MULTILINE))
+    assert len(defined) >= 100
+    assert defined - shown == set()

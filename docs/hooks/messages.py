@@ -50,18 +50,31 @@ def messages() -> dict[str, list[tuple[str, str]]]:
     for path in sorted(PACKAGE.rglob("*.py")):
         dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
         area = next((label for prefix, label in AREAS if dotted.startswith(prefix)), "other")
+        strings: dict[str, str] = {}  # the module's string constants so far, by name
         for node in ast.parse(path.read_text()).body:
             target, value = _assigned(node)
-            if target is None or not target.startswith("_MSG_"):
+            if target is None:
                 continue
-            try:
-                text = ast.literal_eval(value)
-            except ValueError:
-                continue  # built at run time; its pieces are constants of their own
-            if isinstance(text, str):
+            text = _string(value, strings)
+            if text is None:
+                continue  # not a string known before the program runs
+            strings[target] = text
+            if target.startswith("_MSG_"):
                 found.setdefault(area, []).append((f"{dotted}.{target}", text))
     order = [label for _, label in AREAS] + ["other"]
     return {label: found[label] for label in dict.fromkeys(order) if label in found}
+
+
+def _string(node: Any, strings: dict[str, str]) -> str | None:
+    """The value of a string literal, of a name bound to one, or of their ``+``; else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return strings.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _string(node.left, strings), _string(node.right, strings)
+        return None if left is None or right is None else left + right
+    return None
 
 
 def _assigned(node: ast.stmt) -> tuple[str | None, Any]:
