@@ -1,4 +1,4 @@
-"""What ``import checkpointing`` costs: torch's compiler stack stays out until something compiles."""
+"""What ``import checkpointing`` costs: the compiler stack stays out until something compiles."""
 
 from __future__ import annotations
 
