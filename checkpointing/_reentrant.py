@@ -63,7 +63,8 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
-        """Re-run the region with grad and back-propagate through it (Rules 2 and 3)."""
+        """Re-run the region with grad on detached copies of its inputs (under the forward's
+        RNG state) and back-propagate through that re-run; only ``.backward()`` can drive it."""
         if not is_checkpoint_valid():
             raise RuntimeError(_MSG_GRAD_API)
         inputs = list(ctx.inputs)
