@@ -65,7 +65,7 @@ class CheckpointFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
         """Re-run the region with grad on detached copies of its inputs (under the forward's
         RNG state) and back-propagate through that re-run; only ``.backward()`` can drive it."""
-        if not is_checkpoint_valid():
+        if not is_checkpoint_valid():  # See NOTE [Reentrant checkpoint], Rules 2 and 3
             raise RuntimeError(_MSG_GRAD_API)
         inputs = list(ctx.inputs)
         for index, tensor in zip(ctx.tensor_indices, ctx.saved_tensors, strict=True):
