@@ -3,7 +3,9 @@
 Owns ``keep(fn, *args, **kwargs)`` and ``keeping()`` (its context-manager and decorator form),
 the per-span record the frame holds (``Span``) and the replay side that skips a span. The frame
 (``_frame``) owns holders, recompute and early stop; this module only adds a saved-tensors hook
-on top of the frame's while a span runs, and tells the replay what to serve in its place.
+on top of the frame's while a span runs, and tells the replay what to serve in its place. What
+is known of a span's arguments (their views) is ``_span_args``'; tensors a span keeps in host
+memory are ``_span_offload``'s.
 
 NOTE [Kept spans]
   Rule 1. A span belongs to the checkpoint whose frame is the top saved-tensors hook when it
@@ -31,10 +33,13 @@ NOTE [Kept spans]
           after the replay skips it (the frame restores the entry snapshots, NOTE [Nestable
           checkpoint], Rule 12).
   Rule 6. Ops inside a span are invisible to selective checkpointing's modes, in forward and in
-          the replay alike (neither cached nor counted), so a policy and spans compose. A
-          checkpoint whose ``context_fn`` is not ours (torch's selective contexts, a user's
-          mode) makes every span a plain call, said once by a warning: skipping ops a foreign
-          recompute context counted would desynchronise it.
+          the replay alike (neither cached nor counted), so a policy and spans compose. What
+          the replay does on a skipped span's behalf (views of its arguments rebuilt with
+          ``as_strided``, its outputs served) runs inside the span's marker too: the forward
+          never ran those ops outside a span. A checkpoint whose ``context_fn`` is not ours
+          (torch's selective contexts, a user's mode) makes every span a plain call, said once
+          by a warning: skipping ops a foreign recompute context counted would desynchronise
+          it.
   Rule 7. ``with keeping():`` cannot skip its body (Python runs a ``with`` block whatever its
           context manager does). In forward everything the block saves is kept; the replay
           runs the block again under a hook that stores nothing, and early stop ends the replay
@@ -63,6 +68,14 @@ from . import _compat, _compiled, _offload
 from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._selective import CheckpointPolicy, OffloadStats
+from ._span_args import (
+    Recipe,
+    rebuild,
+    recipe_for,
+    storage_ranges,
+    tensor_leaves,
+)
+from ._span_offload import Offloaded, offload_kept, restore
 from ._state import enter_span, exit_span, set_device_states
 
 if TYPE_CHECKING:
@@ -125,31 +138,6 @@ class _Kept:
         self.counted = counted  # a host tensor under an offload policy: counted as offloaded
 
 
-class _Offloaded:
-    """A tensor a span keeps in host memory (``MUST_CPU_OFFLOAD``): the copy (a transfer of the
-    offload engine on CUDA, NOTE [Host copies off the critical path], else a host tensor) and
-    where it lived."""
-
-    __slots__ = ("device", "host", "nbytes", "transfer")
-
-    def __init__(
-        self,
-        host: torch.Tensor | None,
-        transfer: _offload.Transfer | None,
-        device: torch.device,
-        nbytes: int,
-    ) -> None:
-        self.host = host
-        self.transfer = transfer
-        self.device = device
-        self.nbytes = nbytes
-
-
-# How the replay rebuilds a tensor from the span's arguments: (argument index, None) for the
-# argument itself, (index, size, stride, storage offset relative to the argument's) for a view.
-_Recipe = tuple[int, tuple[int, ...] | None, tuple[int, ...], int]
-
-
 class Span:
     """What the forward of one span left for the replay (Rules 2-5)."""
 
@@ -166,7 +154,7 @@ class Span:
     def __init__(self, name: str, start: int) -> None:
         self.name = name
         self.start = start  # holders the frame had when the span began (Rule 3)
-        self.routed: list[_Recipe] = []  # saved arguments, in the order they were saved
+        self.routed: list[Recipe] = []  # saved arguments, in the order they were saved
         self.outputs: Any = None  # the span's return value, tensors as ``_Held``
         self.released = False
         self.rng_after: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None
@@ -178,60 +166,6 @@ class Span:
         self.rng_after = None
         self.state_after = None
         self.released = True
-
-
-def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    leaves: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            leaves.append(value)
-        elif isinstance(value, tuple | list | dict):
-            leaves.extend(t for t in _compat.tree_leaves(value) if isinstance(t, torch.Tensor))
-    return leaves
-
-
-def _storage_ranges(leaves: list[torch.Tensor]) -> list[tuple[int, int] | None]:
-    """Where each argument's storage lies in memory, to tell its views (Rule 2)."""
-    ranges: list[tuple[int, int] | None] = []
-    for leaf in leaves:
-        try:
-            storage = leaf.untyped_storage()
-            start = storage.data_ptr()
-            ranges.append((start, start + storage.nbytes()) if start else None)
-        except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage
-            ranges.append(None)
-    return ranges
-
-
-def _recipe_for(
-    x: torch.Tensor, leaves: list[torch.Tensor], ranges: list[tuple[int, int] | None]
-) -> _Recipe | None:
-    """How to rebuild ``x`` from the span's arguments, or None if it is not one of theirs."""
-    for index, leaf in enumerate(leaves):
-        if x is leaf:
-            return (index, None, (), 0)
-    if not ranges or type(x) not in _PLAIN or x.numel() == 0:
-        return None
-    pointer = x.data_ptr()
-    for index, bounds in enumerate(ranges):
-        if bounds is not None and bounds[0] <= pointer < bounds[1]:
-            leaf = leaves[index]
-            if leaf.dtype is not x.dtype or leaf.device != x.device:
-                return None
-            offset = int(x.storage_offset()) - int(leaf.storage_offset())
-            return (index, tuple(x.shape), tuple(x.stride()), offset)
-    return None
-
-
-def _rebuild(recipe: _Recipe, leaves: list[torch.Tensor]) -> torch.Tensor:
-    index, size, stride, offset = recipe
-    leaf = leaves[index]
-    if size is None:
-        return leaf
-    return leaf.detach().as_strided(size, stride, leaf.storage_offset() + offset)
-
-
-_PLAIN: Final = (torch.Tensor, torch.nn.Parameter)
 
 
 def _rng_states(frame: Frame) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -289,7 +223,7 @@ class _SpanHooks:
         self.frame = frame
         self.span = span
         self.leaves = leaves
-        self.ranges = _storage_ranges(leaves) if leaves else []
+        self.ranges = storage_ranges(leaves) if leaves else []
         self.offload = offload
         self.frame_unpack = frame.unpack_hook()
         self._user_hooks = frame._user_hooks
@@ -304,7 +238,7 @@ class _SpanHooks:
 
     def pack(self, x: torch.Tensor) -> object:
         if self.leaves:
-            recipe = _recipe_for(x, self.leaves, self.ranges)
+            recipe = recipe_for(x, self.leaves, self.ranges)
             if recipe is not None:
                 self.span.routed.append(recipe)
                 return self.frame(x)  # a holder: recomputed, filled by the replay
@@ -315,7 +249,7 @@ class _SpanHooks:
             announce(x, self.region_label, "offloaded" if offloading else "saved")
         if offloading:
             if alias.device.type != "cpu" or _offload.claims(alias):
-                return _offload_kept(alias, offload, self)
+                return offload_kept(alias, offload, self)
             if isinstance(offload, OffloadStats):  # a host tensor stays, and is counted
                 offload._count_offload(alias.nbytes)
                 return _Kept(alias, alias._version, True)
@@ -331,51 +265,9 @@ class _SpanHooks:
             if packed.counted and isinstance(self.offload, OffloadStats):
                 self.offload._count_restore(packed.alias.nbytes)
             return packed.alias
-        if type(packed) is _Offloaded:
-            return _restore(packed, self.offload)
+        if type(packed) is Offloaded:
+            return restore(packed, self.offload)
         return self.frame_unpack(packed)  # type: ignore[arg-type]  # a holder of the frame
-
-
-_MSG_OFFLOADED_MUTATED = (
-    "one of the variables needed for gradient computation has been modified by an inplace "
-    "operation: a tensor a kept span offloaded to host memory was changed in place before its "
-    "copy had finished, so the copy cannot be trusted. (checkpointing.keeping(policy="
-    "MUST_CPU_OFFLOAD) copies what a span saves off the compute stream. Fix: make the in-place "
-    "operation after the span out of place, or clone the tensor inside the span.)"
-)
-
-
-def _offload_kept(tensor: torch.Tensor, stats: OffloadStats | bool, owner: object) -> _Offloaded:
-    """Offload one tensor a span saves: through the offload engine where it moves the tensor
-    (in ``owner``'s group, for prefetch), else a plain copy."""
-    nbytes = tensor.nbytes
-    if isinstance(stats, OffloadStats):
-        stats._count_offload(nbytes)
-    if _offload.claims(tensor):
-        engine = _offload.engine()
-        transfer = engine.offload(tensor, engine.group_for(owner))
-        return _Offloaded(None, transfer, tensor.device, nbytes)
-    return _Offloaded(tensor.to("cpu"), None, tensor.device, nbytes)
-
-
-def _restore(packed: _Offloaded, stats: OffloadStats | bool) -> torch.Tensor:
-    """The device tensor back: the first restore of a span starts prefetching the rest of its
-    group (Rule 5 of NOTE [Host copies off the critical path]); the host copy stays for another
-    backward through a retained graph."""
-    transfer = packed.transfer
-    counter = stats if isinstance(stats, OffloadStats) else OffloadStats()
-    if transfer is not None:
-        if transfer.state == _offload.HOST:
-            _offload.begin(transfer.group)
-        try:
-            return transfer.engine.take(transfer, counter, consume=False)
-        except _offload.Stale:
-            raise RuntimeError(_MSG_OFFLOADED_MUTATED) from None
-    counter._count_restore(packed.nbytes)
-    host = packed.host
-    if host is None:
-        internal_error("an offloaded span tensor with neither a host copy nor a transfer")
-    return host.to(packed.device)
 
 
 def _discard(x: torch.Tensor) -> None:
@@ -490,7 +382,7 @@ def _forward_span(
     offload: OffloadStats | bool,
 ) -> Any:
     span = Span(name, len(frame.weak_holders))
-    leaves = _tensor_leaves(args, kwargs)
+    leaves = tensor_leaves(args, kwargs)
     hooks = _SpanHooks(frame, span, leaves, offload)
     before = _rng_states(frame) if frame.state.preserve_rng_state else None
     _compat.push_saved_tensors_hooks(hooks, hooks.unpack)
@@ -526,7 +418,7 @@ class _Held:
     def __init__(
         self,
         alias: torch.Tensor | None,
-        recipe: _Recipe | None,
+        recipe: Recipe | None,
         requires_grad: bool,
         version: int,
     ) -> None:
@@ -545,7 +437,7 @@ def _hold_outputs(
     """Rule 3: aliases of the outputs (or recipes for those that are the arguments' views)."""
 
     def hold(value: torch.Tensor) -> _Held:
-        recipe = _recipe_for(value, leaves, ranges) if leaves else None
+        recipe = recipe_for(value, leaves, ranges) if leaves else None
         if recipe is not None:
             return _Held(None, recipe, value.requires_grad, -1)
         return _Held(value.detach(), None, value.requires_grad, value._version)
@@ -582,7 +474,9 @@ def _map_tensors(value: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor
 
 
 def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """The replay reached a span: fill its argument holders, skip it, serve its outputs."""
+    """The replay reached a span: fill its argument holders, skip it, serve its outputs. What
+    it does on the span's behalf runs inside the span's marker, as the span's own ops did in
+    forward (Rule 6)."""
     frame: Frame = pack.replaying
     index = pack.spans_seen
     spans = frame.spans or []
@@ -595,9 +489,19 @@ def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: 
         )
     pack.spans_seen = index + 1
     span = spans[index]
-    leaves = _tensor_leaves(args, kwargs)
-    for recipe in span.routed:  # may end the replay here (early stop)
-        pack(_rebuild(recipe, leaves))
+    leaves = tensor_leaves(args, kwargs)
+    token = enter_span()
+    try:
+        for recipe in span.routed:  # may end the replay here (early stop)
+            pack(rebuild(recipe, leaves))
+        _restore_after(frame, span)
+        return _map_tensors(span.outputs, functools.partial(_serve, frame, span, leaves), _Held)
+    finally:
+        exit_span(token)
+
+
+def _restore_after(frame: Frame, span: Span) -> None:
+    """Put the generators (Rule 4) and the user's state (Rule 5) where the span left them."""
     if span.rng_after is not None:  # Rule 4
         cpu, device = span.rng_after
         if cpu is not None:
@@ -608,32 +512,28 @@ def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: 
         for hook, snapshot in zip(frame.state_hooks, span.state_after, strict=True):
             hook.restore(snapshot)
     if span.released:
-        raise CheckpointError(
-            f"checkpointing.keep: the replay of {frame.region()} reached the span {span.name}, "
-            "whose outputs the forward released as unreachable (an internal error: please "
-            "report it with the region's code)."
+        internal_error(
+            f"the replay of {frame.region()} reached the span {span.name}, whose outputs the "
+            "forward released as unreachable"
         )
 
-    def serve(held: _Held) -> torch.Tensor:
-        if held.recipe is not None:
-            tensor = _rebuild(held.recipe, leaves).detach()
-        else:
-            alias = held.alias
-            if alias is None:
-                internal_error("a held output with neither an alias nor a recipe")
-            if alias._version != held.version:
-                raise CheckpointError(
-                    _MSG_OUTPUT_MUTATED.format(
-                        name=span.name,
-                        region=frame.region(),
-                        then=held.version,
-                        now=alias._version,
-                    )
-                )
-            tensor = alias.detach()
-        return tensor.requires_grad_(True) if held.requires_grad else tensor
 
-    return _map_tensors(span.outputs, serve, _Held)
+def _serve(frame: Frame, span: Span, leaves: list[torch.Tensor], held: _Held) -> torch.Tensor:
+    """One output of a skipped span, as the replay is served it (Rule 3)."""
+    if held.recipe is not None:
+        tensor = rebuild(held.recipe, leaves).detach()
+    else:
+        alias = held.alias
+        if alias is None:
+            internal_error("a held output with neither an alias nor a recipe")
+        if alias._version != held.version:
+            raise CheckpointError(
+                _MSG_OUTPUT_MUTATED.format(
+                    name=span.name, region=frame.region(), then=held.version, now=alias._version
+                )
+            )
+        tensor = alias.detach()
+    return tensor.requires_grad_(True) if held.requires_grad else tensor
 
 
 class keeping:  # a context manager named like a function, as torch's no_grad
