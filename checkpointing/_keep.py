@@ -49,6 +49,10 @@ NOTE [Kept spans]
           (NOTE [Compiled regions], Rule 6), whatever the region's ``context_fn``; an offload
           policy is kept on the device and said once. A ``with keeping():`` block is not a
           function the compiler can be handed: there it is part of the region, recomputed.
+  Rule 10. A ``keeping`` instance holds no state of its use: the blocks open in a thread or
+          asyncio task are a stack in a ``ContextVar``, so one instance may be shared by threads
+          and nested in itself, as ``torch.no_grad()`` may. A block ends in the thread or task
+          that began it, innermost first; ``__exit__`` anywhere else says so.
 
 Rejected: a dispatch mode recording each op's outputs (what selective checkpointing does, ~12
 us per op); marking saved tensors through their autograd nodes' sequence numbers (a view of an
@@ -60,6 +64,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import torch
@@ -563,7 +568,7 @@ class keeping:  # a context manager named like a function, as torch's no_grad
         >>> y.sum().backward()
     """
 
-    __slots__ = ("_open", "name", "offload")
+    __slots__ = ("name", "offload")
 
     def __init__(
         self,
@@ -581,7 +586,6 @@ class keeping:  # a context manager named like a function, as torch's no_grad
         else:
             raise ValueError(_MSG_POLICY.format(policy=policy))
         self.name = name
-        self._open: list[Callable[[], None]] = []
 
     def __call__(self, fn: _F) -> _F:
         if not callable(fn):
@@ -595,16 +599,36 @@ class keeping:  # a context manager named like a function, as torch's no_grad
         return kept  # type: ignore[return-value]  # same signature as fn
 
     def __enter__(self) -> None:
-        self._open.append(_enter_block(self.name or "block", self.offload))
+        if _compiled.compiling():
+            return  # Rule 8: part of the region; nothing to end
+        end = _enter_block(self.name or "block", self.offload)
+        _open_blocks.set((*_open_blocks.get(), (self, end)))  # Rule 10
 
     def __exit__(self, *exc: object) -> None:
-        self._open.pop()()
+        if _compiled.compiling():
+            return
+        blocks = _open_blocks.get()
+        if not blocks or blocks[-1][0] is not self:
+            raise RuntimeError(_MSG_EXIT_UNMATCHED.format(name=self.name or "block"))
+        _open_blocks.set(blocks[:-1])
+        blocks[-1][1]()
+
+
+# Rule 10: the blocks open in this thread or asyncio task, innermost last, each with what ends
+# it; a ``keeping`` instance holds no state of its own use, so one may be shared.
+_open_blocks: ContextVar[tuple[tuple[keeping, Callable[[], None]], ...]] = ContextVar(
+    "checkpointing_open_keeping_blocks", default=()
+)
+_MSG_EXIT_UNMATCHED = (
+    "checkpointing.keeping: __exit__ of the block {name!r} was called, but the innermost "
+    "`with keeping():` block open in this thread (or asyncio task) is not that instance's. "
+    "A block must end in the thread or task that began it, innermost first. Fix: use "
+    "`with keeping(...):` rather than calling __enter__/__exit__ by hand."
+)
 
 
 def _enter_block(name: str, offload: OffloadStats | bool) -> Callable[[], None]:
     """Start a ``with keeping():`` block (Rule 7); returns what ends it."""
-    if _compiled.compiling():
-        return _nothing
     phase, owner = _frame_on_top()
     if phase == "plain" or _foreign_context(owner if phase == "forward" else owner.replaying):
         return _nothing

@@ -1,21 +1,24 @@
 """Attacks on ``keep`` / ``keeping`` (issue 40): a span's 3-D argument under a selective policy
-or a plan (NOTE [Kept spans], Rule 6). Gradients are compared with the plain run, bitwise.
+or a plan (NOTE [Kept spans], Rule 6), one ``keeping()`` instance shared by threads and nested
+(Rule 10). Gradients are compared with the plain run, bitwise.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from thread_support import run_threads
 from torch import nn
 
 import checkpointing
-from checkpointing import CheckpointError, keep, policies
+from checkpointing import CheckpointError, keep, keeping, policies
 from checkpointing._compat import top_saved_tensors_hooks
 from checkpointing._state import span_depth
 from checkpointing.policies import as_context_fn
@@ -150,3 +153,88 @@ def test_rule6_early_stop_inside_a_span_replay_leaves_no_span_marker() -> None:
     )
     _assert_equal(ours, plain)
     _clean_stack()
+
+
+# --- Rule 10: one keeping() instance shared by threads, nested, re-entered ----------------------
+
+
+def _shared_block_region(
+    shared: keeping, w: torch.Tensor, meet: threading.Barrier | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def region(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        with shared:
+            if meet is not None and not checkpointing.is_recomputing():
+                meet.wait(timeout=30)  # every thread is inside the same instance's block
+            with shared:  # the same instance, nested
+                h = (h @ w).tanh()
+        return (h @ w).cos()
+
+    return region
+
+
+def test_rule10_one_keeping_instance_used_by_threads_at_once() -> None:
+    """Four threads inside one shared instance's block at once, each nested in itself: no
+    ContextVar error, gradients bitwise the plain run's."""
+    shared = keeping("shared")
+    w = torch.randn(8, 8, requires_grad=True)
+    meet = threading.Barrier(4)
+    region = _shared_block_region(shared, w, meet)
+
+    def work(index: int) -> None:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(index), requires_grad=True)
+        plain = list(torch.autograd.grad(_shared_block_region(keeping(), w, None)(x).sum(), [x, w]))
+        for _ in range(3):
+            out = checkpointing.checkpoint(region, x, use_reentrant=False)
+            _assert_equal(list(torch.autograd.grad(out.sum(), [x, w])), plain)
+        _clean_stack()
+
+    run_threads(work, 4)
+
+
+def test_rule10_nested_instances_and_an_exception_in_the_block() -> None:
+    """Two instances nested either way, and an exception leaving a block: the block ends, the
+    hook stack is as found, and the instance works again."""
+    w = torch.randn(8, 8, requires_grad=True)
+    outer, inner = keeping("outer"), keeping("inner")
+
+    def region(x: torch.Tensor, fail: bool) -> torch.Tensor:
+        with outer, inner:
+            h = (x @ w).sin()
+            if fail:
+                raise ValueError("boom")
+            with inner, outer:
+                h = h @ w
+        return h.cos()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="boom"):
+        checkpointing.checkpoint(region, x, True, use_reentrant=False)
+    _clean_stack()
+    plain = _grads(lambda: region(x, False), [x, w])
+    ours = _grads(lambda: checkpointing.checkpoint(region, x, False, use_reentrant=False), [x, w])
+    _assert_equal(ours, plain)
+    _clean_stack()
+
+
+def test_rule10_a_block_ended_in_another_thread_is_a_clear_error() -> None:
+    """``__exit__`` in a thread that did not enter the instance says so (not a ContextVar
+    error); the thread that entered it still ends it."""
+    shared = keeping("moved")
+    shared.__enter__()
+    errors: list[BaseException] = []
+
+    def end_elsewhere() -> None:
+        try:
+            shared.__exit__(None, None, None)
+        except RuntimeError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=end_elsewhere)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1
+    assert "must end in the thread or task that began it" in str(errors[0])
+    shared.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="'moved' was called"):
+        shared.__exit__(None, None, None)
