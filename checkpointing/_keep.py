@@ -4,8 +4,8 @@ Owns ``keep(fn, *args, **kwargs)`` and ``keeping()`` (its context-manager and de
 the per-span record the frame holds (``Span``) and the replay side that skips a span. The frame
 (``_frame``) owns holders, recompute and early stop; this module only adds a saved-tensors hook
 on top of the frame's while a span runs, and tells the replay what to serve in its place. What
-is known of a span's arguments (their views) is ``_span_args``'; tensors a span keeps in host
-memory are ``_span_offload``'s.
+is known of a span's arguments (their views, the write check) is ``_span_args``'; tensors a span
+keeps in host memory are ``_span_offload``'s.
 
 NOTE [Kept spans]
   Rule 1. A span belongs to the checkpoint whose frame is the top saved-tensors hook when it
@@ -49,6 +49,21 @@ NOTE [Kept spans]
           (NOTE [Compiled regions], Rule 6), whatever the region's ``context_fn``; an offload
           policy is kept on the device and said once. A ``with keeping():`` block is not a
           function the compiler can be handed: there it is part of the region, recomputed.
+  Rule 9. A span given as a function must not write its tensor arguments in place: the replay
+          skips it, and gets arguments made in the region afresh, unwritten, so what reads them
+          after the span (and the holders Rule 2 fills from them) would see the values from
+          before the write. The forward refuses such a span when it returns, by the arguments'
+          version counters (every in-place write through an argument, a view of it or a
+          detached alias, metadata writes included, moves its counter; autograd's own checks
+          rest on the same counters). Refusing is provably correct; replaying the write is not:
+          the replay would need a copy of what the span wrote (the argument's bytes), could not
+          redo a write reaching past the argument (an ``as_strided`` view) nor its autograd
+          effect (an argument that starts requiring grad), and would write again into an
+          argument that is the same tensor in the replay (a buffer), moving a version autograd
+          checks. Writes to tensors a span does not take as arguments are not seen: for state
+          made outside the region (a module's buffers, batch norm's running statistics) that is
+          right, the write happens once, in forward; a tensor made in the region must reach a
+          span that writes it as an argument. A ``with keeping():`` block replays its writes.
   Rule 10. A ``keeping`` instance holds no state of its use: the blocks open in a thread or
           asyncio task are a stack in a ``ContextVar``, so one instance may be shared by threads
           and nested in itself, as ``torch.no_grad()`` may. A block ends in the thread or task
@@ -74,6 +89,7 @@ from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._selective import CheckpointPolicy, OffloadStats
 from ._span_args import (
+    ArgumentVersions,
     Recipe,
     rebuild,
     recipe_for,
@@ -389,6 +405,7 @@ def _forward_span(
     span = Span(name, len(frame.weak_holders))
     leaves = tensor_leaves(args, kwargs)
     hooks = _SpanHooks(frame, span, leaves, offload)
+    versions = ArgumentVersions(leaves) if leaves else None
     before = _rng_states(frame) if frame.state.preserve_rng_state else None
     _compat.push_saved_tensors_hooks(hooks, hooks.unpack)
     token = enter_span()
@@ -399,6 +416,8 @@ def _forward_span(
         _compat.pop_saved_tensors_hooks()
         hooks.leaves = []  # the graph holds the unpack hook: not the span's arguments
         hooks._user_hooks = None  # Rule 10's mark lives while the hook is on the stack
+    if versions is not None:  # See NOTE [Kept spans], Rule 9: the replay cannot write them again
+        versions.refuse_writes(leaves, name, frame.region())
     if before is not None:
         after = _rng_states(frame)
         if not _same_states(before, after):  # Rule 4: only a span that drew

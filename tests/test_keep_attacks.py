@@ -1,6 +1,7 @@
-"""Attacks on ``keep`` / ``keeping`` (issue 40): a span's 3-D argument under a selective policy
-or a plan (NOTE [Kept spans], Rule 6), one ``keeping()`` instance shared by threads and nested
-(Rule 10). Gradients are compared with the plain run, bitwise.
+"""Attacks on ``keep`` / ``keeping`` (issue 40, items 3, 6 and 8): a span writing its argument in
+place (NOTE [Kept spans], Rule 9), a span's 3-D argument under a selective policy or a plan
+(Rule 6), one ``keeping()`` instance shared by threads and nested (Rule 10). Gradients are
+compared with the plain run, bitwise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as torch_cp
 from thread_support import run_threads
 from torch import nn
 
@@ -238,3 +240,143 @@ def test_rule10_a_block_ended_in_another_thread_is_a_clear_error() -> None:
     shared.__exit__(None, None, None)
     with pytest.raises(RuntimeError, match="'moved' was called"):
         shared.__exit__(None, None, None)
+
+
+# --- Rule 9: a span that writes its argument in place is refused at forward time --------------
+
+
+def test_rule9_issue_example_inplace_relu_span_is_refused_at_forward() -> None:
+    """The issue's span (ReLU(inplace=True) then Linear) gave wrong gradients; now forward says
+    what, why and the fix, and leaves no hook behind."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    span = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8))
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        return keep(span, h) * h
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(CheckpointError) as caught:
+        checkpointing.checkpoint(region, x, use_reentrant=False)
+    message = str(caught.value)
+    assert "span Sequential in checkpoint(" in message
+    assert "wrote its tensor argument #0 (shape (4, 8), dtype torch.float32) in place" in message
+    assert "wrong gradients" in message
+    assert "nn.ReLU(inplace=True)" in message
+    assert "clone the argument inside the span" in message
+    _clean_stack()
+
+
+def _write_out(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # out= does not differentiate
+        torch.mul(t, 2, out=t)
+    return t
+
+
+_WRITES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "in-place op": lambda t, w: t.mul_(2) @ w,
+    "through a view made in the span": lambda t, w: (t[0].zero_(), t @ w)[1],
+    "through a detached alias": lambda t, w: (t.detach().add_(1), t @ w)[1],
+    "metadata only": lambda t, w: t.t_() @ w,
+    "out= argument": lambda t, w: _write_out(t) @ w,
+}
+
+
+@pytest.mark.parametrize("how", list(_WRITES))
+def test_rule9_every_way_of_writing_an_argument_is_refused(how: str) -> None:
+    """A write through the argument, a view of it, a detached alias, or its metadata moves its
+    version counter: each is refused, and the hook stack is left as found."""
+    w = torch.randn(8, 8, requires_grad=True)
+    write = _WRITES[how]
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return keep(write, x.sin(), w).cos()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"wrote its tensor argument #0 .* in place"):
+        checkpointing.checkpoint(region, x, use_reentrant=False)
+    _clean_stack()
+    out = checkpointing.checkpoint(
+        lambda t: keep(torch.matmul, t.sin(), w).cos(), x, use_reentrant=False
+    )
+    out.sum().backward()  # a following checkpoint is unaffected
+
+
+def test_rule9_written_argument_in_a_container_or_keyword_is_named_by_position() -> None:
+    """Tensor arguments are counted positional first, containers opened, then keywords."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def span(pair: list[torch.Tensor], *, scale: torch.Tensor) -> torch.Tensor:
+        scale.add_(1)
+        return pair[0] @ pair[1] * scale
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return keep(span, [x.sin(), w], scale=x.cos()).sum(-1)
+
+    x = torch.randn(8, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"tensor argument #2 \(shape \(8, 8\)"):
+        checkpointing.checkpoint(region, x, use_reentrant=False)
+    _clean_stack()
+
+
+def test_rule9_the_fixes_the_error_names_give_the_plain_runs_gradients() -> None:
+    """Cloning inside the span or an out-of-place ReLU: gradients bitwise the plain run's, with
+    dropout, beside torch's checkpoint."""
+    torch.manual_seed(0)
+    lin, out_lin = nn.Linear(8, 8), nn.Linear(8, 8)
+    inplace = nn.Sequential(nn.ReLU(inplace=True), nn.Dropout(0.3), out_lin)
+    outofplace = nn.Sequential(nn.ReLU(), nn.Dropout(0.3), out_lin)
+
+    def region(x: torch.Tensor, fix: str) -> torch.Tensor:
+        h = F.dropout(lin(x), 0.2, True)
+        y = keep(lambda t: inplace(t.clone()), h) if fix == "clone" else keep(outofplace, h)
+        return (y * h).tanh()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    inputs = [x, lin.weight, out_lin.weight]
+    for fix in ("clone", "out of place"):
+        plain = _grads(lambda fix=fix: region(x, fix), inputs)
+        ours = _grads(
+            lambda fix=fix: checkpointing.checkpoint(region, x, fix, use_reentrant=False), inputs
+        )
+        theirs = _grads(
+            lambda fix=fix: torch_cp.checkpoint(region, x, fix, use_reentrant=False), inputs
+        )
+        _assert_equal(ours, plain)
+        _assert_equal(theirs, plain)
+
+
+def test_rule9_state_the_span_updates_by_closure_is_not_refused() -> None:
+    """A span's module writing its own buffers (batch norm's running statistics) is allowed:
+    gradients and the statistics are the plain run's (updated once, not again in backward)."""
+    torch.manual_seed(0)
+    norm, plain_norm = nn.BatchNorm1d(8), nn.BatchNorm1d(8)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def region(x: torch.Tensor, bn: nn.Module) -> torch.Tensor:
+        return keep(bn, x @ w).relu()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = _grads(lambda: region(x, plain_norm), [x, w])
+    ours = _grads(lambda: checkpointing.checkpoint(region, x, norm, use_reentrant=False), [x, w])
+    _assert_equal(ours, plain)
+    assert torch.equal(norm.running_mean, plain_norm.running_mean)
+    assert norm.num_batches_tracked.item() == 1
+
+
+def test_rule9_a_with_block_writing_in_place_is_replayed_not_refused() -> None:
+    """``with keeping():`` runs its body again in the replay (Rule 7), so its writes happen
+    again: an in-place ReLU there gives the plain run's gradients."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        with keeping():
+            y = F.relu(h, inplace=True) @ w
+        return y * h
+
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = _grads(lambda: region(x), [x, w])
+    ours = _grads(lambda: checkpointing.checkpoint(region, x, use_reentrant=False), [x, w])
+    _assert_equal(ours, plain)
