@@ -263,6 +263,33 @@ def _replay_reaching_another_span(module: Any) -> None:
     module.checkpoint(block, torch.randn(4, 4, requires_grad=True), use_reentrant=False).backward()
 
 
+def _span_writing_its_argument(module: Any) -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return module.keep(lambda t: t.relu_() @ w, x.sin()).sum()
+
+    module.checkpoint(block, torch.randn(4, 4, requires_grad=True), use_reentrant=False)
+
+
+def _keeping_ended_elsewhere(module: Any) -> None:
+    block = module.keeping("moved")
+    block.__enter__()
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _exit_into(block, errors))
+    thread.start()
+    thread.join()
+    block.__exit__(None, None, None)
+    raise errors[0]
+
+
+def _exit_into(block: Any, errors: list[BaseException]) -> None:
+    try:
+        block.__exit__(None, None, None)
+    except BaseException as error:  # re-raised by the thread that began the block
+        errors.append(error)
+
+
 MISTAKES: dict[str, Mistake] = {
     "function is not callable": Mistake(
         lambda m: m.checkpoint(42, _x(), use_reentrant=False),
@@ -618,6 +645,18 @@ MISTAKES: dict[str, Mistake] = {
         CheckpointError,
         ("checkpointing.keep", "reached the span mul", "was the span matmul", "Fix"),
         needs=("keep",),
+    ),
+    "kept span writing its argument in place": Mistake(
+        _span_writing_its_argument,
+        CheckpointError,
+        ("checkpointing.keep", "wrote its tensor argument #0", "version 0 -> 1", "Fix"),
+        needs=("keep",),
+    ),
+    "keeping block ended in another thread": Mistake(
+        _keeping_ended_elsewhere,
+        RuntimeError,
+        ("checkpointing.keeping", "'moved'", "must end in the thread", "Fix"),
+        needs=("keeping",),
     ),
 }
 
