@@ -5,6 +5,7 @@ Usage (from the repository root)::
     python benchmarks/planner.py            # W1 and W2 (reduced sizes), plot in docs/
     python benchmarks/planner.py --compile  # instead: torch.compile's activation_memory_budget
     python benchmarks/planner.py --solve-time          # the solver on 32 tiny-Llama layers
+    python benchmarks/planner.py --from-results  # only the plot, from RESULTS.md's W1/W2 tables
     PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
     python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
 
@@ -56,6 +57,7 @@ import argparse
 import copy
 import gc
 import random
+import re
 import statistics
 import sys
 import time
@@ -381,27 +383,97 @@ def table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+Panel = tuple[str, int, list[tuple[float, int, float]], dict[str, tuple[int, float]]]
+"""One workload's plot: its title, the bytes kept without checkpointing, the plans (budget,
+kept bytes, step / none) and the hand policies (kept bytes, step / none) by name."""
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+_RECORDED = "## Memory-budget planning: plan_checkpointing against hand policies"
+_HAND_POINT = re.compile(r"([A-Za-z0-9_ ]+?) ([\d,]+) B / (\d+\.\d+)")
+
+
+def panel_of(result: dict[str, Any]) -> Panel:
+    """The plot's data of one workload's run."""
+    nbytes, relative = result["bytes"], relative_times(result)
+    plans = [(b, nbytes[f"plan {b}"], relative[f"plan {b}"]) for b in sorted(result["plans"])]
+    hands = {name: (nbytes[name], relative[name]) for name in ("none", *HAND)}
+    return result["key"], result["baseline"], plans, hands
+
+
+def recorded_panels(results: Path = RESULTS) -> list[Panel]:
+    """The W1 and W2 tables recorded in ``RESULTS.md`` (the section named above), as panels."""
+    text = results.read_text()
+    section = text[text.index(_RECORDED) :]
+    panels = []
+    for part in section.split("\n### ")[1:3]:
+        key = part.split(":", 1)[0].strip()
+        baseline = int(re.search(r"without checkpointing: ([\d,]+)", part)[1].replace(",", ""))  # type: ignore[index]  # the recorded text has it
+        plans = []
+        for line in part.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 8 and re.fullmatch(r"[\d.]+", cells[0]) and cells[1][:1].isdigit():
+                plans.append((float(cells[0]), int(cells[1].replace(",", "")), float(cells[3])))
+        hand_text = " ".join(part[part.index("Hand policies") :].split("\n\n")[0].split())
+        hand_text = hand_text.split(":", 1)[1]
+        hands = {
+            m[1].strip(): (int(m[2].replace(",", "")), float(m[3]))
+            for m in _HAND_POINT.finditer(hand_text)
+        }
+        panels.append((key, baseline, plans, hands))
+    if len(panels) != 2:
+        raise SystemExit(f"expected the W1 and W2 tables under {_RECORDED!r} in {results}")
+    return panels
+
+
+def plot(panels: list[Panel], path: Path) -> None:
+    """Step time against kept bytes: the plans as a line (each point marked with its budget),
+    each hand policy a marker of its own, named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
-    for ax, result in zip(axes if len(results) > 1 else [axes], results, strict=True):
-        nbytes, base = result["bytes"], result["baseline"]
-        relative = relative_times(result)
-        plan_points = sorted(
-            (nbytes[n] / base, relative[n]) for n in relative if n.startswith("plan")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.6), squeeze=False)
+    markers = ("s", "D", "^", "v", "P", "X", "h", "<")
+    for ax, (key, baseline, plans, hands) in zip(axes[0], panels, strict=True):
+        xs = [kept / baseline for _, kept, _ in plans]
+        ys = [ratio for _, _, ratio in plans]
+        ax.plot(xs, ys, "o-", color="tab:blue", label="plan_checkpointing (measured)", zorder=3)
+        for (budget, _, _), x, y in zip(plans, xs, ys, strict=True):
+            ax.annotate(
+                f"{budget:g}",
+                (x, y),
+                xytext=(-5, -5),  # below left: the line runs down to the right
+                textcoords="offset points",
+                ha="right",
+                va="top",
+                fontsize=8,
+                color="tab:blue",
+            )
+        for index, (name, (kept, ratio)) in enumerate(hands.items()):
+            ax.scatter(
+                kept / baseline,
+                ratio,
+                marker=markers[index % len(markers)],
+                s=60,
+                color=plt.get_cmap("tab10")(index + 1),
+                edgecolors="white",
+                linewidths=0.6,
+                label=name,
+                zorder=4,
+            )
+        ax.set_title(key, fontsize=10)
+        ax.margins(x=0.1)  # room for the budget labels left of the points
+        ax.set_xlabel(
+            "activations kept / kept without checkpointing (ratio; 1.0 = "
+            f"{baseline / 2**20:.1f} MiB)"
         )
-        ax.plot(*zip(*plan_points, strict=True), "o-", label="plan_checkpointing (measured)")
-        for name in ("none", *HAND):
-            ax.plot(nbytes[name] / base, relative[name], "s")
-            ax.annotate(name, (nbytes[name] / base, relative[name]), fontsize=8)
-        ax.set_xlabel("activation bytes kept / without checkpointing")
-        ax.set_ylabel("step CPU time / without checkpointing")
-        ax.set_title(result["key"])
-        ax.legend(fontsize=8)
+        ax.set_ylabel("step CPU time / without checkpointing (ratio)")
+        ax.grid(alpha=0.3)
+        ax.legend(
+            fontsize=8, loc="upper right", title="blue labels: plan budgets", title_fontsize=8
+        )
+    fig.suptitle("plan_checkpointing against hand-written policies: step time against memory kept")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -820,6 +892,11 @@ def main() -> None:
     parser.add_argument("--quads", type=int, default=0, help="rounds of quads (0: per workload)")
     parser.add_argument("--only", choices=("W1", "W2"), help="one workload only")
     parser.add_argument("--plot", default="docs/planner_pareto.png")
+    parser.add_argument(
+        "--from-results",
+        action="store_true",
+        help="run nothing: draw --plot from the W1/W2 tables recorded in benchmarks/RESULTS.md",
+    )
     parser.add_argument("--compile", action="store_true", help="the torch.compile comparison")
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="--compile: which (comma-separated)"
@@ -831,6 +908,10 @@ def main() -> None:
         "--objective", choices=("time", "flops"), help="--dump-plans/--ab: plan with this one"
     )
     args = parser.parse_args()
+    if args.from_results:
+        plot(recorded_panels(), Path(args.plot))
+        print(f"plot: {args.plot}")
+        return
     torch.set_num_threads(1)
     if args.dump_plans is not None:
         dump_plans(args.dump_plans, args.objective)
@@ -872,7 +953,7 @@ def main() -> None:
         results.append(result)
     if args.only is None:
         try:
-            plot(results, Path(args.plot))
+            plot([panel_of(result) for result in results], Path(args.plot))
             print(f"plot: {args.plot}")
         except ImportError:
             print("matplotlib is not installed: no plot")

@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     python benchmarks/sequential.py          # table on stdout, plot in docs/
     python benchmarks/sequential.py --quick  # a smoke run (16 layers, one round)
+    python benchmarks/sequential.py --from-results  # only the plot, from RESULTS.md's table
 
 Method. One thread. The chain: 64 parameter-free layers ``tanh(x @ W)`` (``W`` a fixed buffer),
 widths cycling 256, 1024, 256, 2048, 512, 128, 1024, 256 on a batch of 64, so layers differ in
@@ -170,7 +171,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 layers, one round, no plot")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--from-results",
+        action="store_true",
+        help="run nothing: draw the plot from the table recorded in benchmarks/RESULTS.md",
+    )
     args = parser.parse_args()
+    if args.from_results:
+        plot(recorded_points())
+        return
     torch.set_num_threads(1)
     torch.manual_seed(0)
     depth, rounds = (16, 1) if args.quick else (64, args.rounds)
@@ -196,43 +205,101 @@ def main() -> None:
             f"{seconds / base:9.2f}"
         )
     if not args.quick:
-        plot(rows, [t / base for t in times])
+        plot(
+            [
+                (variant.label, kept / 2**20, peak / 2**20, seconds / base)
+                for (variant, kept, peak), seconds in zip(rows, times, strict=True)
+            ]
+        )
 
 
-def plot(rows: list[tuple[Variant, int, int]], ratios: list[float]) -> None:
-    """Backward peak and kept bytes against step time, one marker per variant."""
+Point = tuple[str, float, float, float]  # (label, kept MiB, peak MiB, step time / none)
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "sequential_strategies.png"
+_SECTION = "## checkpoint_sequential strategies"
+
+
+def recorded_points(results: Path = RESULTS) -> list[Point]:
+    """The variants of the table recorded in ``RESULTS.md`` (the section above), as points."""
+    text = results.read_text()
+    section = text[text.index(_SECTION) :]
+    points = []
+    for line in section.splitlines()[1:]:
+        if line.startswith("## "):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or not cells[1].replace(".", "").isdigit():
+            continue  # not a row of the table (text, the header or its rule)
+        label = cells[0].replace("`", "")
+        points.append((label, float(cells[1]), float(cells[2]), float(cells[4])))
+    if not points:
+        raise SystemExit(f"no table of variants found under {_SECTION!r} in {results}")
+    return points
+
+
+_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {  # colour, then a marker per member
+    "none": ("black", ("s",)),
+    "torch": ("tab:red", ("o", "s", "D", "v")),
+    "ours": ("tab:blue", ("o", "s", "D", "^")),
+    "optimal": ("tab:green", ("*", "P", "X")),
+    "nested": ("tab:orange", ("^", "X")),
+}
+
+
+def _family(label: str) -> str:
+    if label == "none":
+        return "none"
+    if "nested" in label:
+        return "nested"
+    if label.startswith("torch"):
+        return "torch"
+    return "optimal" if "optimal" in label else "ours"
+
+
+def plot(points: list[Point], out: Path = PLOT, depth: int = 64) -> None:
+    """Allocator peak and kept bytes against step time: one marker per variant, named in a
+    legend under the axes (labels beside the markers overlapped where variants coincide)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharex=True)
-    for (variant, kept, peak), ratio in zip(rows, ratios, strict=True):
-        family = variant.label.split(" ")[0]
-        marker = {"none": "s", "torch": "x", "balanced": "o", "sqrt": "D", "log": "^"}.get(
-            family, "*"
-        )
-        color = "tab:red" if variant.label.startswith("torch") else "tab:blue"
-        if family == "none":
-            color = "black"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 7.2), sharex=True)
+    members: dict[str, int] = {}
+    for label, kept, peak, ratio in points:
+        family = _family(label)
+        colour, markers = _FAMILIES[family]
+        marker = markers[members.get(family, 0) % len(markers)]
+        members[family] = members.get(family, 0) + 1
         for axis, value in ((axes[0], peak), (axes[1], kept)):
-            axis.scatter(ratio, value / 2**20, marker=marker, color=color, s=50)
-            axis.annotate(
-                variant.label,
-                (ratio, value / 2**20),
-                fontsize=6,
-                xytext=(3, 3),
-                textcoords="offset points",
+            axis.scatter(
+                ratio,
+                value,
+                marker=marker,
+                color=colour,
+                s=110 if marker == "*" else 55,
+                alpha=0.75,
+                edgecolors="white",
+                linewidths=0.6,
+                label=label,
             )
     axes[0].set_title("allocator peak over forward + backward")
     axes[1].set_title("activations kept from forward to backward")
     for axis in axes:
-        axis.set_xlabel("step time / un-checkpointed step (CPU time)")
-        axis.set_ylabel("MiB")
+        axis.set_xlabel("step time / un-checkpointed step (CPU time, ratio)")
+        axis.set_ylabel("memory (MiB)")
+        axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
-    fig.suptitle("checkpoint_sequential on 64 unequal layers (blue: checkpointing, red: torch)")
-    fig.tight_layout()
-    out = Path(__file__).resolve().parent.parent / "docs" / "sequential_strategies.png"
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    fig.suptitle(
+        f"checkpoint_sequential on {depth} unequal layers: memory against step time\n"
+        '(red: torch\'s checkpoint_sequential; blue: ours; green: ours, "optimal"; orange: '
+        "torch's checkpoint nested on our schedules)",
+        fontsize=12,
+    )
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(out, dpi=110)
     print(f"plot: {out}")
 

@@ -1,0 +1,55 @@
+"""The pictures in docs/ are redrawn from the tables recorded in benchmarks/RESULTS.md
+(``--from-results``): their readers find every row, so an edit of RESULTS.md that breaks a
+picture fails here (drawing itself needs matplotlib, which the test group leaves out)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` as a module (it puts benchmarks/ on the path itself)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sequential_plot_reads_every_variant_of_the_recorded_table() -> None:
+    """The 14 variants of the checkpoint_sequential table, "none" first at step time 1."""
+    points = _load("sequential").recorded_points()
+    assert len(points) == 14
+    assert points[0] == ("none", 10.75, 11.28, 1.0)
+    labels = [label for label, *_ in points]
+    assert len(set(labels)) == len(labels)
+    assert all("`" not in label for label in labels)
+    assert all(0 < kept <= peak for _, kept, peak, _ in points)
+
+
+def test_planner_plot_reads_both_workloads_of_the_recorded_tables() -> None:
+    """W1 and W2: the bytes kept without checkpointing, every plan that fits (W1's budgets
+    below its floor have none) and the seven hand policies, "none" at (baseline, 1)."""
+    panels = _load("planner").recorded_panels()
+    assert [key.split(" ")[0] for key, *_ in panels] == ["W1", "W2"]
+    (_, w1_base, w1_plans, w1_hands), (_, w2_base, w2_plans, w2_hands) = panels
+    assert [budget for budget, *_ in w1_plans] == [0.5, 0.6, 0.7, 0.8, 0.9]
+    assert [budget for budget, *_ in w2_plans] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    for base, plans, hands in ((w1_base, w1_plans, w1_hands), (w2_base, w2_plans, w2_hands)):
+        assert hands["none"] == (base, 1.0)
+        assert list(hands)[1:] == [
+            "full",
+            "save_matmuls",
+            "every 2nd matmul",
+            "every 2 layers",
+            "every 3 layers",
+            "every 4 layers",
+        ]
+        assert all(kept <= budget * base for budget, kept, _ in plans)
