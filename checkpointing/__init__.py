@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import _compat as _compat
 from . import _frame
 from . import policies as policies
+from ._auto_wrap import apply_activation_checkpointing
 from ._checkpoint import checkpoint
 from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
@@ -45,7 +46,14 @@ from ._state import (
     noop_context_fn,
     set_device_states,
 )
-from ._wrappers import apply_activation_checkpointing, checkpoint_wrapper
+from ._wrappers import (
+    ActivationWrapper,
+    CheckpointImpl,
+    CheckpointWrapper,
+    OffloadWrapper,
+    checkpoint_wrapper,
+    offload_wrapper,
+)
 
 # Not in __all__: torch's private names, for code written against torch's generator (README,
 # "For library authors"): the positional form of 2.13 and the ``fn, args, kwargs`` form of 2.14.
@@ -55,13 +63,17 @@ _checkpoint_without_reentrant_generator_impl = _frame.checkpoint_without_reentra
 __all__ = [
     "SAC_IGNORED_OPS",
     "ActivationPlan",
+    "ActivationWrapper",
     "CheckpointError",
     "CheckpointFunction",
+    "CheckpointImpl",
     "CheckpointPolicy",
+    "CheckpointWrapper",
     "DefaultDeviceType",
     "GraphExecGroup",
     "LayerCost",
     "OffloadStats",
+    "OffloadWrapper",
     "RecomputeStateHook",
     "SavedTensorRecord",
     "SavedTensorsReport",
@@ -82,6 +94,7 @@ __all__ = [
     "keep",
     "keeping",
     "noop_context_fn",
+    "offload_wrapper",
     "plan_checkpointing",
     "remove_checkpoint_module",
     "report_on_oom",

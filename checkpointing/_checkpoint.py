@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import types
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, TypeVar, overload
 
 from . import _compat, _compiled
@@ -26,7 +26,13 @@ from ._state import (
     state_hooks_from,
 )
 
-__all__ = ["CHECKPOINT_OPTIONS", "CheckpointedFunction", "checkpoint", "checkpoint_call"]
+__all__ = [
+    "CHECKPOINT_OPTIONS",
+    "CheckpointedFunction",
+    "checkpoint",
+    "checkpoint_call",
+    "hooks_read_once",
+]
 
 # The keyword arguments of ``checkpoint`` that wrappers and integrations pass through to it.
 CHECKPOINT_OPTIONS: Final = frozenset(
@@ -42,6 +48,7 @@ CHECKPOINT_OPTIONS: Final = frozenset(
     }
 )
 
+_API: Final = "checkpointing.checkpoint"
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -68,6 +75,11 @@ _MSG_DECORATOR_KWARGS = (
     "returns a decorator, which takes checkpoint options only. Fix: pass the function's own "
     "arguments when calling the decorated function, e.g. "
     "`checkpoint(use_reentrant=False)(fn)(x, scale=2)`.)"
+)
+_MSG_HOOKS_USED_UP = (
+    "{api}: recompute_state_hooks is an iterator with no hooks left (a generator already "
+    "used, e.g. given to another wrapper first), so no state would be restored. Fix: pass a "
+    "list, e.g. recompute_state_hooks=[counter], which every call can read."
 )
 _MSG_NOT_CALLABLE = (
     "checkpointing.checkpoint: expected a callable as the first argument (the function to "
@@ -163,6 +175,8 @@ def checkpoint(
     if function is None and not args:
         if kwargs:
             raise ValueError(_MSG_DECORATOR_KWARGS.format(names=",".join(kwargs)))
+        if recompute_state_hooks is not None:
+            recompute_state_hooks = hooks_read_once(recompute_state_hooks, _API)
         return functools.partial(
             CheckpointedFunction,
             use_reentrant=use_reentrant,
@@ -232,7 +246,7 @@ def checkpoint_call(
                 else f"respect_saved_tensors_hooks={respect_saved_tensors_hooks!r}"
             )
             raise ValueError(_MSG_REENTRANT_ONLY_DEFAULTS.format(what=what))
-        hooks = state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint")
+        hooks = state_hooks_from(recompute_state_hooks, _API)
         if hooks:
             function = _RestoringState(function, hooks)
         return CheckpointFunction.apply(function, preserve_rng_state, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
@@ -249,6 +263,16 @@ def checkpoint_call(
         recompute_state_hooks=recompute_state_hooks,
     )
     return run_generator(gen, function, *args, **kwargs)
+
+
+def hooks_read_once(value: object, api: str) -> tuple[RecomputeStateHook, ...]:
+    """``recompute_state_hooks`` given to something that checkpoints many calls (the decorator,
+    the wrappers) as a tuple, read now: a generator must serve every call, not only the first
+    (issue 40, item 5). An iterator with nothing left is refused: it was used up elsewhere."""
+    hooks = state_hooks_from(value, api)
+    if not hooks and isinstance(value, Iterator):
+        raise ValueError(_MSG_HOOKS_USED_UP.format(api=api))
+    return hooks
 
 
 class _RestoringState:

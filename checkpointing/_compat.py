@@ -45,6 +45,7 @@ from torch._ops import HigherOrderOperator as HigherOrderOperator
 from torch._ops import OpOverload as OpOverload
 from torch._ops import OpOverloadPacket as OpOverloadPacket
 from torch.autograd.graph import _engine_run_backward
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as checkpoint_wrapper
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import _get_current_function_mode_stack
@@ -241,7 +242,6 @@ def accelerator_initialized(device_module: Any) -> bool:
 
 
 HookPair = tuple[Callable[..., Any], Callable[..., Any]]
-
 
 top_saved_tensors_hooks: Callable[[], HookPair | None] = functools.partial(
     torch._C._autograd._top_saved_tensors_default_hooks, False
@@ -502,6 +502,13 @@ def remove_forward_hooks(
         del module._forward_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         module._forward_hooks_always_called.pop(key, None)
+
+
+# torch.distributed's wrappers, 2.11-2.15: ``checkpoint_wrapper`` above (``_wrappers`` subclasses).
+def wrap_policy_targets(policy: object, root: torch.nn.Module) -> dict[Any, Any] | None:
+    """Modules an FSDP policy object picks in ``root``, with kwargs (``_Policy._run_policy``)."""
+    run = getattr(policy, "_run_policy", None)
+    return None if run is None else dict(run(root, ignored_modules=set(), root_kwargs={}))
 
 
 def dynamo_eval_frame_active() -> bool:

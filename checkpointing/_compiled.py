@@ -10,15 +10,17 @@ NOTE [Compiled regions]
   Rule 1. The test is ``torch.compiler.is_dynamo_compiling()``: a constant ``True`` while dynamo
           traces (it then inlines our entry point and takes this branch), a plain ``False``
           otherwise (about 50 ns per eager call). Nothing here runs eagerly.
-  Rule 2. Options go over as torch reads them: ``use_reentrant``, ``preserve_rng_state``,
-          ``determinism_check`` and ``early_stop`` unchanged (the compiled region is
-          non-reentrant, RNG-functionalized and never stops early, whatever they say, as for
-          torch's own); our ``noop_context_fn`` becomes torch's (dynamo recognises only its
-          own); a ``context_fn`` of ours (``create_selective_checkpoint_contexts``,
-          ``checkpointing.policies``, a plan's keep lists) goes over as is: under AOTAutograd
-          our modes tag the traced nodes with torch's policy members (``_selective`` Rule 9),
-          which is what the partitioner reads. ``respect_saved_tensors_hooks`` goes over only
-          where torch has it (2.14+) and was given.
+  Rule 2. Torch is handed the options the caller gave, as the caller's own call of torch's
+          checkpoint would: an option at torch's default (``use_reentrant=None``,
+          ``preserve_rng_state=True``, ``determinism_check="default"``, ``early_stop=True``,
+          ``respect_saved_tensors_hooks=None``, no ``context_fn``) is left out, so dynamo's
+          graph is the one torch's own call gives (the HOP's keyword arguments appear in its
+          text). The compiled region is non-reentrant, RNG-functionalized and never stops early,
+          whatever they say, as for torch's own. A ``context_fn`` of ours
+          (``create_selective_checkpoint_contexts``, ``checkpointing.policies``, a plan's keep
+          lists) goes over as is: under AOTAutograd our modes tag the traced nodes with torch's
+          policy members (``_selective`` Rule 9), which is what the partitioner reads.
+          ``respect_saved_tensors_hooks`` goes over only where torch has it (2.14+).
   Rule 3. What the compiler cannot honour is said once per process, at trace time, never
           silently dropped: ``debug=True`` (the region compiles without it) and a policy's
           offload answer (the partitioner keeps that output on the device, as for torch's own
@@ -47,6 +49,14 @@ NOTE [Compiled regions]
           a function to hand over, so it is traced as part of the plain region.
           ``recompute_state_hooks`` have nothing to restore in a compiled region (no Python
           re-runs) and are said once.
+  Rule 7. A graph break inside the region makes dynamo run torch's eager checkpoint on the
+          function instead (dynamo off inside it): the function then runs as Python, once in
+          forward and again in each recompute. Torch is handed the function wrapped
+          (``_EagerFallback``): traced, the wrapper only calls it (the graph is unchanged); run
+          eagerly, its first call is the forward (it snapshots the ``recompute_state_hooks``)
+          and every later one is torch's recompute, run with ``is_recomputing()`` true and the
+          hooks restored to the forward's state, the caller's put back afterwards, as our eager
+          checkpoint does (NOTE [Nestable checkpoint], Rule 12).
 """
 
 from __future__ import annotations
@@ -62,7 +72,13 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _compat
-from ._state import ContextFn, is_noop_context_fn
+from ._state import (
+    ContextFn,
+    RecomputeStateHook,
+    is_noop_context_fn,
+    marked_as_recompute,
+    state_hooks_from,
+)
 
 __all__ = ["compiling", "kept_region", "say_once", "torch_region", "traceable_context_fn"]
 
@@ -95,10 +111,12 @@ _MSG_OPTIMAL = (
     "costs=schedule.costs)."
 )
 _MSG_STATE_HOOKS = (
-    "checkpointing: recompute_state_hooks are not used under torch.compile: the compiled "
-    "region's recompute runs no Python, so there is no user state to restore (this is said "
-    "once). Fix: nothing, if the state only feeds Python code; a custom random kernel whose "
-    "seed comes from such state should draw through torch's generators under compile."
+    "checkpointing: recompute_state_hooks are not used where torch.compile captures a "
+    "checkpointed region whole: its recompute is compiled code that runs no Python, so there is "
+    "no user state to restore; a region with a graph break inside runs eagerly, and there they "
+    "are restored as in eager mode (this is said once). Fix: nothing, if the state only feeds "
+    "Python code; a custom random kernel whose seed comes from such state should draw through "
+    "torch's generators under compile."
 )
 _MSG_KEPT_OFFLOAD = (
     "checkpointing.keeping: an offload policy (MUST_CPU_OFFLOAD/PREFER_CPU_OFFLOAD) on a kept "
@@ -156,19 +174,53 @@ def torch_region(
     """One checkpointed call as torch's region (Rule 2); only reached while dynamo traces."""
     if debug:
         say_once("debug")
-    if recompute_state_hooks:
+    hooks = state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint")
+    if hooks:
         say_once("state hooks")
-    options: dict[str, Any] = {
-        "use_reentrant": use_reentrant,
-        "preserve_rng_state": preserve_rng_state,
-        "determinism_check": determinism_check,
-        "early_stop": early_stop,
-    }
+    options: dict[str, Any] = {}
+    if use_reentrant is not None:
+        options["use_reentrant"] = use_reentrant
+    if not preserve_rng_state:
+        options["preserve_rng_state"] = False
+    if determinism_check != "default":
+        options["determinism_check"] = determinism_check
+    if not early_stop:
+        options["early_stop"] = False
     if not is_noop_context_fn(context_fn):
         options["context_fn"] = context_fn
     if respect_saved_tensors_hooks is not None and _TORCH_HAS_RESPECT:
         options["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
-    return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    region = _EagerFallback(function, hooks)  # Rule 7
+    return _torch_checkpoint.checkpoint(region, *args, **options, **kwargs)
+
+
+class _EagerFallback:
+    """The function handed to torch's checkpoint (Rule 7): traced, a plain call; run by torch's
+    eager checkpoint after a graph break, the first call is the forward and every later call
+    a recompute, with ``is_recomputing()`` true and the state hooks at the forward's state."""
+
+    __slots__ = ("entry", "function", "hooks")
+
+    def __init__(self, function: Callable[..., Any], hooks: tuple[RecomputeStateHook, ...]):
+        self.function = function
+        self.hooks = hooks
+        self.entry: tuple[Any, ...] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if compiling():
+            return self.function(*args, **kwargs)
+        if self.entry is None:  # torch's eager forward
+            self.entry = tuple(hook.snapshot() for hook in self.hooks)
+            return self.function(*args, **kwargs)
+        outer = tuple(hook.snapshot() for hook in self.hooks)
+        for hook, snapshot in zip(self.hooks, self.entry, strict=True):
+            hook.restore(snapshot)
+        try:
+            with marked_as_recompute():
+                return self.function(*args, **kwargs)
+        finally:
+            for hook, snapshot in zip(self.hooks, outer, strict=True):
+                hook.restore(snapshot)
 
 
 def kept_region(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -1,8 +1,10 @@
 """Error types and the one helper for impossible states.
 
-``CheckpointError`` is the parity exception type (a ``RuntimeError``, as in torch). Every module
-that raises a user-facing checkpoint error imports it from here; ``internal_assert`` is the single
-way to state an invariant of our own, so that a broken one always says it is our bug.
+``CheckpointError`` is the parity exception type: a subclass of torch's own
+``torch.utils.checkpoint.CheckpointError`` (a ``RuntimeError``), so ``except`` clauses written
+for torch catch ours. Every module that raises a user-facing checkpoint error imports it from
+here; ``internal_assert`` is the single way to state an invariant of our own, so that a broken
+one always says it is our bug.
 ``describe_value`` is how a message shows what the user passed ("got ... of type ...").
 """
 
@@ -12,12 +14,14 @@ import reprlib
 from typing import NoReturn
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 
 __all__ = ["CheckpointError", "describe_value", "internal_assert", "internal_error"]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpointed region could not be recomputed faithfully (parity with torch)."""
+class CheckpointError(_torch_checkpoint.CheckpointError):
+    """A checkpointed region could not be recomputed faithfully: torch's ``CheckpointError``
+    (a ``RuntimeError``), raised by checkpointing."""
 
 
 _MSG_INTERNAL = (

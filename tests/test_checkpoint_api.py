@@ -457,3 +457,26 @@ def test_callers_rng_stream_untouched_when_only_recompute_draws(use_reentrant: b
         loss.backward()
         after.append(torch.get_rng_state())
     assert torch.equal(after[0], after[1])
+
+
+# --- exception classes -------------------------------------------------------------------------
+
+
+def _recompute_changes_shape(impl: Callable[..., torch.Tensor]) -> None:
+    """A region whose recompute saves a tensor of another shape: the determinism check fires."""
+    calls = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        calls.append(None)
+        return x[: 4 - len(calls)].sin().sum()  # one row fewer each call
+
+    impl(region, torch.randn(4, 3, requires_grad=True), use_reentrant=False).backward()
+
+
+@IMPLEMENTATIONS
+def test_except_torchs_checkpoint_error_catches_ours(impl: Callable[..., torch.Tensor]) -> None:
+    """Issue 39, item 2: ``checkpointing.CheckpointError`` is a subclass of torch's, so an
+    ``except torch.utils.checkpoint.CheckpointError`` written for torch catches ours."""
+    assert issubclass(checkpointing.CheckpointError, tc.CheckpointError)
+    with pytest.raises(tc.CheckpointError, match="Recomputed values for the following tensors"):
+        _recompute_changes_shape(impl)

@@ -9,6 +9,7 @@ of the selective cache).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +19,7 @@ from compile_support import BACKENDS, COMPILE_MARKS, fresh_dynamo  # noqa: F401 
 from torch._dynamo.utils import counters
 
 import checkpointing
-from checkpointing import create_selective_checkpoint_contexts
+from checkpointing import _compiled, create_selective_checkpoint_contexts
 from checkpointing.policies import as_context_fn, save_matmuls
 
 pytestmark = COMPILE_MARKS
@@ -177,3 +178,69 @@ def test_rule11_our_modes_opt_out_of_torchs_per_op_wrapper() -> None:
         assert not hasattr(type(mode).__torch_dispatch__, "__wrapped__")
     theirs, _ = torch_checkpoint.create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
     assert hasattr(type(theirs).__torch_dispatch__, "__wrapped__")
+
+
+class _Counter:
+    """User state a recompute must see as the forward did (a ``RecomputeStateHook``)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def snapshot(self) -> int:
+        return self.n
+
+    def restore(self, state: int) -> None:
+        self.n = state
+
+
+def _broken_region(counter: _Counter, seen: list[bool], x: torch.Tensor) -> torch.Tensor:
+    """Advances the counter, breaks dynamo's graph, and notes ``is_recomputing()``."""
+    counter.n += 1
+    h = torch.tanh(x * counter.n)
+    torch._dynamo.graph_break()
+    seen.append(checkpointing.is_recomputing())
+    return h.sin()
+
+
+def _step_with_a_broken_region(
+    compiled: bool, use_reentrant: bool
+) -> tuple[torch.Tensor, list[bool], int]:
+    """The input's gradient, what the region saw of ``is_recomputing()``, the final count."""
+    counter, seen = _Counter(), []
+    x = torch.linspace(-1, 1, 6, requires_grad=True)
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        return checkpointing.checkpoint(
+            _broken_region,
+            counter,
+            seen,
+            t,
+            use_reentrant=use_reentrant,
+            recompute_state_hooks=[counter],
+        )
+
+    run = torch.compile(step, backend="eager") if compiled else step
+    run(x).sum().backward()
+    assert x.grad is not None
+    return x.grad, seen, counter.n
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_rule7_graph_break_in_a_region_restores_state_hooks_and_is_recomputing(
+    use_reentrant: bool,
+) -> None:
+    """NOTE [Compiled regions], Rule 7 (issue 40, item 4): a graph break inside a region makes
+    torch's eager checkpoint run it; its recompute sees the forward's user state (gradients
+    equal the plain run's) and ``is_recomputing()`` is true there; the once-only message says
+    so instead of claiming that no Python re-runs."""
+    want, eager_seen, eager_n = _step_with_a_broken_region(False, use_reentrant)
+    _compiled._said.discard("state hooks")  # said once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, compiled_seen, compiled_n = _step_with_a_broken_region(True, use_reentrant)
+    said = [str(w.message) for w in caught if "recompute_state_hooks" in str(w.message)]
+    assert len(said) == 1
+    assert "a region with a graph break inside runs eagerly, and there they are restored" in said[0]
+    assert torch.equal(got, want)
+    assert compiled_seen == eager_seen == [False, True]
+    assert compiled_n == eager_n == 1

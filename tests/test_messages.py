@@ -22,7 +22,7 @@ import transformers
 from mechanism_support import require
 
 import checkpointing
-from checkpointing._wrappers import apply_activation_checkpointing, checkpoint_wrapper
+from checkpointing import apply_activation_checkpointing, checkpoint_wrapper
 from checkpointing.integrations import transformers as hf_checkpointing
 from checkpointing.policies import save_matmuls
 

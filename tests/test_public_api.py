@@ -18,6 +18,7 @@ import pytest
 import releases
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
 
 import checkpointing
 
@@ -28,8 +29,12 @@ PARITY_CLASSES = [n for n in PARITY_NAMES if inspect.isclass(getattr(torch_check
 # adding it here too, so that every change of the public surface is a deliberate one.
 OWN_NAMES = {
     "ActivationPlan",
+    "ActivationWrapper",
+    "CheckpointImpl",
+    "CheckpointWrapper",
     "LayerCost",
     "OffloadStats",
+    "OffloadWrapper",
     "RecomputeStateHook",
     "SavedTensorRecord",
     "SavedTensorsReport",
@@ -42,6 +47,7 @@ OWN_NAMES = {
     "is_recomputing",
     "keep",
     "keeping",
+    "offload_wrapper",
     "plan_checkpointing",
     "remove_checkpoint_module",
     "report_on_oom",
@@ -265,3 +271,39 @@ def test_a_torch_below_the_supported_range_is_refused_with_our_message() -> None
     assert done.stdout.startswith("REFUSED checkpointing supports torch 2.11 to 2.15")
     assert "torch 2.10.0+cpu is installed" in done.stdout
     assert "pip install --upgrade 'torch>=2.11'" in done.stdout
+
+
+# torch.distributed's wrapper API (issue 39): ours under the same names. Ours add keyword-only
+# options with defaults (``hooks_during_recompute``) and, to ``apply_activation_checkpointing``,
+# ``**checkpoint_options`` for the wrapper.
+WRAPPER_FUNCTIONS = ["checkpoint_wrapper", "offload_wrapper", "apply_activation_checkpointing"]
+WRAPPER_CLASSES = ["ActivationWrapper", "CheckpointWrapper", "OffloadWrapper"]
+
+
+@pytest.mark.parametrize("name", WRAPPER_FUNCTIONS)
+def test_wrapper_function_signature_matches_torch_distributed(name: str) -> None:
+    """Each wrapper function accepts every call torch.distributed's accepts, same defaults."""
+    ours = getattr(checkpointing, name)
+    theirs = getattr(torch_wrappers, name)
+    if name == "apply_activation_checkpointing":
+        params = list(inspect.signature(ours).parameters.values())
+        assert params[-1].kind is inspect.Parameter.VAR_KEYWORD
+
+        def ours(*args: Any, **kwargs: Any) -> None:
+            """Stands for our function less its ``**checkpoint_options``."""
+
+        ours.__signature__ = inspect.Signature(params[:-1])  # type: ignore[attr-defined]
+    _assert_compatible(ours, theirs, f"checkpointing.{name}")
+
+
+@pytest.mark.parametrize("name", WRAPPER_CLASSES)
+def test_wrapper_class_is_torch_distributed_subclass_with_its_constructor(name: str) -> None:
+    """Each wrapper class subclasses torch.distributed's and is built with its arguments."""
+    ours, theirs = getattr(checkpointing, name), getattr(torch_wrappers, name)
+    assert issubclass(ours, theirs)
+    _assert_compatible(ours.__init__, theirs.__init__, f"checkpointing.{name}.__init__")
+
+
+def test_checkpoint_impl_is_torchs_enum() -> None:
+    """``checkpointing.CheckpointImpl`` is torch.distributed's enum object itself."""
+    assert checkpointing.CheckpointImpl is torch_wrappers.CheckpointImpl

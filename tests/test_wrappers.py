@@ -16,11 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
 
 import checkpointing
-from checkpointing._wrappers import (
-    CheckpointWrapper,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
+from checkpointing import CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper
 
 
 class Block(nn.Module):
@@ -285,3 +281,113 @@ def test_wrapped_model_deepcopies_and_trains_in_eval_mode() -> None:
     out1 = clone(X)
     out2 = clone(X)
     assert torch.equal(out1, out2)
+
+
+class _Counter:
+    """User state a recompute must see as the forward did (a ``RecomputeStateHook``)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def snapshot(self) -> int:
+        return self.n
+
+    def restore(self, state: int) -> None:
+        self.n = state
+
+
+class _Scaled(nn.Module):
+    """Reads and advances the counter: a recompute at the wrong count saves another tanh."""
+
+    def __init__(self, counter: _Counter) -> None:
+        super().__init__()
+        self.counter = counter
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.counter.n += 1
+        return torch.tanh(self.lin(x) * self.counter.n)
+
+
+def _two_steps(model: nn.Module, counter: _Counter) -> list[torch.Tensor]:
+    """Gradients of two steps (the counter runs on), the first step's cleared before the second."""
+    grads = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        x = torch.full((3, 4), 0.1 * (step + 1), dtype=torch.float64, requires_grad=True)
+        model(x).sum().backward()
+        grads += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return grads
+
+
+class _Step(nn.Module):
+    """``block``'s parameters, run through ``forward`` (the block's own, or decorated)."""
+
+    def __init__(self, block: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.block = block
+        self.run = forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+def _generator(counter: _Counter) -> Any:
+    return (hook for hook in [counter])
+
+
+def test_state_hooks_given_as_a_generator_serve_every_wrapper_call() -> None:
+    """NOTE [Module wrapper], Rule 8 (issue 40, item 5): ``recompute_state_hooks`` given as a
+    generator to ``checkpoint_wrapper`` and ``apply_activation_checkpointing`` restore the state
+    in every call and every block, not only the first: gradients equal the plain model's."""
+    plain_counter = _Counter()
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Scaled(plain_counter), _Scaled(plain_counter))
+    want = _two_steps(plain, plain_counter)
+    for build in ("checkpoint_wrapper", "apply_activation_checkpointing"):
+        counter = _Counter()
+        torch.manual_seed(0)
+        model = nn.Sequential(_Scaled(counter), _Scaled(counter))
+        if build == "checkpoint_wrapper":
+            wrapped = [
+                checkpoint_wrapper(m, recompute_state_hooks=_generator(counter)) for m in model
+            ]
+            model = nn.Sequential(*wrapped)
+        else:
+            hooks = _generator(counter)  # one generator for every wrapper
+            apply_activation_checkpointing(
+                model, check_fn=lambda m: isinstance(m, _Scaled), recompute_state_hooks=hooks
+            )
+        got = _two_steps(model, counter)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), build
+
+
+def test_state_hooks_given_as_a_generator_serve_every_decorated_call() -> None:
+    """Issue 40, item 5: ``@checkpoint(recompute_state_hooks=<generator>)`` restores the state
+    in every call of the decorated function: gradients equal the plain function's."""
+    results = []
+    for checkpointed in (False, True):
+        counter = _Counter()
+        torch.manual_seed(0)
+        block = _Scaled(counter)
+        forward: Callable[[torch.Tensor], torch.Tensor] = block.forward
+        if checkpointed:
+            options: dict[str, Any] = {"recompute_state_hooks": _generator(counter)}
+            forward = checkpointing.checkpoint(use_reentrant=False, **options)(block.forward)
+
+        results.append(_two_steps(_Step(block, forward), counter))
+    plain, ours = results
+    assert all(torch.equal(g, w) for g, w in zip(ours, plain, strict=True))
+
+
+def test_state_hooks_from_a_used_up_generator_are_refused() -> None:
+    """Issue 40, item 5: a generator with nothing left (given to another wrapper first) is
+    refused where it would silently restore nothing, naming the API and the fix."""
+    counter = _Counter()
+    hooks = _generator(counter)
+    checkpoint_wrapper(nn.Linear(2, 2), recompute_state_hooks=hooks)
+    with pytest.raises(ValueError, match="checkpoint_wrapper: recompute_state_hooks is an iter"):
+        checkpoint_wrapper(nn.Linear(2, 2), recompute_state_hooks=hooks)
+    with pytest.raises(ValueError, match=r"checkpointing\.checkpoint: .* Fix: pass a list"):
+        checkpointing.checkpoint(use_reentrant=False, recompute_state_hooks=iter(()))
+    checkpoint_wrapper(nn.Linear(2, 2), recompute_state_hooks=[])  # an empty list is fine

@@ -1,0 +1,171 @@
+"""``apply_activation_checkpointing``: wrappers put in place across a model, by rule or policy.
+
+Owns which submodules of a model get wrapped (torch.distributed's ``check_fn`` and
+``auto_wrap_policy``, in torch's order) and the checks of the call's arguments. The wrappers
+themselves belong to ``_wrappers``; hook-based checkpointing (``checkpoint_module``, which can
+serve as ``checkpoint_wrapper_fn``) to ``_module``.
+
+NOTE [Applied wrappers]
+  Rule 1. Without ``auto_wrap_policy``, a submodule is wrapped when ``check_fn(submodule)`` is
+          true. With a callable policy, it is called as torch's FSDP wrapping calls it:
+          ``policy(module=m, recurse=True, nonwrapped_numel=n)`` says whether to look inside
+          ``m``, then, after its children, ``recurse=False`` with the parameter count its
+          wrapped children left says whether to wrap ``m`` itself. A policy object that is not
+          callable (``CustomPolicy``) picks its modules and their keyword arguments at once.
+          Children are visited before their parents, so a match inside a match gives nested
+          checkpoints. The root is never wrapped.
+  Rule 2. A submodule that already checkpoints (a ``CheckpointWrapper``, ours or torch's, or a
+          module hooked by ``checkpoint_module``) is left as it is, inside too: applying twice
+          wraps nothing new.
+  Rule 3. The call's own options go to every ``checkpoint_wrapper_fn`` call. For our wrapper
+          they are checked once, up front, and errors name this function;
+          ``recompute_state_hooks`` are read once, so a generator serves every wrapper
+          (NOTE [Module wrapper], Rule 8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from torch import nn
+
+from . import _compat
+from ._checkpoint import hooks_read_once
+from ._module import is_module_checkpointed
+from ._wrappers import CheckpointWrapper, checked_options, checkpoint_wrapper
+
+__all__ = ["apply_activation_checkpointing"]
+
+_API: Final = "apply_activation_checkpointing"
+_MSG_BAD_CHECK_FN = (
+    "checkpointing.apply_activation_checkpointing: check_fn must be a callable taking a module "
+    "and returning a bool, got {type_name}. Fix: check_fn=lambda m: isinstance(m, Block)."
+)
+_MSG_BAD_POLICY = (
+    "checkpointing.apply_activation_checkpointing: auto_wrap_policy must be callable as "
+    "policy(module, recurse, nonwrapped_numel) or be a torch FSDP wrap policy "
+    "(torch.distributed.fsdp.wrap.ModuleWrapPolicy, CustomPolicy), got {got}. Fix: "
+    "auto_wrap_policy=ModuleWrapPolicy({{Block}}), or check_fn=lambda m: isinstance(m, Block)."
+)
+
+Wrap = Callable[..., nn.Module]
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    checkpoint_wrapper_fn: Wrap = checkpoint_wrapper,
+    check_fn: Callable[[nn.Module], bool] = lambda _: True,
+    auto_wrap_policy: Callable[[nn.Module, bool, int], bool] | Any | None = None,
+    **checkpoint_options: Any,
+) -> None:
+    """Replace, in place, the submodules of ``model`` that ``check_fn`` (or ``auto_wrap_policy``)
+    picks by ``checkpoint_wrapper_fn(submodule, **checkpoint_options)``.
+
+    torch.distributed's function, same arguments and order (NOTE [Applied wrappers]); ours
+    adds ``**checkpoint_options`` for the wrapper (``use_reentrant``, ``context_fn``,
+    ``recompute_state_hooks``, ...). The root is never wrapped (wrap it with
+    ``checkpoint_wrapper``); modules that already checkpoint are left as they are.
+    ``checkpoint_wrapper_fn=checkpointing.offload_wrapper`` keeps saved tensors in host memory
+    instead; ``checkpoint_wrapper_fn=checkpointing.checkpoint_module`` checkpoints through hooks:
+    module names, types and ``state_dict`` keys stay as they were.
+
+    Args:
+        model: the model whose submodules to wrap.
+        checkpoint_wrapper_fn: called on each picked submodule; returns its replacement.
+        check_fn: picks a submodule when it returns True (ignored given ``auto_wrap_policy``).
+        auto_wrap_policy: a torch FSDP wrap policy (``ModuleWrapPolicy({Block})``,
+            ``CustomPolicy``) or a callable ``(module, recurse, nonwrapped_numel) -> bool``.
+        **checkpoint_options: passed to every ``checkpoint_wrapper_fn`` call.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> checkpointing.apply_activation_checkpointing(
+        ...     model, check_fn=lambda m: isinstance(m, torch.nn.Linear))
+        >>> type(model[0]).__name__, sorted(model.state_dict())
+        ('CheckpointWrapper', ['0.bias', '0.weight'])
+    """
+    if not callable(check_fn):
+        raise TypeError(_MSG_BAD_CHECK_FN.format(type_name=type(check_fn).__name__))
+    options = _checked(checkpoint_wrapper_fn, checkpoint_options)
+
+    def wrap(module: nn.Module, **extra: Any) -> nn.Module:
+        return checkpoint_wrapper_fn(module, **options, **extra)
+
+    if auto_wrap_policy is None:
+        _wrap_by_policy(model, _check_fn_policy(check_fn), wrap, is_root=True)
+    elif callable(auto_wrap_policy):
+        _wrap_by_policy(model, auto_wrap_policy, wrap, is_root=True)
+    else:
+        targets = _compat.wrap_policy_targets(auto_wrap_policy, model)
+        if targets is None:
+            got = f"{auto_wrap_policy!r} of type {type(auto_wrap_policy).__name__}"
+            raise ValueError(_MSG_BAD_POLICY.format(got=got))
+        targets.pop(model, None)  # the root is never wrapped
+        _wrap_targets(model, targets, wrap)
+
+
+def _checked(wrapper_fn: Wrap, options: dict[str, Any]) -> dict[str, Any]:
+    """Rule 3: the options every wrapper call gets, checked once where they are ours."""
+    if wrapper_fn is checkpoint_wrapper or wrapper_fn is CheckpointWrapper:
+        impl = options.pop(
+            "checkpoint_impl", _compat.checkpoint_wrapper.CheckpointImpl.NO_REENTRANT
+        )
+        hooks_during_recompute = options.pop("hooks_during_recompute", False)
+        checked = checked_options(_API, impl, options)
+        return {**checked, "hooks_during_recompute": hooks_during_recompute}
+    hooks = options.get("recompute_state_hooks")
+    if hooks is not None:
+        return {
+            **options,
+            "recompute_state_hooks": hooks_read_once(hooks, f"checkpointing.{_API}"),
+        }
+    return options
+
+
+def _check_fn_policy(check_fn: Callable[[nn.Module], bool]) -> Callable[..., bool]:
+    """``check_fn`` as a policy: look inside every module, wrap those it picks (Rule 1)."""
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or bool(check_fn(module))
+
+    return policy
+
+
+def _already_checkpointed(module: nn.Module) -> bool:
+    """Rule 2 (ours subclass torch's ``CheckpointWrapper``: NOTE [Module wrapper], Rule 5)."""
+    torch_wrapper = _compat.checkpoint_wrapper.CheckpointWrapper
+    return isinstance(module, torch_wrapper) or is_module_checkpointed(module)
+
+
+def _wrap_by_policy(
+    module: nn.Module, policy: Callable[..., bool], wrap: Wrap, *, is_root: bool
+) -> tuple[nn.Module, int]:
+    """Rule 1 for a callable policy: ``module`` or its replacement, and the parameter count
+    wrapped in it (what torch's FSDP wrapping tells the policy as ``nonwrapped_numel``)."""
+    numel = sum(p.numel() for p in module.parameters())
+    if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+        return module, 0
+    wrapped = 0
+    for name, child in list(module.named_children()):
+        if _already_checkpointed(child):
+            continue
+        replacement, count = _wrap_by_policy(child, policy, wrap, is_root=False)
+        if replacement is not child:
+            setattr(module, name, replacement)
+        wrapped += count
+    if not is_root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
+        return wrap(module), numel
+    return module, wrapped
+
+
+def _wrap_targets(module: nn.Module, targets: dict[nn.Module, dict[str, Any]], wrap: Wrap) -> None:
+    """Rule 1 for a policy object: children first, each picked module wrapped with the keyword
+    arguments the policy gave it."""
+    for name, child in list(module.named_children()):
+        if _already_checkpointed(child):
+            continue
+        _wrap_targets(child, targets, wrap)
+        if child in targets:
+            setattr(module, name, wrap(child, **targets.pop(child)))
