@@ -20,11 +20,14 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from dist_support import free_port
+from test_offload_overlap import FakeBackend
+from thread_support import run_threads
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 import checkpointing
+from checkpointing import _compat, _offload
 from checkpointing.policies import as_context_fn, save_matmuls
 
 
@@ -320,3 +323,50 @@ def test_fully_shard_and_dcp_state_dict_after_wrapping_as_torchs() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("OK")
+
+
+def test_offload_wrapper_goes_through_the_offload_engine() -> None:
+    """``offload_wrapper`` sends what its module saves through the offload engine (over the fake
+    device of test_offload_overlap: side-stream copies, one prefetch group per call) and gets
+    the unwrapped model's gradients, bitwise, with dropout."""
+    backend = FakeBackend()
+    engine = _offload.Engine(backend, prefetch_bytes=1 << 30, pool_bytes=1 << 20)
+    plain, ours = _model(), _model()
+    checkpointing.apply_activation_checkpointing(
+        ours, checkpoint_wrapper_fn=checkpointing.offload_wrapper, check_fn=_is_block
+    )
+    with _offload.installed(engine):
+        got = _grads(ours)
+        backend.run_all()
+    copies = [entry for entry in backend.log if entry[0] == "d2h issued"]
+    restores = [entry for entry in backend.log if entry[0] == "h2d issued"]
+    assert len(copies) >= 8  # each block saves its input, tanh's output, the mask, ...
+    assert len(restores) == len(copies)
+    assert not backend.violations
+    assert all(torch.equal(g, w) for g, w in zip(got, _grads(plain), strict=True))
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("user error mid-forward")
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint_wrapper", "offload_wrapper"])
+def test_wrappers_under_attack_threads_and_errors_mid_forward(wrap: str) -> None:
+    """An error inside the wrapped module leaves no saved-tensors hook behind; one wrapped
+    model stepped in four threads at once gives the unwrapped model's gradients in each."""
+    failing = getattr(checkpointing, wrap)(nn.Sequential(nn.Linear(6, 6), _Fails()))
+    with pytest.raises(ValueError, match="user error mid-forward"):
+        failing(torch.randn(2, 6, requires_grad=True))
+    assert _compat.top_saved_tensors_hooks() is None
+    plain, ours = _model().eval(), _model().eval()  # no dropout: threads share the RNG
+    checkpointing.apply_activation_checkpointing(
+        ours, checkpoint_wrapper_fn=getattr(checkpointing, wrap), check_fn=_is_block
+    )
+    want = torch.autograd.grad(plain(X).pow(2).sum(), list(plain.parameters()))
+
+    def step(index: int) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(ours(X).pow(2).sum(), list(ours.parameters()))
+
+    for got in run_threads(step, 4):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
