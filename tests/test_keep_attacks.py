@@ -52,13 +52,13 @@ class ReadmeBlock(nn.Module):
     attention's own output is a transposed view; a norm's is contiguous, so ``nn.Linear`` saves
     a view of the span's argument)."""
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, p: float = 0.1) -> None:
         super().__init__()
-        self.attention = nn.MultiheadAttention(width, 2, dropout=0.1, batch_first=True)
+        self.attention = nn.MultiheadAttention(width, 2, dropout=p, batch_first=True)
         self.norm = nn.LayerNorm(width)
         self.out_proj = nn.Linear(width, width)
         self.mlp = nn.Sequential(
-            nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * width, width)
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(p), nn.Linear(2 * width, width)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +136,26 @@ def test_rule6_an_error_in_the_replay_of_a_span_leaves_no_span_marker() -> None:
     y = torch.randn(2, 3, 16, requires_grad=True)
     context_fn = as_context_fn(policies.save_matmuls())
     checkpointing.checkpoint(block, y, use_reentrant=False, context_fn=context_fn).sum().backward()
+
+
+def test_rule6_spans_under_a_policy_in_threads_at_once() -> None:
+    """Four threads replaying spans with 3-D arguments under one policy at once (no dropout:
+    threads share the CPU generator): each thread's gradients are its plain run's."""
+    torch.manual_seed(0)
+    block = ReadmeBlock(p=0.0)
+    context_fn = as_context_fn(policies.save_matmuls())
+
+    def work(index: int) -> None:
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(index))
+        x.requires_grad_(True)
+        inputs = [x, *block.parameters()]
+        plain = list(torch.autograd.grad(block(x).sum(), inputs))
+        for _ in range(3):
+            out = checkpointing.checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+            _assert_equal(list(torch.autograd.grad(out.sum(), inputs)), plain)
+        _clean_stack()
+
+    run_threads(work, 4)
 
 
 def test_rule6_early_stop_inside_a_span_replay_leaves_no_span_marker() -> None:
