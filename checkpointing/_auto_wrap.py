@@ -56,7 +56,7 @@ def apply_activation_checkpointing(
     model: nn.Module,
     checkpoint_wrapper_fn: Wrap = checkpoint_wrapper,
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
-    auto_wrap_policy: Callable[[nn.Module, bool, int], bool] | Any | None = None,
+    auto_wrap_policy: object = None,
     **checkpoint_options: Any,
 ) -> None:
     """Replace, in place, the submodules of ``model`` that ``check_fn`` (or ``auto_wrap_policy``)
