@@ -355,7 +355,8 @@ def keep(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     views of them), which are recomputed like the rest of the region; the replay does not run
     ``fn`` and code after it reads the forward's outputs. Random draws after the span replay
     identically, early stop still ends the replay early, and no dispatch mode is involved.
-    Outside any checkpoint it is ``fn(*args, **kwargs)``. See NOTE [Kept spans].
+    Outside any checkpoint it is ``fn(*args, **kwargs)``. A span that writes one of its tensor
+    arguments in place is refused (the replay, which skips it, could not write it again).
 
     Example:
         >>> import torch, checkpointing
@@ -572,9 +573,11 @@ class keeping:  # a context manager named like a function, as torch's no_grad
             (a host tensor stays where it is).
         offload_stats: counts the bytes offloaded and restored (offload policies only).
 
-    As a ``with`` block the body cannot be skipped: the replay runs it again but stores nothing
-    (NOTE [Kept spans], Rule 7); everything it saved in forward is kept, its inputs included.
-    Give the span as a function to skip its work in the replay and recompute its inputs.
+    As a ``with`` block the body cannot be skipped (Python runs a ``with`` block whatever its
+    context manager does): the replay runs it again but stores nothing; everything it saved in
+    forward is kept, its inputs included. Give the span as a function to skip its work in the
+    replay and recompute its inputs. One instance may be shared by threads and nested in itself,
+    as ``torch.no_grad()`` can.
 
     Example:
         >>> import torch, checkpointing
