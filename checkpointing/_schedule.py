@@ -430,7 +430,7 @@ def memory_floor(costs: tuple[LayerCost, ...], input_bytes: int) -> int:
     """The smallest predicted peak of any nested schedule of this chain (NOTE Rule 4)."""
     if torch.compiler.is_dynamo_compiling():  # NOTE [Compiled regions], Rule 5
         numbers = tuple(_cost_numbers(cost) for cost in costs)
-        return _memory_floor_in_trace(numbers, input_bytes)  # type: ignore[no-any-return]
+        return _memory_floor_in_trace(numbers, input_bytes)
     return _memory_floor(costs, input_bytes)
 
 
