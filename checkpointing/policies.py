@@ -51,7 +51,9 @@ import torch
 
 from ._compat import HigherOrderOperator, OpOverload, OpOverloadPacket, TorchDispatchMode
 from ._selective import (
+    NOTHING_ASKED,
     TAG_OP,
+    Asked,
     CheckpointPolicy,
     OffloadStats,
     Op,
@@ -61,14 +63,19 @@ from ._selective import (
     SelectiveCheckpointContext,
     answers_by_op,
     as_checkpoint_policy,
+    asked_of,
     create_selective_checkpoint_contexts,
+    is_composite,
+    never_dispatched,
     policy_factory,
     policy_from,
+    say_composite,
     tag,
     uncalled_factory,
 )
 
 __all__ = [
+    "ATTENTION_OPS",
     "MATMUL_OPS",
     "Policy",
     "as_context_fn",
@@ -77,6 +84,7 @@ __all__ = [
     "offload_ops",
     "offload_these_names",
     "recompute_ops",
+    "save_attention",
     "save_everything",
     "save_matmuls",
     "save_nothing",
@@ -96,24 +104,40 @@ _RANK: Final[dict[CheckpointPolicy, int]] = {
 }
 
 
-def _matmul_ops() -> frozenset[OpOverload]:
-    """aten's matrix products and fused attention kernels that exist in this torch build."""
+# ``torch.nn.functional.scaled_dot_product_attention`` is a composite op: it never reaches a
+# dispatch mode, which sees the kernel it picks instead, one per device kind (every release
+# 2.11-2.15 has all of these). The math fallback (``_scaled_dot_product_attention_math``; on CPU
+# it runs whenever ``dropout_p`` is not 0) is composite too: its ``bmm``s and softmax are what a
+# mode sees, so no attention op stands for it.
+_ATTENTION_KERNELS: Final = (
+    "_scaled_dot_product_flash_attention",  # CUDA: FlashAttention
+    "_scaled_dot_product_efficient_attention",  # CUDA: memory-efficient attention
+    "_scaled_dot_product_cudnn_attention",  # CUDA: cuDNN
+    "_scaled_dot_product_flash_attention_for_cpu",  # CPU
+    "_scaled_dot_product_fused_attention_overrideable",  # XPU, HPU and out-of-tree backends
+    "_scaled_dot_product_attention_math_for_mps",  # MPS
+)
+
+
+def _dispatched_overloads(names: Iterable[str]) -> frozenset[OpOverload]:
+    """Every overload of the aten ops ``names`` that this torch build has and that reaches a
+    dispatch mode (not a composite one, which decomposes before)."""
     aten = torch.ops.aten
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+    found: set[OpOverload] = set()
+    for name in names:
+        if hasattr(aten, name):
+            packet = getattr(aten, name)
+            found.update(getattr(packet, overload) for overload in packet.overloads())
+    return frozenset(op for op in found if not is_composite(op))
 
 
+# The ops ``save_attention`` keeps: the fused scaled-dot-product attention kernels.
+ATTENTION_OPS: Final[frozenset[OpOverload]] = _dispatched_overloads(_ATTENTION_KERNELS)
 # The ops ``save_matmuls`` keeps: matrix products and fused scaled-dot-product attention.
-MATMUL_OPS: Final[frozenset[OpOverload]] = _matmul_ops()
+MATMUL_OPS: Final[frozenset[OpOverload]] = (
+    frozenset(getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "bmm", "baddbmm"))
+    | ATTENTION_OPS
+)
 
 
 # --- The policy objects (small classes: a readable repr; those whose answer depends on the op
@@ -140,16 +164,22 @@ class _Constant(OpPolicyBase):
 class _ByOp(OpPolicyBase):
     """``hit`` for the ops in a set, ``miss`` for every other op."""
 
-    __slots__ = ("_hit", "_miss", "_ops", "_repr")
+    __slots__ = ("_asked_to_keep", "_hit", "_miss", "_ops", "_repr")
 
     def __init__(
-        self, ops: frozenset[Op], hit: CheckpointPolicy, miss: CheckpointPolicy, description: str
+        self,
+        ops: frozenset[Op],
+        hit: CheckpointPolicy,
+        miss: CheckpointPolicy,
+        description: str,
+        asked: Asked = NOTHING_ASKED,
     ) -> None:
         super().__init__()
         self._ops = ops
         self._hit = hit
         self._miss = miss
         self._repr = description
+        self._asked_to_keep = asked  # what it names for keeping (``_selective.unkept``)
 
     def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         return self._hit if op in self._ops else self._miss
@@ -162,12 +192,13 @@ class _ByName:
     """``hit`` for ``tag`` ops whose name is in a set, PREFER_RECOMPUTE for every other op
     (the answer depends on the tag's name argument: asked for every op)."""
 
-    __slots__ = ("_hit", "_names", "_repr")
+    __slots__ = ("_asked_to_keep", "_hit", "_names", "_repr")
 
     def __init__(self, names: frozenset[str], hit: CheckpointPolicy, description: str) -> None:
         self._names = names
         self._hit = hit
         self._repr = description
+        self._asked_to_keep = Asked(frozenset(), names)
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
@@ -183,7 +214,7 @@ class _ByName:
 class _Combined:
     """The answer of highest (``either``) or lowest (``both``) rank among several policies."""
 
-    __slots__ = ("_pick", "_policies", "_repr")
+    __slots__ = ("_asked_to_keep", "_pick", "_policies", "_repr")
 
     def __init__(
         self, policies: tuple[Policy, ...], pick: Callable[..., CheckpointPolicy], name: str
@@ -191,6 +222,7 @@ class _Combined:
         self._policies = policies
         self._pick = pick
         self._repr = f"{name}({', '.join(map(repr, policies))})"
+        self._asked_to_keep = _asked_by_all(policies, pick)
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
@@ -208,7 +240,7 @@ class _Combined:
 class _CombinedByOp(OpPolicyBase):
     """``_Combined`` of policies that all answer by op alone: itself answers by op alone."""
 
-    __slots__ = ("_pick", "_policies", "_repr")
+    __slots__ = ("_asked_to_keep", "_pick", "_policies", "_repr")
 
     def __init__(
         self, policies: tuple[OpPolicy, ...], pick: Callable[..., CheckpointPolicy], name: str
@@ -217,6 +249,7 @@ class _CombinedByOp(OpPolicyBase):
         self._policies = policies
         self._pick = pick
         self._repr = f"{name}({', '.join(map(repr, policies))})"
+        self._asked_to_keep = _asked_by_all(policies, pick)
 
     def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         answers = [
@@ -226,6 +259,21 @@ class _CombinedByOp(OpPolicyBase):
 
     def __repr__(self) -> str:
         return self._repr
+
+
+def _asked_by_all(policies: Iterable[object], pick: Callable[..., CheckpointPolicy]) -> Asked:
+    """What a combination names for keeping: ``either`` (``max``) what any of its policies
+    names, ``both`` what all of them name (``_selective.unkept``)."""
+    asked = [asked_of(policy) for policy in policies]
+    if pick is max:
+        return Asked(
+            frozenset().union(*(a.ops for a in asked)),
+            frozenset().union(*(a.names for a in asked)),
+        )
+    return Asked(
+        frozenset.intersection(*(a.ops for a in asked)),
+        frozenset.intersection(*(a.names for a in asked)),
+    )
 
 
 # --- Factories ---------------------------------------------------------------------------------
@@ -286,6 +334,7 @@ def save_ops(*ops: Op | OpOverloadPacket) -> Policy:
         CheckpointPolicy.MUST_SAVE,
         CheckpointPolicy.PREFER_RECOMPUTE,
         f"save_ops({_describe(ops)})",
+        Asked(found, frozenset()),
     )
 
 
@@ -308,6 +357,37 @@ def save_matmuls() -> Policy:
         CheckpointPolicy.MUST_SAVE,
         CheckpointPolicy.PREFER_RECOMPUTE,
         "save_matmuls()",
+    )
+
+
+@policy_factory
+def save_attention() -> Policy:
+    """Keep the outputs of fused attention (``ATTENTION_OPS``), recompute every other op.
+
+    The common recipe "save attention, recompute the rest": attention costs the most to
+    recompute per byte it keeps (its output is as small as a linear layer's). Default:
+    MUST_SAVE for the kernels that ``torch.nn.functional.scaled_dot_product_attention`` runs
+    on any device (flash, memory-efficient and cuDNN on CUDA, the CPU kernel, MPS and the
+    overrideable one of other backends; the composite op itself never reaches a policy),
+    PREFER_RECOMPUTE for the rest. Attention with dropout is recomputed all the same (a random
+    op is never kept; on CPU it runs as plain matrix products then); a warning says so.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> import torch.nn.functional as F
+        >>> from checkpointing.policies import as_context_fn, save_attention
+        >>> q = torch.randn(1, 2, 8, 4, requires_grad=True)
+        >>> y = checkpointing.checkpoint(lambda t: F.scaled_dot_product_attention(t, t, t).sin(),
+        ...                              q, use_reentrant=False,
+        ...                              context_fn=as_context_fn(save_attention()))
+        >>> y.sum().backward()
+    """
+    return _ByOp(
+        ATTENTION_OPS,
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+        "save_attention()",
+        Asked(ATTENTION_OPS, frozenset()),
     )
 
 
@@ -354,6 +434,7 @@ def offload_ops(*ops: Op | OpOverloadPacket) -> Policy:
         CheckpointPolicy.MUST_CPU_OFFLOAD,
         CheckpointPolicy.PREFER_RECOMPUTE,
         f"offload_ops({_describe(ops)})",
+        Asked(found, frozenset()),
     )
 
 
@@ -508,7 +589,8 @@ _MSG_NO_POLICY = (
 
 
 def _ops_of(api: str, ops: Iterable[object]) -> frozenset[Op]:
-    """The overloads ``ops`` stand for (a packet stands for all of its overloads)."""
+    """The overloads ``ops`` stand for (a packet stands for all of its overloads); warns
+    about a composite op, which no policy ever sees (``_selective.unkept``, cause (a))."""
     found: set[Op] = set()
     for op in ops:
         if isinstance(op, OpOverload | HigherOrderOperator):
@@ -518,6 +600,8 @@ def _ops_of(api: str, ops: Iterable[object]) -> frozenset[Op]:
             found.update(getattr(op, name) for name in overloads)
         else:
             raise TypeError(_MSG_NOT_AN_OP.format(api=api, got=op, type=type(op).__name__))
+        if never_dispatched(op):
+            say_composite(api, op, ATTENTION_OPS)
     return frozenset(found)
 
 

@@ -141,18 +141,12 @@ def test_name_based_policies_and_their_combinations_are_asked_per_call() -> None
 
 
 def test_matmul_ops_are_the_matrix_products_and_fused_attention() -> None:
-    """``MATMUL_OPS`` holds mm, addmm, bmm, baddbmm and every SDPA kernel this build has."""
+    """``MATMUL_OPS`` holds mm, addmm, bmm, baddbmm and every SDPA kernel (``ATTENTION_OPS``,
+    checked against this release in ``tests/test_save_attention.py``)."""
     expected = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    ):
-        if hasattr(aten, name):
-            expected.add(getattr(aten, name).default)
-    assert expected == MATMUL_OPS
+    assert expected | policies.ATTENTION_OPS == MATMUL_OPS
     assert aten._scaled_dot_product_flash_attention_for_cpu.default in MATMUL_OPS
+    assert aten._scaled_dot_product_cudnn_attention.default in MATMUL_OPS
 
 
 def test_op_packet_stands_for_all_its_overloads() -> None:

@@ -41,6 +41,7 @@ from checkpointing._selective import (
     answers_by_op,
     create_selective_checkpoint_contexts,
     draws_random,
+    unkept,
 )
 from checkpointing.policies import (
     as_context_fn,
@@ -883,9 +884,15 @@ def _tagged_in_place(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         (_tagged_in_place, aten.relu_.default),
     ],
 )
-def test_rule8_tag_keeps_nothing_where_the_hand_over_is_unsafe(fn: Any, producer: Any) -> None:
-    """Changed since, several outputs, or in place: no hand-over, and gradients stay right."""
-    grads, named = _step_ours(fn, save_only_these_names("proj"), *_inputs())
+def test_rule8_tag_keeps_nothing_where_the_hand_over_is_unsafe(
+    fn: Any, producer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Changed since, several outputs, or in place: no hand-over, and gradients stay right;
+    the policy, which named the tag, says so (Rule 15), naming the op."""
+    monkeypatch.setattr(unkept, "_said", set())  # once per process: not yet said
+    writer = "aten.zero_.default" if producer is aten.mm.default else str(producer)
+    with pytest.warns(UserWarning, match=f"kept no tensor tagged 'proj'.* {writer}"):
+        grads, named = _step_ours(fn, save_only_these_names("proj"), *_inputs())
     _, unnamed = _step_ours(fn, save_only_these_names("other"), *_inputs())
     assert_tensors_equal(grads, _plain_grads(fn, *_inputs()))
     assert named == unnamed
@@ -1006,8 +1013,10 @@ def test_rule10_attention_kernels_draw_only_with_dropout() -> None:
     assert not draws_random(aten.mm.default, (q, q), {})
 
 
-def test_rule10_random_op_never_takes_a_tag_decision() -> None:
-    """``tag(torch.rand_like(x), name)`` kept: the draw is still replayed, gradients equal."""
+def test_rule10_random_op_never_takes_a_tag_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tag(torch.rand_like(x), name)`` kept: the draw is still replayed, gradients equal;
+    the policy says it kept nothing of the name (Rule 15)."""
+    monkeypatch.setattr(unkept, "_said", set())  # once per process: not yet said
 
     def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         noise = tag(torch.rand_like(x), "noise")
@@ -1016,7 +1025,8 @@ def test_rule10_random_op_never_takes_a_tag_decision() -> None:
     torch.manual_seed(6)
     expected = _plain_grads(region, *_inputs())
     torch.manual_seed(6)
-    grads, counts = _step_ours(region, save_only_these_names("noise"), *_inputs())
+    with pytest.warns(UserWarning, match="aten.rand_like.default drew random numbers"):
+        grads, counts = _step_ours(region, save_only_these_names("noise"), *_inputs())
     assert_tensors_equal(grads, expected)
     assert counts[str(aten.rand_like.default)] == 2
 
@@ -1075,6 +1085,7 @@ def _run_recording(chain: SacChain, policy: Policy) -> tuple[Grads, Counter[str]
     return grads, counts, decisions.seen, (stats.offloaded_bytes, stats.restored_bytes)
 
 
+@pytest.mark.filterwarnings("ignore:.*names .* to keep, but:UserWarning")  # Rule 15, said once
 @given(chain=sac_chains(), policy=op_only_policies())
 def test_rule1_op_only_fast_path_decides_as_asking_per_call(
     chain: SacChain, policy: Policy

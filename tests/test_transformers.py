@@ -25,12 +25,14 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from frame_support import counting_ops
+from hf_support import tiny_llama
 
 import checkpointing
 from checkpointing import _compat
 from checkpointing._module import is_module_checkpointed
 from checkpointing.integrations import transformers as hf_checkpointing
-from checkpointing.policies import MATMUL_OPS, offload_ops, save_matmuls
+from checkpointing.policies import MATMUL_OPS, offload_ops, save_attention, save_matmuls
 
 VOCAB, BATCH, SEQ = 64, 2, 16
 # A model whose checkpointing is switched by a setup function (None: plain).
@@ -221,6 +223,41 @@ def test_offload_policy_keeps_fewer_bytes(llama: transformers.PreTrainedModel) -
     assert offloading.report.kept_bytes == full.report.kept_bytes < saving.report.kept_bytes
     torch_visible = offloading.report.kept_bytes - offloading.report.rng_state_bytes
     assert torch_visible <= _step(llama, _hf_own).report.kept_bytes  # torch's states unseen
+
+
+@pytest.mark.parametrize("policy", ["save_attention", save_attention()], ids=repr)
+def test_rule12_save_attention_by_name_keeps_each_layers_attention(policy: Any) -> None:
+    """``policy="save_attention"`` (by name, Rule 12) or the object: same gradients as the plain
+    run; each layer keeps its attention kernel's output, and backward runs no attention
+    forward again."""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)  # no attention dropout: the CPU kernel runs, and is kept
+    saving = _step(model, lambda m: hf_checkpointing.enable(m, policy=policy))
+    _assert_same_step(saving, _step(model, None))
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    kept = [
+        r
+        for r in saving.report.records
+        if r.op == "_scaled_dot_product_flash_attention_for_cpu" and r.decision == "saved"
+    ]
+    output_shape = (BATCH, 4, SEQ, 8)  # 4 heads of 8 features
+    assert [r.shape for r in kept].count(output_shape) == 2  # one per layer
+    full = _step(model, _ours)
+    output_bytes = 2 * BATCH * SEQ * 32 * 4  # two layers' float32 outputs
+    assert saving.report.kept_bytes - full.report.kept_bytes >= output_bytes
+    copied = copy.deepcopy(model)
+    hf_checkpointing.enable(copied, policy=policy)
+    ids = _ids()
+    loss = copied(input_ids=ids, labels=ids).loss
+    with counting_ops() as counts:
+        loss.backward()
+    assert counts[str(kernel)] == 0
+
+
+def test_rule12_an_unknown_policy_name_lists_the_names() -> None:
+    """A policy name that is none of ours is a ``ValueError`` listing the names, at enable."""
+    with pytest.raises(ValueError, match=r"unknown policy name 'save_attn'.*'save_attention'"):
+        hf_checkpointing.enable(tiny_llama(layers=1), policy="save_attn")
 
 
 def _checkpointed_layers(model: transformers.PreTrainedModel) -> list[bool]:

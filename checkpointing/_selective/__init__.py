@@ -18,6 +18,7 @@ One concept per module; each imports only from the ones listed before it:
   ``Policy`` / ``OpPolicy`` / ``OpPolicyBase``, what an answer means (the planner's private
   ``SKIP_IN_REPLAY`` included), the list form, the tag op.
 - ``cache``: what a region keeps: ``OffloadStats``, the entries and host copies, the records.
+- ``unkept``: what a policy names to keep and could not keep: ``Asked``, the once-only warning.
 - ``skip``: skipping ops in the replay: when a call may be skipped, and the replay's taint.
 - ``forward``: the forward (caching) mode.
 - ``recompute``: the recompute (cached) mode.
@@ -48,6 +49,7 @@ them (the numbers are unchanged, so "See NOTE [Selective checkpoint cache], Rule
   Rule 12 (``ops``): an op with an ordered side effect is kept unless told MUST_RECOMPUTE.
   Rule 13 (``cache``): saves bypass the user's saved-tensors hooks unless the checkpoint asks.
   Rule 14 (``skip``): a call answered SKIP_IN_REPLAY is replayed by blanks; a needed one raises.
+  Rule 15 (``unkept``): a policy that names something to keep and keeps none of it says so once.
 """
 
 from __future__ import annotations
@@ -73,11 +75,14 @@ from .policy import (
     uncalled_factory,
 )
 from .skip import may_skip, reads_values, replay_taint
+from .unkept import NOTHING_ASKED, Asked, asked_of, is_composite, never_dispatched, say_composite
 
 __all__ = [
+    "NOTHING_ASKED",
     "SAC_IGNORED_OPS",
     "SKIP_IN_REPLAY",
     "TAG_OP",
+    "Asked",
     "CheckpointPolicy",
     "OffloadStats",
     "Op",
@@ -88,13 +93,17 @@ __all__ = [
     "SelectiveCheckpointContext",
     "answers_by_op",
     "as_checkpoint_policy",
+    "asked_of",
     "create_selective_checkpoint_contexts",
     "draws_random",
+    "is_composite",
     "may_skip",
+    "never_dispatched",
     "policy_factory",
     "policy_from",
     "reads_values",
     "replay_taint",
+    "say_composite",
     "tag",
     "uncalled_factory",
 ]

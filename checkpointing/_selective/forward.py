@@ -14,8 +14,9 @@ says where the others live)
           recomputed, which is free. This needs the producer to have run out of place in this
           region, returned ``x`` alone, been marked for recompute, not be random (Rule 10),
           and ``x`` to be unchanged since; otherwise the tag keeps nothing and ``x`` follows
-          its producer's decision. Without the hand-over, eager recompute would re-run the
-          producer anyway, so a named tensor would cost its memory and its recompute both.
+          its producer's decision (Rule 15 says so when the policy names the tag). Without
+          the hand-over, eager recompute would re-run the producer anyway, so a named tensor
+          would cost its memory and its recompute both.
   Rule 9. Under a tracing compiler (a proxy mode is active, as in AOTAutograd), every output is
           cached and the traced nodes are tagged with the policy (as torch's enum) and
           ``ac_graph_id``, as torch does, so that the partitioner decides. A kept tag tags its
@@ -77,6 +78,7 @@ from .policy import (
     answers_by_op,
 )
 from .skip import may_skip
+from .unkept import Makers, Unkept, asked_of, cause_of, note_makers, say_random
 
 _proxy_mode: Final = _compat.proxy_mode
 
@@ -87,6 +89,7 @@ _PLAN_COUNT: Final = _Plan.COUNT
 _PLAN_KEEP: Final = _Plan.KEEP
 _PLAN_ASK: Final = _Plan.ASK
 _PLACEHOLDER: Final = _Action.PLACEHOLDER
+_OFFLOAD: Final = _Action.OFFLOAD
 _dispatch_mode_depth: Final = _compat.dispatch_mode_depth
 
 # Rule 12: the answers that keep an op with an ordered effect all the same (every "recompute"
@@ -140,6 +143,13 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         # Rule 1: an op-only policy's plans by op id (kept on the policy when it is ours).
         self._plans: dict[int, _OpPlan] | None = None
         self._by_op: OpPolicy | None = None
+        # Rule 15: what the policy names for keeping, and what this region could not keep of
+        # it; the makers that cannot take a tag are noted only when it names tensors.
+        asked = asked_of(policy)
+        self._asked_ops = asked.ops
+        self._asked_names = asked.names
+        self._makers: Makers | None = {} if asked.names else None
+        self._unkept: Unkept | None = None
         if answers_by_op(policy):
             self._by_op = policy
             plans: dict[int, _OpPlan] | None = getattr(policy, "_op_plans", None)
@@ -216,12 +226,54 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             action = _Action.RECOMPUTE  # Rule 14: a blank could be wrong here (random: below)
         if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
             record.keep(index, _Blank(out) if action is _PLACEHOLDER else self._entry(out, action))
+            if self._makers is not None and type(out) is torch.Tensor:
+                self._makers.pop(id(out), None)  # Rule 15: kept, so a tag of it keeps it
         elif func is TAG_OP:
             if action is not _Action.RECOMPUTE:
-                self._hand_over(args[0] if args else kwargs["x"], action)
-        elif record.pure and not random and type(out) is torch.Tensor:
-            self._producers[id(out)] = (weakref.ref(out), record, index, out._version)
+                self._tag(args, kwargs, action)
+        else:
+            if random and self._asked_ops and (action is _Action.SAVE or action is _OFFLOAD):
+                self._note_random(func, record)  # Rule 15 (b)
+            if record.pure and not random and type(out) is torch.Tensor:
+                self._producers[id(out)] = (weakref.ref(out), record, index, out._version)
+            elif self._makers is not None:  # Rule 15 (c)
+                note_makers(self._makers, func, out, record.pure, random)
         return out
+
+    def _tag(self, args: tuple[Any, ...], kwargs: dict[str, Any], action: _Action) -> None:
+        """A kept tag: Rule 8's hand-over, and Rule 15 (c)'s note when its name was named."""
+        tensor = args[0] if args else kwargs["x"]
+        kept = self._hand_over(tensor, action)
+        makers = self._makers
+        if makers is None:
+            return
+        name = args[1] if len(args) > 1 else kwargs["name"]
+        if name not in self._asked_names:
+            return
+        unkept = self._unkept
+        if unkept is None:
+            unkept = self._unkept = Unkept()
+        if kept:
+            unkept.kept_names.add(name)
+            return
+        cause = cause_of(makers, tensor)
+        if cause is not None:
+            unkept.refused_names.setdefault(name, cause)
+
+    def _note_random(self, func: Op, record: _OpRecord) -> None:
+        """Rule 15 (b): a random call of an op the policy names was answered with a keep."""
+        if func in self._asked_ops:
+            unkept = self._unkept
+            if unkept is None:
+                unkept = self._unkept = Unkept()
+            unkept.random_ops[func] = record
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's base is untyped
+        unkept = self._unkept
+        if unkept is not None and exc[0] is None:  # Rule 15: the region's verdict
+            self._unkept = None
+            unkept.say(self.policy)
 
     def _learn_plan(self, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
         """Rule 1: ask the op-only policy about ``func`` once, and remember its plan."""
@@ -231,15 +283,17 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         op_plan = plans[id(func)] = _plan_for(policy, func, plans)
         return op_plan
 
-    def _hand_over(self, tensor: torch.Tensor, action: _Action) -> None:
-        """Rule 8: give a kept tag's decision to the op that produced ``tensor``, if allowed."""
+    def _hand_over(self, tensor: torch.Tensor, action: _Action) -> bool:
+        """Rule 8: give a kept tag's decision to the op that produced ``tensor``, if allowed;
+        whether it was."""
         producer = self._producers.pop(id(tensor), None)
         if producer is None:
-            return
+            return False
         ref, record, index, version = producer
         if ref() is not tensor or tensor._version != version:
-            return
+            return False
         record.keep(index, self._entry(tensor, action))
+        return True
 
     def _entry(self, out: Any, action: _Action) -> _Entry:
         """The cache entry for ``out`` under a keep ``action`` (Rule 13 for saves)."""
@@ -308,6 +362,8 @@ def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
     if effect and id(answer) in _PREFERS_RECOMPUTE:
         action = _Action.SAVE  # Rule 12
     if draw_rule == _ALWAYS:
+        if action in (_Action.SAVE, _Action.OFFLOAD) and func in asked_of(policy).ops:
+            say_random(policy, func)  # Rule 15 (b): no call of it will ever be kept
         return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
     if func is TAG_OP or draw_rule >= 0 or action is _PLACEHOLDER:
         return _Plan.CHECK, action  # Rules 8, 10 and 14: the call decides

@@ -78,6 +78,11 @@ NOTE [transformers integration]
   Rule 11. What ``enable`` installed is found from the model (its layers' functions and hooks,
           its switches), never only from a registry: ``disable`` and Rule 8 work on a
           ``copy.deepcopy`` of an enabled model.
+  Rule 12. ``policy=`` also takes the name of a policy of ``checkpointing.policies`` that takes
+          no arguments (``"save_attention"``, ``"save_matmuls"``, ...), the spelling a
+          configuration file or a command line can carry; the name becomes that factory's
+          policy when ``enable`` checks its options (Rule 4), and an unknown name is an error
+          listing the names. A policy with arguments is passed as the object.
 """
 
 from __future__ import annotations
@@ -98,7 +103,14 @@ from .._checkpoint import CHECKPOINT_OPTIONS, checkpoint
 from .._errors import internal_error
 from .._planning import ActivationPlan
 from .._state import ContextFn
-from ..policies import Policy, as_context_fn
+from ..policies import (
+    Policy,
+    as_context_fn,
+    save_attention,
+    save_everything,
+    save_matmuls,
+    save_nothing,
+)
 
 _MSG_NO_TRANSFORMERS = (
     "checkpointing.integrations.transformers needs the Hugging Face `transformers` package, "
@@ -145,6 +157,17 @@ _MSG_HOOK_IGNORED = (
 )
 _WHY_OLD_HOOK = "its hook takes `value`, the format of transformers < 4.35, and no function"
 _WHY_OVERRIDE = "its hook is overridden and checkpoints some other way"
+# Rule 12: the policies ``policy=`` takes by name.
+_NAMED_POLICIES: dict[str, Callable[[], Policy]] = {
+    factory.__name__: factory
+    for factory in (save_attention, save_everything, save_matmuls, save_nothing)
+}
+_MSG_POLICY_NAME = (
+    "{api}: unknown policy name {got!r}; expected one of {names} (the policies of "
+    "checkpointing.policies that take no arguments) or a policy object. Fix: pass e.g. "
+    "policy='save_attention', or a policy with arguments as an object, e.g. "
+    "policy=checkpointing.policies.save_ops(torch.ops.aten.mm)."
+)
 _MSG_UNKNOWN_OPTION = (
     "{api}: unknown checkpoint option(s) {names}; expected some of {allowed} (or policy=, "
     "every_n_layers=, budget=, example_inputs=, example_kwargs=, loss_fn=). Fix: pass only "
@@ -301,7 +324,7 @@ class _Switches:
 def enable(
     model: nn.Module,
     *,
-    policy: Policy | None = None,
+    policy: Policy | str | None = None,
     budget: None = None,
     every_n_layers: int = 1,
     **checkpoint_options: Any,
@@ -323,7 +346,7 @@ def enable(
 def enable(
     model: nn.Module,
     *,
-    policy: Policy | None = None,
+    policy: Policy | str | None = None,
     budget: float | int | None = None,
     every_n_layers: int = 1,
     example_inputs: Any = None,
@@ -348,7 +371,9 @@ def enable(
             true, or a PEFT model wrapping one (``get_peft_model(model, config)``).
         policy: a selective-checkpoint policy (``checkpointing.policies``: ``save_matmuls()``,
             ``offload_ops(...)``, ...) run in every checkpointed layer; offload decisions move
-            the outputs to host memory. ``None``: plain checkpointing (keep only the inputs).
+            the outputs to host memory. The name of one that takes no arguments works too
+            (``"save_attention"``, ``"save_matmuls"``, ``"save_everything"``,
+            ``"save_nothing"``). ``None``: plain checkpointing (keep only the inputs).
         budget: the activation bytes the training step may keep, as ``plan_checkpointing``
             reads it: a float in (0, 1] (a fraction of what the model keeps without
             checkpointing) or an int (bytes). Needs ``example_inputs`` or ``example_kwargs``;
@@ -463,7 +488,7 @@ def _unwrap(model: object, api: str) -> PreTrainedModel:
 
 def _check_options(
     api: str,
-    policy: Policy | None,
+    policy: Policy | str | None,
     budget: float | int | None,
     every_n: object,
     profiling: dict[str, object],
@@ -473,6 +498,8 @@ def _check_options(
     ``checkpoint`` (none with a budget), checked now. ``profiling``: the arguments that only
     describe a budget's step (example inputs, loss function), by name."""
     _check_known(api, checkpoint_options)
+    if isinstance(policy, str):
+        policy = _named_policy(api, policy)
     if budget is not None:
         conflict = _budget_conflict(policy, every_n, checkpoint_options)
         if conflict is not None:
@@ -492,6 +519,15 @@ def _check_options(
     if options["use_reentrant"] and ("context_fn" in options or options.get("debug")):
         raise ValueError(_MSG_REENTRANT_CONTEXT.format(api=api))
     return options
+
+
+def _named_policy(api: str, name: str) -> Policy:
+    """Rule 12: the policy a name stands for, or the error listing the names."""
+    factory = _NAMED_POLICIES.get(name)
+    if factory is None:
+        names = ", ".join(map(repr, sorted(_NAMED_POLICIES)))
+        raise ValueError(_MSG_POLICY_NAME.format(api=api, got=name, names=names))
+    return factory()
 
 
 def _check_known(api: str, checkpoint_options: dict[str, Any]) -> None:
