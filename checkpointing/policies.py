@@ -369,8 +369,10 @@ def save_attention() -> Policy:
     MUST_SAVE for the kernels that ``torch.nn.functional.scaled_dot_product_attention`` runs
     on any device (flash, memory-efficient and cuDNN on CUDA, the CPU kernel, MPS and the
     overrideable one of other backends; the composite op itself never reaches a policy),
-    PREFER_RECOMPUTE for the rest. Attention with dropout is recomputed all the same (a random
-    op is never kept; on CPU it runs as plain matrix products then); a warning says so.
+    PREFER_RECOMPUTE for the rest. Attention with dropout is recomputed all the same, since a
+    random op is never kept: a fused kernel that drew says so in a warning; on CPU, dropout
+    makes torch run attention as plain matrix products and a softmax, which this policy does
+    not see (keep such a call with ``checkpointing.keep``, or use ``save_matmuls()``).
 
     Example:
         >>> import torch, checkpointing

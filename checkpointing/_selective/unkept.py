@@ -26,13 +26,18 @@ says where the others live)
               torch's list form of ``create_selective_checkpoint_contexts`` stays silent, as
               torch's does (parity).
           (b) a named op that drew random numbers is recomputed (Rule 10): said at the end of
-              the region's forward if no call of it in the region was kept.
+              the region's forward if no call of it in the region was kept (an op that always
+              draws, under a policy asked per op, at its first call: no call can be kept).
           (c) a named tag whose hand-over is refused (Rule 8) because the tensor's last maker
               in the region was recomputed and cannot take it (it returned several tensors,
-              wrote it in place, or drew random numbers): said at the end of the region's
-              forward if no tag of that name in the region was kept. A tag of a tensor made
-              outside the region (an input, a parameter) or kept by its maker's own answer is
-              no refusal: the tensor is there for backward either way.
+              wrote it in place, itself or through a view, or drew random numbers): said at
+              the end of the region's forward if no tag of that name in the region was kept. A
+              tag of a tensor made outside the region (an input, a parameter) or kept by its
+              maker's own answer is no refusal: the tensor is there for backward either way.
+          Not seen: an ask that nothing in the region runs into. Attention that runs the math
+          fallback (on CPU whenever ``dropout_p`` is not 0) shows a policy ``bmm``s and a
+          softmax, no attention op, so ``save_attention()`` keeps nothing there and cannot
+          tell that attention ran.
           The per-op path stays as it was for every other call: the makers that cannot take a
           tag are noted only under a policy that names tensors, a random call only when it was
           answered with a keep, and the verdict is taken once, when the forward mode exits.
