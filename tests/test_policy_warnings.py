@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from frame_support import assert_tensors_equal, leaf
+from thread_support import run_threads
 
 import checkpointing
 from checkpointing._selective import unkept
@@ -267,3 +268,27 @@ def test_a_named_op_that_draws_only_with_dropout_says_so_when_none_was_kept(
         return
     with pytest.warns(UserWarning, match="names checkpointing_tests.scaled_noise.default"):
         checkpointing.checkpoint(fn, x, use_reentrant=False, context_fn=context_fn)
+
+
+# --- Attacks: threads, a forward that fails ----------------------------------------------------
+
+
+def test_once_means_once_across_threads() -> None:
+    """Eight threads giving the same warning at once: it is given once."""
+    with pytest.warns(UserWarning, match="said once") as said:
+        run_threads(lambda _: unkept.say_once(("test",), "said once"), 8)
+    assert len(said) == 1
+
+
+def test_a_forward_that_fails_gives_its_error_and_no_verdict() -> None:
+    """A region whose forward raises after a refused tag raises that error and says nothing
+    of what it kept (it kept nothing at all)."""
+
+    def failing(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        _norm_then_project(x, w)
+        raise ValueError("the user's bug")
+
+    x, w = leaf(4, 4, dtype=torch.float32, seed=1), leaf(4, 4, dtype=torch.float32, seed=2)
+    context_fn = as_context_fn(save_only_these_names("normed"))
+    with pytest.raises(ValueError, match="the user's bug"):
+        checkpointing.checkpoint(failing, x, w, use_reentrant=False, context_fn=context_fn)
