@@ -53,3 +53,25 @@ def allocator_step(forward: Callable[[], torch.Tensor]) -> AllocatorStep:
         if when <= forward_end:
             held = live
     return AllocatorStep(held=held - loss_bytes, peak=peak)
+
+
+def allocator_peak(run: Callable[[], object]) -> int:
+    """The CPU allocator's most bytes held at once while ``run()`` ran, above what it held
+    before (what it returns is held to the end)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "Warning: Profiler clears events at the end of each cycle", UserWarning
+        )
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = run()
+    del result
+    changes = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"
+    )
+    live = peak = 0
+    for _when, size in changes:
+        live += size
+        peak = max(peak, live)
+    return peak

@@ -233,9 +233,10 @@ PEAK_CASES = {
 
 
 @pytest.mark.parametrize("case", list(PEAK_CASES))
-def test_predicted_peak_is_within_a_tenth_of_the_allocator_s(case: str) -> None:
-    """Rule 18: the plan's predicted peak of the step is within 10 % of the CPU allocator's
-    peak over a step (forward and backward) with the plan applied, at budgets 0.3 to 1.0."""
+def test_predicted_peak_errs_high_within_6_percent_of_the_allocator_s(case: str) -> None:
+    """Rule 18: the plan's predicted peak of the step is at least the CPU allocator's peak over
+    a step (forward and backward) with the plan applied, and at most 6 % above it, at budgets
+    0.3 to 1.0."""
     build, inputs, loss_fn = PEAK_CASES[case]
     torch.manual_seed(0)
     model, x = build(), inputs()
@@ -249,4 +250,4 @@ def test_predicted_peak_is_within_a_tenth_of_the_allocator_s(case: str) -> None:
             peak = allocator_step(lambda: loss_of(model, x, loss_fn)).peak
         finally:
             plan.remove(model)
-        assert abs(plan.peak_bytes - peak) <= 0.1 * peak, (budget, plan.peak_bytes, peak)
+        assert peak <= plan.peak_bytes <= 1.06 * peak, (budget, plan.peak_bytes, peak)

@@ -3,9 +3,10 @@
 ``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
 region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22) and the
 blocks' trails (Rule 24);
-``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs; the CPU allocator's peak is
-read through ``_compat``); ``solver.py`` chooses; ``trials.py`` times candidate plans on the
-model (Rule 23). The rules below are shared by all of them.
+``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs; ``live_bytes.py`` reads the
+peaks of a step's memory, ``scratch.py`` the kernels' work buffers; ``peak.py`` predicts a plan's);
+``installed.py`` takes a plan off a model or a copy of it; ``solver.py`` chooses; ``trials.py``
+times candidate plans on the model (Rule 23). The rules below are shared by all of them.
 
 NOTE [Planner model]
   Rule 1. Bytes are storages: a tensor kept for backward costs its whole storage, once, however
@@ -132,13 +133,18 @@ NOTE [Planner model]
           greedy fallback: 32 Llama-sized blocks (about 400 options each) solve in 35-51 ms,
           and a plan's every span variant (Rule 22: four floors and the cheapest at the budget)
           in 0.30-0.51 s (``benchmarks/planner.py --solve-time``, CPU, 2026-11-25).
-  Rule 18. Peak. The profile measures the allocator's peak over one plain step (CPU: the
-          profiler's memory events; CUDA: ``max_memory_allocated``). A plan's peak is taken
-          as the highest working set while backward runs a region (what the regions before it
-          keep, everything the region saves, since recompute restores it, and the gradients of
-          the parameters of the regions after it), plus what the plain step needed above its
-          own highest working set (the loss, the gradients in flight, temporaries). It errs
-          high: recompute's tensors die as backward consumes them.
+  Rule 18. Peak. The profile measures one plain step's peak (CPU: the bytes of the storages its
+          ops make, while they live, plus the work buffers of the kernels ``scratch`` knows,
+          NOTE [Live bytes]; never a profiler session, which would crash beside another
+          thread's and end a caller's; CUDA: ``max_memory_allocated``) and, per region, the
+          most bytes live while its backward ran. A region's working set is what the regions
+          before it keep, everything it saves (recompute restores it) and keeps, and the
+          gradients of the parameters of the regions after it; a plan's peak is the highest,
+          over the regions, of its working set plus what the plain step held there beyond its
+          own (the gradient flowing in, the backward's temporaries, the kernels' buffers), or
+          the forward's end (what the plan keeps plus the plain step's extra over its highest
+          working set), whichever is higher. Where a region's backward was not measured (CUDA),
+          that whole extra stands in for its own: over, never under.
   Rule 19. Random draws as a group. A checkpointed region may keep the outputs of all of its
           random ops (``RegionDecision.keep_draws``), all or none: recompute restores the RNG
           state and replays the draws in order, so keeping some would shift the later ones

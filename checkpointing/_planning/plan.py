@@ -10,7 +10,6 @@ checkpoint mechanics to ``_module`` and ``_selective``.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -33,14 +32,15 @@ from .._selective import (
 from .._state import noop_context_fn
 from . import plan_json
 from .draws import draw_contexts
-from .profile import ObjectiveName, StepProfile, input_shapes, profile_step, tail_regions
+from .installed import Installed, ShapeCheck, carries, new_mark, take_off
+from .peak import predicted_peak
+from .profile import ObjectiveName, StepProfile, profile_step, tail_regions
 from .solver import (
     Choice,
     Problem,
     Solution,
     kept_storages,
     offloads,
-    predicted_peak,
     recompute_cost,
     recompute_flops,
     recompute_seconds,
@@ -175,8 +175,14 @@ _MSG_REGIONS_TYPE = (
 )
 _MSG_CHECKPOINTED = (
     "checkpointing.plan_checkpointing: region {name!r} is already checkpointed, so profiling "
-    "would not see what it saves. Fix: call plan.remove(model) (or "
-    "checkpointing.remove_checkpoint_module) before planning again."
+    "would not see what it saves. Fix: checkpointing.remove_checkpoint_module(module) before "
+    "planning again."
+)
+_MSG_PLANNED = (
+    "checkpointing.plan_checkpointing: {where} carries the hooks of an applied ActivationPlan "
+    "(a copy of a planned model, by copy.deepcopy or torch.save/load, carries them too), so "
+    "profiling would measure the planned step, not the model's own. Fix: plan.remove(model) "
+    "with that plan (or a pickled copy of it) before planning again."
 )
 _MSG_APPLIED_TWICE = (
     "checkpointing.ActivationPlan.apply: this plan is already applied to a model; applying it "
@@ -198,8 +204,9 @@ _MSG_APPLY_MODEL_TYPE = (
     "model the plan was made for, e.g. plan.apply(model)."
 )
 _MSG_NOT_APPLIED = (
-    "checkpointing.ActivationPlan.remove: this plan is not applied to the {type_name} given, so "
-    "there is nothing to remove. Fix: remove it from the model passed to plan.apply(model)."
+    "checkpointing.ActivationPlan.remove: this plan is not applied to the {type_name} given, nor "
+    "to a model it was copied from, so there is nothing to remove. Fix: remove it from the model "
+    "passed to plan.apply(model), or a copy of that one."
 )
 _MSG_REGION_TAKEN = (
     "checkpointing.ActivationPlan.apply: region {name!r} is already checkpointed (by "
@@ -209,12 +216,6 @@ _MSG_REGION_TWICE = (
     "checkpointing.ActivationPlan.apply: regions {first!r} and {second!r} are the same "
     "{type_name} module; checkpointing it twice would nest it inside itself. Nothing was "
     "installed. Fix: keep one decision per module in the plan."
-)
-_MSG_RESHAPED = (
-    "checkpointing.ActivationPlan: the model was called with input shapes {observed}, but the "
-    "plan was profiled with {expected}; its bytes and times do not describe these inputs, so "
-    "the budget may not hold. Fix: re-plan with plan_checkpointing(model, inputs_of_this_shape, "
-    "budget=...). (Warned once per apply.)"
 )
 _MSG_UNKNOWN_OP = (
     "checkpointing.ActivationPlan.from_json: unknown op {name!r} (expected a name like "
@@ -287,6 +288,10 @@ def plan_checkpointing(
         >>> _ = plan.remove(model)
     """
     _check_arguments(model, budget, example_kwargs, loss_fn, host_budget, objective, timing_steps)
+    planned = carries(model)  # NOTE [Installed plan], Rule 2
+    if planned is not None:
+        where = f"module {planned!r} of the model" if planned else "the model"
+        raise ValueError(_MSG_PLANNED.format(where=where))
     named = find_regions(model, regions)
     for name, module in named:
         if is_module_checkpointed(module):
@@ -557,28 +562,7 @@ def _region_contexts_by_name(
     )
 
 
-class _ShapeCheck:
-    """The forward pre-hook ``apply`` installs on the model: Rule 12's warning, once per apply
-    (not under ``no_grad``: evaluation and generation keep nothing, whatever the shapes). A
-    plain object holding only the shapes, so that an applied model pickles (``torch.save``)."""
-
-    __slots__ = ("expected", "warned")
-
-    def __init__(self, expected: list[list[int]]) -> None:
-        self.expected = [shape for shape in expected if shape]  # 0-d ones: Rule 12
-        self.warned = False
-
-    def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.warned or not torch.is_grad_enabled():
-            return
-        observed = input_shapes(args, kwargs)
-        if observed != self.expected:
-            self.warned = True
-            warnings.warn(
-                _MSG_RESHAPED.format(observed=observed, expected=self.expected),
-                UserWarning,
-                stacklevel=2,
-            )
+_ShapeCheck = ShapeCheck  # the name models pickled with a plan applied (before issue 40) refer to
 
 
 def resolve_op(name: str) -> Op:
@@ -592,18 +576,6 @@ def resolve_op(name: str) -> Op:
     if not isinstance(op, _compat.OpOverload):
         raise ValueError(_MSG_UNKNOWN_OP.format(name=name))
     return op
-
-
-@dataclass
-class _Applied:
-    """Where a plan is installed: the model, its checkpointed regions, the shape-check hook."""
-
-    model: weakref.ref[nn.Module]
-    modules: list[nn.Module]
-    hook: torch.utils.hooks.RemovableHandle
-    spans: SpanHooks
-    ends: list[torch.utils.hooks.RemovableHandle]
-    """Rule 24: the hooks that end a region's frame at its trail."""
 
 
 class ActivationPlan:
@@ -671,8 +643,13 @@ class ActivationPlan:
         self.input_shapes = input_shapes
         self._frontier = frontier
         self._model: weakref.ref[nn.Module] | None = None
-        self._applied: _Applied | None = None
+        self._applied: Installed | None = None
+        self._mark = new_mark()  # NOTE [Installed plan], Rule 1
         self.timed: tuple[float, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A plan pickles as data: the model it is bound or applied to stays behind."""
+        return {**self.__dict__, "_model": None, "_applied": None}
 
     @classmethod
     def _from_solution(
@@ -783,15 +760,16 @@ class ActivationPlan:
             for region, child in trails:  # Rule 24: before the trail's scope starts
                 if is_module_checkpointed(region):
                     ends.append(end_at(region, child))
-            hook = model.register_forward_pre_hook(_ShapeCheck(self.input_shapes), with_kwargs=True)
-            spans = SpanHooks(model, head, tail, [child for _region, child in trails])
+            check = ShapeCheck(self.input_shapes, self._mark)
+            hook = model.register_forward_pre_hook(check, with_kwargs=True)
+            spans = SpanHooks(model, head, tail, [child for _, child in trails], self._mark)
         except BaseException:
             for handle in ends:
                 handle.remove()
             for module in installed:
                 remove_checkpoint_module(module)
             raise
-        self._applied = _Applied(weakref.ref(model), installed, hook, spans, ends)
+        self._applied = Installed(weakref.ref(model), installed, hook, spans, ends)
         self._model = weakref.ref(model)
         return model
 
@@ -846,20 +824,19 @@ class ActivationPlan:
         return head, tail, trails
 
     def remove(self, model: nn.Module) -> nn.Module:
-        """Undo ``apply(model)``: the regions run plainly again. Returns ``model``. (Called
-        during the model's forward it raises; the regions not yet removed stay, and a later
-        ``remove`` finishes.)"""
+        """Undo ``apply(model)``: the regions run plainly again. Returns ``model``; also a copy
+        of it (``copy.deepcopy``, ``torch.save``/``load``), whose every hook of this plan goes.
+        (Called during the model's forward it raises; the regions not yet removed stay, and a
+        later ``remove`` finishes.)"""
         applied = self._applied
-        if applied is None or applied.model() is not model:
+        if applied is not None and applied.model() is model:
+            applied.remove()
+            self._applied = None
+        elif carries(model, self._mark) is not None:  # a copy: NOTE [Installed plan], Rule 1
+            trails = [(s.first, s.last) for s in self.spans if s.kind == "trail"]
+            take_off(model, self._mark, [r.name for r in self.regions if r.checkpoint], trails)
+        else:
             raise ValueError(_MSG_NOT_APPLIED.format(type_name=type(model).__name__))
-        while applied.ends:
-            applied.ends.pop().remove()
-        while applied.modules:
-            remove_checkpoint_module(applied.modules[-1])
-            applied.modules.pop()
-        applied.hook.remove()
-        applied.spans.remove()
-        self._applied = None
         return model
 
     # -- reading ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .._scope.ops import written_tensors
 from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
 from .._state import ForwardState
 from .flops import op_flops
+from .live_bytes import step_peaks
 from .solver import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
 from .spans import SpanProfile
 
@@ -100,6 +101,8 @@ class RegionProfile:
     saved a tensor; early stop ends recompute there (Rule 16)."""
     trail: Trail | None = None
     """The child module the region calls last, where a scope may record it (Rule 24)."""
+    backward_peak: int = 0
+    """The most bytes live while the plain step's backward ran the region (Rule 18; 0: not)."""
 
 
 @dataclass(slots=True)
@@ -205,6 +208,7 @@ class StepProfile:
                     draws,
                     _replay_graph(region, positions),
                     referenced=frozenset(region.referenced),
+                    backward_peak=region.backward_peak,
                 )
             )
         return Problem(
@@ -630,7 +634,12 @@ def profile_step(
         profile = _combine(steps[1:], input_shapes(args, kwargs), str(device))
         for region, (_name, module) in zip(profile.regions, regions, strict=True):
             region.grad_bytes = sum(p.nbytes for p in module.parameters() if p.requires_grad)
-        profile.peak_bytes = _plain_peak(model, args, kwargs, loss_fn, wrt, device)
+        peaks = step_peaks(  # Rule 18
+            lambda: plain_step(model, args, kwargs, loss_fn, wrt), device, [m for _, m in regions]
+        )
+        profile.peak_bytes = peaks.step
+        for region, peak in zip(profile.regions, peaks.regions, strict=False):
+            region.backward_peak = peak
         if policy_modes is not None:
             profile.policy_seconds_per_op = _policy_seconds_per_op(
                 model, regions, args, kwargs, profile, policy_modes, synchronize
@@ -663,32 +672,6 @@ def plain_step(
     loss = default_loss(output) if loss_fn is None else loss_fn(output)
     del output
     torch.autograd.grad(loss, wrt, allow_unused=True)
-
-
-def _plain_peak(
-    model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    wrt: list[torch.Tensor],
-    device: torch.device,
-) -> int:
-    """Rule 18: the allocator's peak over one plain step (forward, loss, backward with the
-    gradients kept to its end), above what it held before; 0 on devices it cannot read."""
-
-    def run() -> None:
-        plain_step(model, args, kwargs, loss_fn, wrt)
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - before)
-    if device.type == "cpu":
-        return _compat.cpu_allocation_peak(run)
-    return 0
 
 
 def _policy_seconds_per_op(

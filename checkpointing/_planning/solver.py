@@ -222,6 +222,9 @@ class RegionChoices:
     """A charge for checkpointing the region at all, weighed into the cost the solver minimizes
     but not into the predicted seconds: how the planner draws candidate plans that checkpoint
     fewer regions (Rule 23)."""
+    backward_peak: int = 0
+    """The most bytes live while the plain step's backward ran the region (Rule 18; 0: not
+    measured)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,34 +387,6 @@ def recompute_cost(problem: Problem, choices: Sequence[Choice]) -> float:
     return problem.objective.cost(
         recompute_seconds(problem, choices) + frames, recompute_flops(problem, choices)
     )
-
-
-def predicted_peak(problem: Problem, choices: Sequence[Choice]) -> int:
-    """Rule 18: the step's peak bytes under ``choices`` (0 where the plain peak is unknown)."""
-    if not problem.plain_peak:
-        return 0
-    plain = [Choice(False)] * len(problem.regions)
-    start = problem.plain_peak - _highest_working_set(problem, plain)
-    # The plain step's extra is the loss's, then a region's backward temporaries; those grow as
-    # the region's saved tensors are consumed and freed: half of it on top of a working set.
-    highest = _highest_working_set(problem, choices) + max(0, start) // 2
-    return max(kept_bytes(problem, choices) + start, highest)
-
-
-def _highest_working_set(problem: Problem, choices: Sequence[Choice]) -> int:
-    """Rule 18: the most bytes live while backward runs a region: what the regions before it
-    keep, all it saves (recompute has restored it), and the gradients of the parameters of
-    the regions after it."""
-    kept_before = set(problem.outside)
-    grads_after = sum(r.grad_bytes for r in problem.regions)
-    highest = 0
-    for index, (region, choice) in enumerate(zip(problem.regions, choices, strict=True)):
-        mine = kept_storages(problem, index, choice)
-        grads_after -= region.grad_bytes
-        working = kept_before | region.saved | mine
-        highest = max(highest, sum(problem.storage_bytes[s] for s in working) + grads_after)
-        kept_before |= mine
-    return highest
 
 
 def _bytes(problem: Problem, storages: Iterable[int]) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Final, Literal
 import torch
 from torch import nn
 
+from .. import _compat
 from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session, records_now
 from .solver import Problem
 
@@ -31,7 +32,9 @@ __all__ = [
     "SpanKind",
     "SpanProfile",
     "span_call_seconds",
+    "span_hook_mark",
     "span_problems",
+    "take_off_spans",
 ]
 
 SpanKind = Literal["head", "tail", "trail"]
@@ -265,15 +268,17 @@ class _Recorder:
     call's end every span gives up its claim on the hook, so that no hook of ours stays on the
     caller's stack after the step (the tensors saved until then are holders already; those saved
     later are kept, as the profile counts them). Ending what is not open does nothing. Pickles
-    empty (between calls nothing is open)."""
+    as its plan's mark (between calls nothing is open; NOTE [Installed plan], Rule 1)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mark: str = "") -> None:
+        self.mark = mark
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}
+        return {"mark": self.mark}
 
-    def __setstate__(self, _state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.mark = state.get("mark", "")
         self._local = threading.local()
 
     def _open(self) -> _Open:
@@ -334,11 +339,12 @@ class SpanHooks:
         head: nn.Module | None,
         tail: tuple[nn.Module, nn.Module] | None,
         trails: Sequence[nn.Module] = (),
+        mark: str = "",
     ) -> None:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         if head is None and tail is None and not trails:
             return
-        recorder = _Recorder()
+        recorder = _Recorder(mark)
         self.handles.append(model.register_forward_pre_hook(recorder.start))
         if head is not None:
             self.handles.append(model.register_forward_pre_hook(recorder.begin))
@@ -355,3 +361,25 @@ class SpanHooks:
     def remove(self) -> None:
         while self.handles:
             self.handles.pop().remove()
+
+
+def span_hook_mark(hook: object) -> str | None:
+    """The mark of the plan whose span recorder ``hook`` belongs to; None: not a span hook."""
+    owner = getattr(hook, "__self__", None)
+    return owner.mark if isinstance(owner, _Recorder) else None
+
+
+def take_off_spans(model: nn.Module, mark: str) -> None:
+    """Every span hook of the plan marked ``mark`` off every module of ``model`` (a copy of a
+    planned model, whose hooks no handle reaches: NOTE [Installed plan], Rule 1)."""
+    modules = list(model.modules())
+    recorders = {
+        id(owner): owner
+        for module in modules
+        for hook in _compat.forward_pre_hooks(module)
+        if isinstance(owner := getattr(hook, "__self__", None), _Recorder) and owner.mark == mark
+    }
+    for recorder in recorders.values():
+        for module in modules:  # each method may sit as a pre-hook or a hook: both are looked at
+            for method in (recorder.start, recorder.begin, recorder.end, recorder.finish):
+                _compat.remove_forward_hooks(module, method, method)

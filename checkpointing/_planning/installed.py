@@ -1,0 +1,142 @@
+"""A plan installed on a model, and taken off again: off the model ``apply`` was given, or off a
+copy of it (``copy.deepcopy``, ``torch.save``/``torch.load``), which carries every hook.
+
+Owns ``Installed`` (what ``apply`` put on the model it was given), ``ShapeCheck`` (the model's
+pre-hook that warns on other input shapes, NOTE [Planner model], Rule 12), ``carries`` and
+``take_off`` (a plan's hooks found on any model through the hooks themselves). Choosing what to
+install belongs to ``plan``, the spans' hooks to ``spans``.
+
+NOTE [Installed plan]
+  Rule 1. Every hook ``apply`` installs can be found on the model through the hooks themselves:
+          the shape check and the span recorder carry the plan's mark (a string: equal in every
+          copy and pickle of the plan and of the model), a region's checkpoint is
+          ``checkpoint_module``'s, and a trail's end hook is bound to its region's checkpoint.
+          So ``remove`` takes a plan off a copy of the planned model as completely as off the
+          model: afterwards no hook of the plan is left on any module.
+  Rule 2. ``plan_checkpointing`` refuses a model that carries a plan's hooks: profiling it
+          would record that plan's spans and end its trails' frames, and measure another step
+          than the fresh model's.
+"""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _compat
+from .._module import is_module_checkpointed, remove_checkpoint_module
+from .profile import input_shapes
+from .spans import SpanHooks, span_hook_mark, take_off_spans
+
+__all__ = ["Installed", "ShapeCheck", "carries", "new_mark", "take_off"]
+
+_MSG_RESHAPED = (
+    "checkpointing.ActivationPlan: the model was called with input shapes {observed}, but the "
+    "plan was profiled with {expected}; its bytes and times do not describe these inputs, so "
+    "the budget may not hold. Fix: re-plan with plan_checkpointing(model, inputs_of_this_shape, "
+    "budget=...). (Warned once per apply.)"
+)
+
+
+def new_mark() -> str:
+    """A plan's mark (Rule 1): unique, and a string, so that copies keep it equal."""
+    return uuid.uuid4().hex
+
+
+class ShapeCheck:
+    """The forward pre-hook ``apply`` installs on the model: Rule 12's warning, once per apply
+    (not under ``no_grad``: evaluation and generation keep nothing, whatever the shapes). A
+    plain object holding only the shapes and the plan's mark, so that an applied model pickles
+    (``torch.save``)."""
+
+    __slots__ = ("expected", "mark", "warned")
+
+    def __init__(self, expected: list[list[int]], mark: str) -> None:
+        self.expected = [shape for shape in expected if shape]  # 0-d ones: Rule 12
+        self.mark = mark
+        self.warned = False
+
+    def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.warned or not torch.is_grad_enabled():
+            return
+        observed = input_shapes(args, kwargs)
+        if observed != self.expected:
+            self.warned = True
+            warnings.warn(
+                _MSG_RESHAPED.format(observed=observed, expected=self.expected),
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+@dataclass
+class Installed:
+    """Where a plan is installed: the model, its checkpointed regions, the shape-check hook."""
+
+    model: weakref.ref[nn.Module]
+    modules: list[nn.Module]
+    hook: torch.utils.hooks.RemovableHandle
+    spans: SpanHooks
+    ends: list[torch.utils.hooks.RemovableHandle]
+    """Rule 24: the hooks that end a region's frame at its trail."""
+
+    def remove(self) -> None:
+        """Every hook off; a region whose removal raises (during the model's forward) stays
+        listed, so that a later call finishes."""
+        while self.ends:
+            self.ends.pop().remove()
+        while self.modules:
+            remove_checkpoint_module(self.modules[-1])
+            self.modules.pop()
+        self.hook.remove()
+        self.spans.remove()
+
+
+def _mark_of(hook: object) -> str | None:
+    """The mark of the plan whose shape check or span hook ``hook`` is (None: neither)."""
+    if isinstance(hook, ShapeCheck):  # one pickled before marks existed has none: ""
+        return str(getattr(hook, "mark", ""))
+    return span_hook_mark(hook)
+
+
+def carries(model: nn.Module, mark: str | None = None) -> str | None:
+    """Rule 1: the name of a module of ``model`` on which a hook of the plan marked ``mark``
+    (of any plan, where None) sits ("" for the model itself); None where there is none."""
+    for name, module in model.named_modules():
+        for hook in _compat.forward_pre_hooks(module):
+            found = _mark_of(hook)
+            if found is not None and (mark is None or found == mark):
+                return str(name)
+    return None
+
+
+def take_off(
+    model: nn.Module, mark: str, regions: Iterable[str], trails: Iterable[tuple[str, str]]
+) -> None:
+    """Rule 1: the plan marked ``mark`` off ``model`` (a copy of the model it was applied to):
+    each trail's end hook (bound to its region's checkpoint, so taken first), each checkpointed
+    region's checkpoint, the shape check and the span hooks."""
+    modules = dict(model.named_modules())
+    for region_name, child_name in trails:
+        region, child = modules.get(region_name), modules.get(child_name)
+        if region is None or child is None:
+            continue
+        owners = [getattr(hook, "__self__", None) for hook in _compat.forward_pre_hooks(region)]
+        for hook in _compat.forward_pre_hooks(child):
+            if any(getattr(hook, "__self__", None) is o for o in owners if o is not None):
+                _compat.remove_forward_hooks(child, hook, hook)
+    for name in regions:
+        module = modules.get(name)
+        if module is not None and is_module_checkpointed(module):
+            remove_checkpoint_module(module)
+    for hook in _compat.forward_pre_hooks(model):
+        if isinstance(hook, ShapeCheck) and hook.mark == mark:
+            _compat.remove_forward_hooks(model, hook, hook)
+    take_off_spans(model, mark)

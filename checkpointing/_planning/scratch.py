@@ -1,0 +1,69 @@
+"""Memory a CPU kernel allocates and frees inside one op call (NOTE [Planner model], Rule 18).
+
+Owns ``scratch_bytes``: what the planner adds to the tensor bytes live at an op for the work
+buffers the op's kernel holds while it runs, which no dispatch mode sees (``live_bytes`` counts
+tensors that ops return). Only the kernels whose buffers matter are listed: the CPU attention
+kernels, whose buffers grow with the intra-op threads (``torch.get_num_threads()``): a few KB per
+thread on a small model, as much as its activations. Each is an upper bound worked out from the
+kernel's blocking and checked against the allocator (``tests/test_planner_issue40.py``); an op
+not listed counts 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+__all__ = ["scratch_bytes"]
+
+
+def _blocks(query_length: int, key_length: int) -> tuple[int, int]:
+    """The query and key block lengths the CPU attention kernels work in."""
+    query_block = 256 if query_length >= 768 else 64 if query_length >= 192 else 32
+    return min(query_block, query_length), min(512, key_length)
+
+
+def _sizes(query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(batch x heads, query length, key length, depth, accumulator bytes, reduced bytes): the
+    kernels accumulate in float32 (float64 for float64) and keep a copy of a block in a reduced
+    dtype (bfloat16, float16) besides."""
+    *batch, query_length, depth = query.shape
+    accumulator = 8 if query.dtype == torch.float64 else 4
+    reduced = 0 if query.dtype in (torch.float32, torch.float64) else query.element_size()
+    rows = 1
+    for size in batch:
+        rows *= size
+    return rows, query_length, key.shape[-2], depth, accumulator, reduced
+
+
+def _attention(query: Any, key: Any, *_: Any, **__: Any) -> int:
+    """Per thread: a block of scores, its row maxima and sums, and an output block."""
+    _rows, length, key_length, depth, accumulator, reduced = _sizes(query, key)
+    q, k = _blocks(length, key_length)
+    per_thread = (q * k + 2 * q + q * depth) * accumulator + q * k * reduced
+    return torch.get_num_threads() * per_thread
+
+
+def _attention_backward(_grad: Any, query: Any, key: Any, *_: Any, **__: Any) -> int:
+    """The query gradient and a row sum accumulated whole; per thread, a block of scores and
+    one of their gradients (each also in the reduced dtype)."""
+    rows, length, key_length, depth, accumulator, reduced = _sizes(query, key)
+    q, k = _blocks(length, key_length)
+    whole = rows * length * (depth + 1) * accumulator
+    return whole + torch.get_num_threads() * 2 * q * k * (accumulator + reduced)
+
+
+_SCRATCH: Final[dict[Any, Callable[..., int]]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+        _attention_backward
+    ),
+}
+
+
+def scratch_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes the kernel of ``func`` holds inside the call beyond its outputs (0: none known)."""
+    formula = _SCRATCH.get(func)
+    return 0 if formula is None else formula(*args, **kwargs)
