@@ -278,6 +278,27 @@ def test_printouts_show_bytes_in_binary_units(form: str) -> None:
     assert "KiB" in text
 
 
+def test_plan_printout_shows_binary_units_and_names_its_kept_bytes() -> None:
+    """A plan prints sizes in binary units and calls its kept bytes "activations kept", as the
+    report of the applied plan calls the same number (its ``activation_bytes``)."""
+    net = _net()
+    x = torch.randn(64, 16, requires_grad=True)
+    plan = checkpointing.plan_checkpointing(net, x, budget=0.5)
+    for text in (str(plan), repr(plan)):
+        assert not LONG_INTEGER.search(text), text
+        assert f"{format_bytes(plan.kept_bytes)} of activations kept" in text
+    assert "activations kept" in str(plan).splitlines()[1]  # the column's header
+    plan.apply(net)
+    try:
+        torch.manual_seed(0)
+        with saved_tensors_report(model=net) as report:
+            net(x).sum().backward()
+    finally:
+        plan.remove(net)
+    assert report.activation_bytes == plan.kept_bytes
+    assert f"activations kept: {format_bytes(plan.kept_bytes)}" in str(report)
+
+
 def test_sequential_schedule_prints_binary_units() -> None:
     """``SequentialSchedule`` prints its budget, kept and peak bytes with the same units."""
     layers = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))

@@ -30,6 +30,7 @@ from .._selective import (
     create_selective_checkpoint_contexts,
 )
 from .._state import noop_context_fn
+from .._units import format_bytes
 from . import plan_json
 from .draws import draw_contexts
 from .installed import Installed, ShapeCheck, carries, new_mark, take_off
@@ -853,23 +854,24 @@ class ActivationPlan:
         decided = max([30, *(len(r.describe()) for r in self.regions)])
         header = (
             f"{'region':<{width}}  {'type':<{type_width}}  {'decision':<{decided}} "
-            f"{'kept bytes':>14} {'recompute ms':>13}"
+            f"{'activations kept':>16} {'recompute ms':>13}"
         )
         lines = [
-            f"ActivationPlan: {len(self.regions)} regions, budget {self.budget_bytes:,} bytes "
+            f"ActivationPlan: {len(self.regions)} regions, budget "
+            f"{format_bytes(self.budget_bytes)} "
             f"({self.budget_bytes / max(self.baseline_bytes, 1):.1%} of the "
-            f"{self.baseline_bytes:,} kept without checkpointing)",
+            f"{format_bytes(self.baseline_bytes)} of activations kept without checkpointing)",
             header,
             "-" * len(header),
         ]
         for r in self.regions:
             lines.append(
                 f"{r.name:<{width}}  {r.type_name:<{type_width}}  {r.describe():<{decided}} "
-                f"{r.kept_bytes:>14,} {r.recompute_ms:>13.3f}"
+                f"{format_bytes(r.kept_bytes):>16} {r.recompute_ms:>13.3f}"
             )
         lines.append(
             f"{'(outside regions)':<{width}}  {'':<{type_width}}  {'':<{decided}} "
-            f"{self.outside_bytes:>14,} {0.0:>13.3f}"
+            f"{format_bytes(self.outside_bytes):>16} {0.0:>13.3f}"
         )
         for span in self.spans:
             lines.append(f"{span.describe()}: {span.recompute_ms:.3f} ms")
@@ -877,15 +879,16 @@ class ActivationPlan:
         solver = (
             "exact"
             if self.solver == "exact"
-            else f"on a grid of {self.grid_bytes:,} bytes per region"
+            else f"on a grid of {format_bytes(self.grid_bytes)} per region"
         )
         lines.append(
-            f"predicted: {self.kept_bytes:,} bytes kept (each storage once) <= budget "
-            f"{self.budget_bytes:,}; recompute {self.recompute_ms:.3f} ms and "
+            f"predicted: {format_bytes(self.kept_bytes)} of activations kept (each storage once: "
+            f"a report's activation_bytes) <= budget {format_bytes(self.budget_bytes)}; recompute "
+            f"{self.recompute_ms:.3f} ms and "
             f"{self.recompute_flops / 1e9:.3f} GFLOP per step (profiled step {self.step_ms:.3f} ms)"
         )
         if self.peak_bytes:
-            lines.append(f"predicted peak of the step: {self.peak_bytes:,} bytes")
+            lines.append(f"predicted peak of the step: {format_bytes(self.peak_bytes)}")
         if self.timed:
             others = ", ".join(f"{t:.3f}" for t in self.timed[1:])
             lines.append(
@@ -893,7 +896,7 @@ class ActivationPlan:
                 f"{self.timed[0]:.3f} of their mean, the others' {others}"
             )
         lines.append(
-            f"smallest reachable: {self.floor_bytes:,} bytes; objective: {self.objective}; "
+            f"smallest reachable: {format_bytes(self.floor_bytes)}; objective: {self.objective}; "
             f"solver: {solver}; device: {self.device}"
         )
         return "\n".join(lines)
@@ -905,7 +908,8 @@ class ActivationPlan:
         checkpointed = sum(r.checkpoint for r in self.regions)
         return (
             f"ActivationPlan({checkpointed}/{len(self.regions)} regions checkpointed, "
-            f"{self.kept_bytes:,} of {self.budget_bytes:,} budget bytes)"
+            f"{format_bytes(self.kept_bytes)} of activations kept, budget "
+            f"{format_bytes(self.budget_bytes)})"
         )
 
     # -- JSON ---------------------------------------------------------------------------------

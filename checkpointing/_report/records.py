@@ -64,7 +64,8 @@ class SavedTensorRecord:
 
 @dataclass
 class SavedTensorsReport:
-    """What a step saved for backward. ``str(report)`` is a table; the fields are the data."""
+    """What a step saved for backward. ``str(report)`` is a summary with one line per region
+    (``summary()``), ``table()`` one row per tensor; the fields are the data."""
 
     records: list[SavedTensorRecord] = field(default_factory=list)
     recompute_ops: int = 0
