@@ -171,7 +171,11 @@ def report_on_oom(file: TextIO | None = None) -> Iterator[None]:
     ``saved_tensors_report(loss)``), is printed to ``file`` (``sys.stderr`` by default): on CUDA
     from the allocator's out-of-memory observer, just before the error is raised, with what was
     requested and free; on any device when a ``torch.OutOfMemoryError`` leaves the block. The
-    error itself is re-raised unchanged. See NOTE [Out-of-memory report].
+    error itself is re-raised unchanged. The report is printed once per error, by the innermost
+    block, even when both ways see it or blocks nest; on CUDA, an error raised in another thread
+    (backward's) is heard too. A failure while building or printing the report is printed in
+    its place and never hides the error. No block keeps the error, so catching it and retrying
+    inside an outer block does not keep the failed step's tensors alive.
 
     Example:
         >>> import io, torch, checkpointing

@@ -32,7 +32,7 @@ def create_selective_checkpoint_contexts(
     Same behaviour as ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, except
     that offload decisions really offload (to host memory and back) and that a policy answer
     which is neither a ``CheckpointPolicy`` nor a bool is a ``CheckpointError`` instead of a
-    silent recompute. See NOTE [Selective checkpoint cache] for the rules.
+    silent recompute.
 
     Args:
         policy_fn_or_list: a policy ``policy(ctx, op, *args, **kwargs)`` returning a

@@ -81,8 +81,8 @@ class SelectiveCheckpointContext:
     """What a policy is told about the op it decides on (parity with torch).
 
     Attributes:
-        is_recompute: always False: policies are asked only in the original forward (NOTE
-            [Selective checkpoint cache], Rule 1); kept for compatibility.
+        is_recompute: always False: policies are asked only in the original forward, and
+            recompute replays what they decided there; kept for compatibility.
         op_output: the op's output: a tensor, a tuple or list of them, or None (``tag``).
     """
 
@@ -199,8 +199,12 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
     The name is visible to policies as the op ``torch.ops.checkpointing.tag.default`` with
     arguments ``(tensor, name)``. ``save_only_these_names`` and ``offload_these_names`` keep
     tagged tensors; the decision is handed to the op that produced the tensor, so that op is not
-    recomputed either (NOTE [Selective checkpoint cache], Rule 8). Outside a selective
-    checkpoint it costs one no-op dispatch.
+    recomputed either (else the tensor would cost its memory and its recompute both). A maker
+    that returned several tensors, wrote the tensor in place (itself or through a view) or drew
+    random numbers cannot take it: the tag then keeps nothing, the tensor is recomputed with its
+    maker, and a policy that keeps no tensor of that name in the region warns once. A tensor
+    made outside the region (an input, a parameter) is there for backward anyway. Outside a
+    selective checkpoint it costs one no-op dispatch.
 
     Example:
         >>> import functools, torch, checkpointing

@@ -364,7 +364,7 @@ def enable(
     decides instead, per layer, whether to checkpoint it and which op outputs to keep, from one
     profiled training step on the example inputs. A later ``activation_checkpointing_enable()``
     (the ``Trainer``'s ``gradient_checkpointing=True``, PEFT) keeps this choice, or refuses a
-    budget plan. See NOTE [transformers integration].
+    budget plan.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose ``supports_gradient_checkpointing`` is
@@ -398,8 +398,9 @@ def enable(
         TypeError: ``model`` is not a ``PreTrainedModel`` (nor a PEFT model of one), or an
             option is unknown.
         ValueError: the model does not support checkpointing, its hook ignores our function,
-            the options contradict each other, it is already checkpointed in the other way
-            (Rule 8), or the budget is below the smallest reachable bytes.
+            the options contradict each other, it is already checkpointed in a way this call
+            cannot replace (a budget over any checkpointing, or anything over a budget plan:
+            ``disable`` first), or the budget is below the smallest reachable bytes.
 
     Example:
         >>> import torch, transformers
@@ -449,8 +450,8 @@ def disable(model: nn.Module) -> None:
 
     Undoes ``enable`` (with or without a budget, on the model, its PEFT model or a deep copy of
     it; and transformers' own ``activation_checkpointing_enable``): every layer runs its plain
-    forward again, a budget plan's hooks are removed, and so are the input-embedding hooks that
-    ``enable`` added (NOTE [transformers integration], Rules 3 and 11).
+    forward again, a budget plan's hooks are removed, and so are the input-embedding hooks, if
+    ``enable`` added them.
     """
     base = _unwrap(model, "disable")
     switches = _remove_switches(base)
