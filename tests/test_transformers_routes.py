@@ -369,6 +369,23 @@ def test_callback_checks_its_options_when_made() -> None:
         assert "Fix" in str(raised.value)
 
 
+def test_callback_takes_a_policy_by_name(tmp_path: Path) -> None:
+    """``CheckpointingCallback(policy="save_matmuls")`` trains as with the policy object (the
+    name is the spelling ``enable`` takes); an unknown name fails when the callback is made."""
+    by_name = _train(
+        _lora(_llama()), tmp_path, callbacks=(CheckpointingCallback(policy="save_matmuls"),)
+    )
+    by_object = _train(
+        _lora(_llama()), tmp_path, callbacks=(CheckpointingCallback(policy=save_matmuls()),)
+    )
+    function = by_name.model.get_base_model().model.layers[0]._gradient_checkpointing_func
+    assert "save_matmuls" in repr(function)
+    kept = [[r.kept_bytes for r in trainer.reports] for trainer in (by_name, by_object)]
+    assert kept[0] == kept[1] != []
+    with pytest.raises(ValueError, match=r"CheckpointingCallback: unknown policy name 'save_at'"):
+        CheckpointingCallback(policy="save_at")
+
+
 class _Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         ids = _ids()[0]

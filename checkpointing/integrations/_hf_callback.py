@@ -78,15 +78,23 @@ class CheckpointingCallback(TrainerCallback):
     ``TrainingArguments(gradient_checkpointing=True)``. When training begins it calls
     ``enable(model, ...)`` on the ``Trainer``'s model (a PEFT model's base model included), with
     a policy per layer or a memory budget; the model stays checkpointed after training, as with
-    the ``Trainer``'s own flag. See NOTE [Trainer callback].
+    the ``Trainer``'s own flag. Options are checked when the callback is made, so a mistake
+    fails before the ``Trainer`` is built. A second ``train()`` keeps the budget plan the first
+    one installed; without a budget, ``enable`` runs again and installs the same.
 
     Args:
-        policy, every_n_layers, **checkpoint_options: as ``enable`` (a policy run in every
-            checkpointed layer; which layers; options of ``checkpointing.checkpoint``).
+        policy, every_n_layers, **checkpoint_options: as ``enable`` (a policy, or the name of
+            one, run in every checkpointed layer; which layers; options of
+            ``checkpointing.checkpoint``).
         budget: as ``enable``: the activation bytes a step may keep (a fraction or bytes);
             the plan is made on the first batch of the training set unless ``example_inputs``
-            or ``example_kwargs`` give one. Leave the ``Trainer``'s ``gradient_checkpointing``
-            off with a budget (it is an error).
+            or ``example_kwargs`` give one: its first ``per_device_train_batch_size``
+            examples, collated by the ``Trainer``'s collator, on ``args.device``, without
+            iterating the data loader and with the CPU RNG put back, so the steps see the data
+            and dropout they would see without the callback. Leave the ``Trainer``'s
+            ``gradient_checkpointing`` off with a budget (it is an error: the ``Trainer``
+            switches its own checkpointing on first, and the layers would be checkpointed
+            twice).
         example_inputs, example_kwargs, loss_fn: as ``enable``; only with ``budget``.
 
     Attributes:
@@ -114,7 +122,7 @@ class CheckpointingCallback(TrainerCallback):
     def __init__(
         self,
         *,
-        policy: Policy | None = None,
+        policy: Policy | str | None = None,
         budget: float | int | None = None,
         every_n_layers: int = 1,
         example_inputs: Any = None,
@@ -141,7 +149,10 @@ class CheckpointingCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Rule 2: enable ours on the ``Trainer``'s model, after its own setup."""
+        """Enable ours on the ``Trainer``'s model, after the ``Trainer`` switched its own
+        checkpointing on and prepared the model, before the first step: without a budget ours
+        replaces the ``Trainer``'s (a warning names the ``gradient_checkpointing_kwargs`` not
+        applied); with a budget the ``Trainer``'s flag is an error."""
         model: nn.Module = kwargs["model"]
         if self.budget is None:
             if args.activation_checkpointing and args.activation_checkpointing_kwargs:
