@@ -9,6 +9,7 @@ mistake, the row says so and ``test_same_exception_type_as_torch`` checks the ty
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ import transformers
 from mechanism_support import require
 
 import checkpointing
+import checkpointing.policies as policies
 from checkpointing import apply_activation_checkpointing, checkpoint_wrapper
+from checkpointing._selective import unkept
 from checkpointing.integrations import transformers as hf_checkpointing
 from checkpointing.policies import save_matmuls
 
@@ -854,6 +857,16 @@ HF_MISTAKES: dict[str, Mistake] = {
         ValueError,
         ("every_n_layers must be a positive int", "got 0", "Fix"),
     ),
+    "transformers: unknown policy name": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), policy="save_attn"),
+        ValueError,
+        (
+            "integrations.transformers.enable: unknown policy name 'save_attn'",
+            "'save_attention'",
+            "Fix: pass e.g. policy='save_attention'",
+            "a policy with arguments as an object",
+        ),
+    ),
     "transformers: budget with a policy": Mistake(
         lambda hf: hf.enable(
             _tiny_llama(), budget=0.5, example_kwargs=_hf_batch(), policy=save_matmuls()
@@ -999,3 +1012,82 @@ def test_planner_reshaped_inputs_warning_says_re_plan() -> None:
     message = str(record[0].message)
     for phrase in ("ActivationPlan", "[[3, 4]]", "[[2, 4]]", "re-plan", "Fix"):
         assert phrase in message
+
+
+# --- Warnings: a policy that names something to keep and keeps none of it -----------------------
+
+aten = torch.ops.aten
+
+
+def _checkpointed_backward(fn: Callable[[torch.Tensor], torch.Tensor], policy: Any) -> None:
+    context_fn = policies.as_context_fn(policy)
+    checkpointing.checkpoint(fn, _x(), use_reentrant=False, context_fn=context_fn).sum().backward()
+
+
+def _tagged_layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return policies.tag(torch.nn.functional.layer_norm(x, (3,)), "normed").sin()
+
+
+def _native_dropout(x: torch.Tensor) -> torch.Tensor:
+    return torch.native_dropout(x.sin(), 0.5, True)[0]
+
+
+POLICY_WARNINGS: dict[str, tuple[Callable[[], object], tuple[str, ...]]] = {
+    "save_ops of the composite attention op": (
+        lambda: policies.save_ops(aten.scaled_dot_product_attention),
+        (
+            "checkpointing.policies.save_ops: aten.scaled_dot_product_attention never reaches "
+            "a policy",
+            "composite op",
+            "Fix: name the attention kernels it runs",
+            "save_ops(*checkpointing.policies.ATTENTION_OPS), which save_attention() is",
+        ),
+    ),
+    "offload_ops of another composite op": (
+        lambda: policies.offload_ops(aten.linear.default),
+        (
+            "never reaches a policy, so this policy never offloads it",
+            "Fix: name the ops it runs instead",
+            "checkpointing.saved_tensors_report() lists them",
+            "aten.linear runs aten.addmm or aten.mm",
+        ),
+    ),
+    "a tag whose maker returns several tensors": (
+        lambda: _checkpointed_backward(
+            _tagged_layer_norm, policies.save_only_these_names("normed")
+        ),
+        (
+            "names 'normed' to keep",
+            "kept no tensor tagged 'normed'",
+            "aten.native_layer_norm.default returns several tensors",
+            "Fix: keep what makes x with checkpointing.keep(fn, *args)",
+            "either(<this policy>, save_ops(torch.ops.aten.native_layer_norm.default))",
+        ),
+    ),
+    "a named op that draws random numbers": (
+        lambda: _checkpointed_backward(
+            _native_dropout, policies.save_ops(aten.native_dropout.default)
+        ),
+        (
+            "names aten.native_dropout.default to keep",
+            "kept none of its outputs",
+            "an op that draws is always recomputed",
+            "Fix: run it without dropout (dropout_p=0",
+            "checkpointing.keep(fn, *args)",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICY_WARNINGS))
+def test_policy_keeping_nothing_it_names_warns_clearly(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each warning of a policy that keeps none of what it names holds the pinned phrases."""
+    monkeypatch.setattr(unkept, "_said", set())  # the warnings are once per process
+    call, phrases = POLICY_WARNINGS[name]
+    with pytest.warns(UserWarning, match=re.escape(phrases[0])) as said:
+        call()
+    message = str(said[0].message)
+    missing = [p for p in phrases if p not in message]
+    assert not missing, f"{name}: phrases {missing} not in message:\n{message}"
