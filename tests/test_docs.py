@@ -197,3 +197,14 @@ def test_troubleshooting_catalogue_has_every_message() -> None:
     shown = set(re.findall(r"^`([\w.]+\._MSG_\w+)`$", page, flags=re.MULTILINE))
     assert len(defined) >= 100
     assert defined - shown == set()
+
+
+def test_troubleshooting_catalogue_shows_each_message_whole() -> None:
+    """Each catalogued text is the constant's value once its module is imported: a message
+    completed after its first lines (``_MSG_X += _FIX``) is shown with its fix."""
+    hook = _catalogue_hook()
+    catalogued = [item for items in hook.messages().values() for item in items]
+    assert "_selective.unkept._MSG_RANDOM_OP" in dict(catalogued)
+    for name, text in catalogued:
+        module, _, constant = f"checkpointing.{name}".rpartition(".")
+        assert getattr(importlib.import_module(module), constant) == text, name

@@ -59,8 +59,9 @@ def messages() -> dict[str, list[tuple[str, str]]]:
             if text is None:
                 continue  # not a string known before the program runs
             strings[target] = text
-            if target.startswith("_MSG_"):
-                found.setdefault(area, []).append((f"{dotted}.{target}", text))
+        for name, text in strings.items():  # each at its last value, in order of first binding
+            if name.startswith("_MSG_"):
+                found.setdefault(area, []).append((f"{dotted}.{name}", text))
     order = [label for _, label in AREAS] + ["other"]
     return {label: found[label] for label in dict.fromkeys(order) if label in found}
 
@@ -78,6 +79,12 @@ def _string(node: Any, strings: dict[str, str]) -> str | None:
 
 
 def _assigned(node: ast.stmt) -> tuple[str | None, Any]:
+    """The name a module-level statement binds and the expression it binds it to (``x += y``
+    binds ``x + y``: a message completed after its first lines keeps its whole text)."""
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
+        if isinstance(node.target, ast.Name):
+            return node.target.id, ast.BinOp(ast.Name(node.target.id), ast.Add(), node.value)
+        return None, None
     if isinstance(node, ast.Assign) and len(node.targets) == 1:
         target = node.targets[0]
         return (target.id if isinstance(target, ast.Name) else None), node.value
