@@ -43,7 +43,8 @@ NOTE [Module wrapper]
           ``REENTRANT``. The options are that function's; Rule 4 is not ours to keep there (the
           module is called with its hooks).
   Rule 8. ``recompute_state_hooks`` given to a wrapper are read once, when it is built: a
-          generator serves every call (issue 40, item 5).
+          generator would serve only the first call, and later recomputes would restore
+          nothing.
 
 Rejected: sharing the inner module's ``_parameters``/``_modules`` dicts with the wrapper (names
 unchanged everywhere, but ``train()``, ``_apply`` overrides such as RNNs' and custom
@@ -144,10 +145,11 @@ def checked_options(api: str, checkpoint_impl: object, options: dict[str, Any]) 
 class ActivationWrapper(_compat.checkpoint_wrapper.ActivationWrapper):
     """What ``CheckpointWrapper`` and ``OffloadWrapper`` share, as in torch: the wrapped module
     under ``_checkpoint_wrapped_module``, unwrapped ``state_dict`` keys and parameter names,
-    attribute lookups and indexing passed on (NOTE [Module wrapper], Rules 1, 2 and 5).
+    attribute lookups and indexing passed on. A checkpoint saved with or without the wrapper
+    (ours or torch's) loads into either.
 
-    A subclass of torch's class of that name. Not built directly: subclasses define
-    ``forward``."""
+    A subclass of torch's class of that name, so ``isinstance`` checks written against torch's
+    classes accept ours. Not built directly: subclasses define ``forward``."""
 
     def __init__(self, mod: nn.Module) -> None:
         nn.Module.__init__(self)  # not torch's __init__ (Rule 5)
@@ -171,20 +173,21 @@ class ActivationWrapper(_compat.checkpoint_wrapper.ActivationWrapper):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The wrapped module's parameters under their unwrapped names (Rule 2)."""
+        """The wrapped module's parameters under their unwrapped names; called on a parent,
+        names include ``_checkpoint_wrapped_module.`` as with torch's wrapper."""
         for name, param in nn.Module.named_parameters(self, prefix, recurse, remove_duplicate):
             yield name.replace(_INNER_PREFIX, ""), param
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The wrapped module's buffers under their unwrapped names (Rule 2)."""
+        """The wrapped module's buffers under their unwrapped names, as ``named_parameters``."""
         for name, buf in nn.Module.named_buffers(self, prefix, recurse, remove_duplicate):
             yield name.replace(_INNER_PREFIX, ""), buf
 
 
 class CheckpointWrapper(ActivationWrapper, _compat.checkpoint_wrapper.CheckpointWrapper):
-    """Runs the wrapped module under ``checkpointing.checkpoint``; see NOTE [Module wrapper].
+    """Runs the wrapped module under ``checkpointing.checkpoint``.
 
     Built as torch's: ``CheckpointWrapper(module)``, ``checkpoint_impl``, ``checkpoint_fn`` and
     checkpoint options as keyword arguments (``checkpoint_wrapper`` does the same). Attribute
@@ -340,7 +343,8 @@ def checkpoint_wrapper(
     torch.distributed's ``checkpoint_wrapper``: same signature, defaults and behaviour
     (non-reentrant by default, without the warning plain ``checkpoint`` gives). ``state_dict``
     keys are those of the unwrapped module and checkpoints load either way; the module's own
-    forward hooks do not run again in recompute (see NOTE [Module wrapper]).
+    forward hooks do not run again in recompute (hooks of modules inside it do, and can ask
+    ``checkpointing.is_recomputing()``), unless ``hooks_during_recompute=True``.
 
     Args:
         module: the module to checkpoint.
@@ -378,8 +382,8 @@ def offload_wrapper(module: nn.Module) -> nn.Module:
     """Wrap ``module`` so that what autograd saves during its calls waits in host memory.
 
     torch.distributed's ``offload_wrapper``: nothing is recomputed; on CUDA the copies run on
-    side streams into pooled pinned buffers and come back prefetched in backward (NOTE [Host
-    copies off the critical path]); tensors already in host memory stay where they are. It
+    side streams into pooled pinned buffers and come back prefetched in backward, off the
+    compute stream; tensors already in host memory stay where they are. It
     composes with ``checkpoint_wrapper``: offload what a checkpoint keeps.
 
     Example:
