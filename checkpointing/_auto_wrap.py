@@ -63,9 +63,10 @@ def apply_activation_checkpointing(
     picks by ``checkpoint_wrapper_fn(submodule, **checkpoint_options)``.
 
     torch.distributed's function, same arguments, and the policy is asked in torch's order
-    with torch's arguments; ours adds ``**checkpoint_options`` for the wrapper (``use_reentrant``, ``context_fn``,
-    ``recompute_state_hooks``, ...). The root is never wrapped (wrap it with
-    ``checkpoint_wrapper``); modules that already checkpoint are left as they are.
+    with torch's arguments; ours adds ``**checkpoint_options`` for the wrapper
+    (``use_reentrant``, ``context_fn``, ``recompute_state_hooks``, ...). The root is never
+    wrapped (wrap it with ``checkpoint_wrapper``); modules that already checkpoint are left as
+    they are.
     ``checkpoint_wrapper_fn=checkpointing.offload_wrapper`` keeps saved tensors in host memory
     instead; ``checkpoint_wrapper_fn=checkpointing.checkpoint_module`` checkpoints through hooks:
     module names, types and ``state_dict`` keys stay as they were.
