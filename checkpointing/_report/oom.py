@@ -41,6 +41,7 @@ from typing import Any, Final, TextIO
 import torch
 
 from .. import _compat
+from .._units import format_bytes
 from .graph import report_from_graph
 
 __all__ = ["oom_text", "report_on_oom"]
@@ -90,21 +91,11 @@ def _live_roots() -> list[Any]:
 
 
 def oom_text(header: str) -> str:
-    """The out-of-memory report: ``header``, the bytes kept per region, then the full table."""
+    """The out-of-memory report: ``header``, one line per region, then one row per tensor."""
     report = report_from_graph(_live_roots())
-    lines = [f"checkpointing.report_on_oom: {header}"]
-    lines.append(
-        f"the autograd graphs alive keep {report.kept_bytes:,} bytes for backward "
-        f"({report.activation_bytes:,} of them activations); saved bytes by region:"
+    return "\n".join(
+        [f"checkpointing.report_on_oom: {header}", report.summary(), "", report.table()]
     )
-    for region, nbytes in report.bytes_by_region("saved").items():
-        lines.append(f"  {nbytes:>16,}  {region}")
-    offloaded = report.bytes_by_region("offloaded")
-    if offloaded:
-        lines.append("offloaded to host memory, by region:")
-        lines.extend(f"  {nbytes:>16,}  {region}" for region, nbytes in offloaded.items())
-    lines.append(report.table())
-    return "\n".join(lines)
 
 
 def _print_into(block: _Block, header: str) -> None:
@@ -150,8 +141,8 @@ def _on_cuda_oom(device: int, requested: int, allocated: int, free: int) -> None
         return
     _print_into(
         innermost,
-        f"CUDA out of memory on device {device}: {requested:,} bytes requested, "
-        f"{allocated:,} allocated on the device, {free:,} free",
+        f"CUDA out of memory on device {device}: {format_bytes(requested)} requested, "
+        f"{format_bytes(allocated)} allocated on the device, {format_bytes(free)} free",
     )
     _mark(_OBSERVED)
 
