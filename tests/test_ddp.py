@@ -22,7 +22,7 @@ from dist_support import gloo_group, spawn_pair
 from mechanism_support import require
 
 import checkpointing
-from checkpointing._wrappers import apply_activation_checkpointing
+from checkpointing import apply_activation_checkpointing
 
 STEPS = 3
 BATCH = 8
