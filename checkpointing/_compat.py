@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -49,7 +48,6 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as check
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import _get_current_function_mode_stack
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._device import DeviceContext as DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes
@@ -526,32 +524,6 @@ def compile_activation_memory_budget(fraction: float) -> Any:
     from torch._functorch import config
 
     return config.patch(activation_memory_budget=fraction)
-
-
-def cpu_allocation_peak(run: Callable[[], None]) -> int:
-    """Bytes: the most the CPU allocator held at once while ``run()`` ran, above what it held
-    before (the running sum of its allocations and frees), for the planner's predicted peak; 0
-    where the events cannot be read (2.11-2.15: the profiler's private ``kineto_results``
-    memory events; no public timeline of CPU allocations exists, and
-    ``export_memory_timeline`` needs a GPU and writes files)."""
-    with warnings.catch_warnings():
-        # torch 2.11-2.13 warn once per process that a profiler clears its events per cycle.
-        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as watched:
-            run()
-    results = getattr(watched.profiler, "kineto_results", None)
-    if results is None:
-        return 0
-    changes = sorted(
-        (event.start_ns(), event.nbytes())
-        for event in results.events()
-        if event.name() == "[memory]" and str(event.device_type()) == "DeviceType.CPU"
-    )
-    live = peak = 0
-    for _when, size in changes:
-        live += size
-        peak = max(peak, live)
-    return peak
 
 
 # === Saved-tensor report (``_report``): reading the graph without unpacking it ===================
