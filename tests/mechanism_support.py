@@ -129,3 +129,17 @@ def forward(mechanism: str, params: list[torch.Tensor], x: torch.Tensor) -> torc
     if mechanism == "module":
         return checkpointing.checkpoint_module(_Layer(_block, w1, b1, w2))(x)
     raise ValueError(f"unknown mechanism {mechanism!r}")
+
+
+class StateCounter:
+    """User state a recompute must see as the forward did (a ``RecomputeStateHook``): a counter
+    the region reads and bumps."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def snapshot(self) -> int:
+        return self.n
+
+    def restore(self, state: int) -> None:
+        self.n = state

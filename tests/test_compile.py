@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from compile_support import BACKENDS, COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
+from mechanism_support import StateCounter
 from torch._dynamo.utils import counters
 
 import checkpointing
@@ -180,20 +181,7 @@ def test_rule11_our_modes_opt_out_of_torchs_per_op_wrapper() -> None:
     assert hasattr(type(theirs).__torch_dispatch__, "__wrapped__")
 
 
-class _Counter:
-    """User state a recompute must see as the forward did (a ``RecomputeStateHook``)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def snapshot(self) -> int:
-        return self.n
-
-    def restore(self, state: int) -> None:
-        self.n = state
-
-
-def _broken_region(counter: _Counter, seen: list[bool], x: torch.Tensor) -> torch.Tensor:
+def _broken_region(counter: StateCounter, seen: list[bool], x: torch.Tensor) -> torch.Tensor:
     """Advances the counter, breaks dynamo's graph, and notes ``is_recomputing()``."""
     counter.n += 1
     h = torch.tanh(x * counter.n)
@@ -206,7 +194,7 @@ def _step_with_a_broken_region(
     compiled: bool, use_reentrant: bool
 ) -> tuple[torch.Tensor, list[bool], int]:
     """The input's gradient, what the region saw of ``is_recomputing()``, the final count."""
-    counter, seen = _Counter(), []
+    counter, seen = StateCounter(), []
     x = torch.linspace(-1, 1, 6, requires_grad=True)
 
     def step(t: torch.Tensor) -> torch.Tensor:

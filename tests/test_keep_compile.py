@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from compile_support import BACKENDS, COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
+from mechanism_support import StateCounter
 from torch import nn
 
 import checkpointing
@@ -290,24 +291,11 @@ def test_a_graph_break_in_a_span_breaks_as_in_torchs_region() -> None:
     _assert_same(got, _grads(torch_block, plain), "aot_eager")
 
 
-class _Counter:
-    """User state a recompute would restore (``recompute_state_hooks``)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def snapshot(self) -> int:
-        return self.value
-
-    def restore(self, state: int) -> None:
-        self.value = state
-
-
 def test_rule6_recompute_state_hooks_are_said_once_and_the_region_compiles() -> None:
     """Nothing to restore in a compiled region: said once per process, even when compiled
     twice; one graph; eager's gradients."""
     _compiled._said.discard("state hooks")  # said once per process
-    ours = Stack(_ours(recompute_state_hooks=_Counter()), _kept)
+    ours = Stack(_ours(recompute_state_hooks=StateCounter()), _kept)
     plain = Stack(None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from mechanism_support import StateCounter
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
 
@@ -283,23 +284,10 @@ def test_wrapped_model_deepcopies_and_trains_in_eval_mode() -> None:
     assert torch.equal(out1, out2)
 
 
-class _Counter:
-    """User state a recompute must see as the forward did (a ``RecomputeStateHook``)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def snapshot(self) -> int:
-        return self.n
-
-    def restore(self, state: int) -> None:
-        self.n = state
-
-
 class _Scaled(nn.Module):
     """Reads and advances the counter: a recompute at the wrong count saves another tanh."""
 
-    def __init__(self, counter: _Counter) -> None:
+    def __init__(self, counter: StateCounter) -> None:
         super().__init__()
         self.counter = counter
         self.lin = nn.Linear(4, 4).double()
@@ -309,7 +297,7 @@ class _Scaled(nn.Module):
         return torch.tanh(self.lin(x) * self.counter.n)
 
 
-def _two_steps(model: nn.Module, counter: _Counter) -> list[torch.Tensor]:
+def _two_steps(model: nn.Module, counter: StateCounter) -> list[torch.Tensor]:
     """Gradients of two steps (the counter runs on), the first step's cleared before the second."""
     grads = []
     for step in range(2):
@@ -332,7 +320,7 @@ class _Step(nn.Module):
         return self.run(x)
 
 
-def _generator(counter: _Counter) -> Any:
+def _generator(counter: StateCounter) -> Any:
     return (hook for hook in [counter])
 
 
@@ -340,12 +328,12 @@ def test_state_hooks_given_as_a_generator_serve_every_wrapper_call() -> None:
     """NOTE [Module wrapper], Rule 8 (issue 40, item 5): ``recompute_state_hooks`` given as a
     generator to ``checkpoint_wrapper`` and ``apply_activation_checkpointing`` restore the state
     in every call and every block, not only the first: gradients equal the plain model's."""
-    plain_counter = _Counter()
+    plain_counter = StateCounter()
     torch.manual_seed(0)
     plain = nn.Sequential(_Scaled(plain_counter), _Scaled(plain_counter))
     want = _two_steps(plain, plain_counter)
     for build in ("checkpoint_wrapper", "apply_activation_checkpointing"):
-        counter = _Counter()
+        counter = StateCounter()
         torch.manual_seed(0)
         model = nn.Sequential(_Scaled(counter), _Scaled(counter))
         if build == "checkpoint_wrapper":
@@ -367,7 +355,7 @@ def test_state_hooks_given_as_a_generator_serve_every_decorated_call() -> None:
     in every call of the decorated function: gradients equal the plain function's."""
     results = []
     for checkpointed in (False, True):
-        counter = _Counter()
+        counter = StateCounter()
         torch.manual_seed(0)
         block = _Scaled(counter)
         forward: Callable[[torch.Tensor], torch.Tensor] = block.forward
@@ -383,7 +371,7 @@ def test_state_hooks_given_as_a_generator_serve_every_decorated_call() -> None:
 def test_state_hooks_from_a_used_up_generator_are_refused() -> None:
     """Issue 40, item 5: a generator with nothing left (given to another wrapper first) is
     refused where it would silently restore nothing, naming the API and the fix."""
-    counter = _Counter()
+    counter = StateCounter()
     hooks = _generator(counter)
     checkpoint_wrapper(nn.Linear(2, 2), recompute_state_hooks=hooks)
     with pytest.raises(ValueError, match="checkpoint_wrapper: recompute_state_hooks is an iter"):
