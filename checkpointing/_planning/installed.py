@@ -35,7 +35,7 @@ from .._module import is_module_checkpointed, remove_checkpoint_module
 from .profile import input_shapes
 from .spans import SpanHooks, span_hook_mark, take_off_spans
 
-__all__ = ["Installed", "ShapeCheck", "carries", "new_mark", "take_off"]
+__all__ = ["Installed", "ShapeCheck", "carries", "new_mark", "take_off", "take_off_found"]
 
 _MSG_RESHAPED = (
     "checkpointing.ActivationPlan: the model was called with input shapes {observed}, but the "
@@ -140,3 +140,36 @@ def take_off(
         if isinstance(hook, ShapeCheck) and hook.mark == mark:
             _compat.remove_forward_hooks(model, hook, hook)
     take_off_spans(model, mark)
+
+
+def take_off_found(model: nn.Module, regions: Iterable[str]) -> None:
+    """Rule 1 where the plan itself is not at hand (a copy the Hugging Face integration
+    ``disable``s): the hooks of every plan found on ``model`` off it, its checkpointed
+    ``regions`` (module names) included, each trail's end hook before its region's checkpoint."""
+    modules = dict(model.named_modules())
+    marks = {
+        mark
+        for module in modules.values()
+        for hook in _compat.forward_pre_hooks(module)
+        if (mark := _mark_of(hook)) is not None
+    }
+    names = [name for name in regions if name in modules]
+    trails = [
+        (region, child)
+        for region in names
+        for child, module in modules.items()
+        if child.startswith(f"{region}.") and _ends_frame_of(modules[region], module)
+    ]
+    for mark in marks or {""}:
+        take_off(model, mark, names, trails)
+
+
+def _ends_frame_of(region: nn.Module, child: nn.Module) -> bool:
+    """Whether a pre-hook of ``child`` is bound to what checkpoints ``region`` (a trail's end)."""
+    owners = [getattr(hook, "__self__", None) for hook in _compat.forward_pre_hooks(region)]
+    return any(
+        getattr(hook, "__self__", None) is owner
+        for hook in _compat.forward_pre_hooks(child)
+        for owner in owners
+        if owner is not None
+    )

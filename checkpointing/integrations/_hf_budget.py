@@ -22,8 +22,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import PreTrainedModel
 
 from .. import _compat
-from .._module import is_module_checkpointed, remove_checkpoint_module
 from .._planning import ActivationPlan, plan_checkpointing
+from .._planning.installed import take_off_found
 from .._planning.profile import default_loss
 
 __all__ = ["check_no_plan", "has_plan", "install_plan", "remove_plan"]
@@ -127,13 +127,10 @@ def remove_plan(model: PreTrainedModel) -> None:
     plan = _plans.pop(model, None)
     if plan is not None:
         plan.remove(model)
-    else:
-        for hook in _compat.forward_pre_hooks(model):
-            if getattr(hook, "__module__", None) == ActivationPlan.__module__:
-                _compat.remove_forward_hooks(model, hook, hook)  # the plan's input-shape check
+    else:  # Rule 8: on a planned model, only the plan's checkpoints (its regions are the layers)
+        layers = [name for name, module in model.named_modules() if _is_layer(module)]
+        take_off_found(model, layers)
     for layer in filter(_is_layer, model.modules()):
-        if plan is None and is_module_checkpointed(layer):
-            remove_checkpoint_module(layer)  # Rule 8: on a planned model, only the plan's
         _compat.remove_forward_hooks(layer, _drop_cache, _drop_cache)  # a pre-hook only
 
 
