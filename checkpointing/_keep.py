@@ -39,7 +39,8 @@ NOTE [Kept spans]
           never ran those ops outside a span. A checkpoint whose ``context_fn`` is not ours
           (torch's selective contexts, a user's mode) makes every span a plain call, said once
           by a warning: skipping ops a foreign recompute context counted would desynchronise
-          it.
+          it. One with ``honours_kept_blocks = False`` (the planner's draws modes, which answer
+          draws without drawing) makes ``with keeping():`` blocks plain calls, silently.
   Rule 7. ``with keeping():`` cannot skip its body (Python runs a ``with`` block whatever its
           context manager does). In forward everything the block saves is kept; the replay
           runs the block again under a hook that stores nothing, and early stop ends the replay
@@ -68,6 +69,12 @@ NOTE [Kept spans]
           asyncio task are a stack in a ``ContextVar``, so one instance may be shared by threads
           and nested in itself, as ``torch.no_grad()`` may. A block ends in the thread or task
           that began it, innermost first; ``__exit__`` anywhere else says so.
+  Rule 11. A pack hook on top that says ``watches_kept_spans`` (the planner's profile, which
+          runs the model without checkpointing) is handed each span as ``kept_span(fn, args,
+          kwargs)`` and runs it: the profile must number, price and offer the ops outside
+          spans only, as the selective modes see them under Rule 6, or a plan's op keys would
+          name other ops at run time (NOTE [Planner model], Rule 25). ``with keeping():``
+          blocks are plain calls there.
 
 Rejected: a dispatch mode recording each op's outputs (what selective checkpointing does, ~12
 us per op); marking saved tensors through their autograd nodes' sequence numbers (a view of an
@@ -308,11 +315,11 @@ def _span_name(fn: object, name: str | None) -> str:
     return str(getattr(fn, "__name__", None) or type(fn).__name__)
 
 
-def _foreign_context(frame: Frame) -> bool:
-    """Rule 6: a recompute context we cannot keep in step with a skipped span."""
+def _foreign_context(frame: Frame, block: bool = False) -> bool:
+    """Rule 6: a recompute context we cannot keep in step with a skipped span (or block)."""
     context = frame.recompute_context
     if context is _NO_CONTEXT or getattr(context, "honours_kept_spans", False):
-        return False
+        return block and not getattr(context, "honours_kept_blocks", True)
     what = type(context).__name__
     if what not in _warned_foreign:
         _warned_foreign.add(what)
@@ -322,7 +329,7 @@ def _foreign_context(frame: Frame) -> bool:
 
 def _frame_on_top() -> tuple[str, Any]:
     """Which phase a span starting now is in (Rule 1): ("forward", frame), ("replay", pack of
-    the frame's recompute), or ("plain", None)."""
+    the frame's recompute), ("watched", a watching pack hook: Rule 11), or ("plain", None)."""
     hooks = _compat.top_saved_tensors_hooks()
     if hooks is None:
         return "plain", None
@@ -331,6 +338,8 @@ def _frame_on_top() -> tuple[str, Any]:
         return "forward", pack
     if getattr(pack, "replaying", None) is not None:
         return "replay", pack
+    if getattr(pack, "watches_kept_spans", False):
+        return "watched", pack
     return "plain", None
 
 
@@ -392,6 +401,8 @@ def _run_span(
         if _foreign_context(owner.replaying):
             return fn(*args, **kwargs)
         return replay_span(owner, args, kwargs, _span_name(fn, name))
+    if phase == "watched":  # Rule 11: the planner's profile runs it
+        return owner.kept_span(fn, args, kwargs)
     return fn(*args, **kwargs)
 
 
@@ -652,7 +663,9 @@ _MSG_EXIT_UNMATCHED = (
 def _enter_block(name: str, offload: OffloadStats | bool) -> Callable[[], None]:
     """Start a ``with keeping():`` block (Rule 7); returns what ends it."""
     phase, owner = _frame_on_top()
-    if phase == "plain" or _foreign_context(owner if phase == "forward" else owner.replaying):
+    if phase in ("plain", "watched") or _foreign_context(
+        owner if phase == "forward" else owner.replaying, block=True
+    ):
         return _nothing
     if phase == "replay":
         _compat.push_saved_tensors_hooks(_discard, _never_unpacked)

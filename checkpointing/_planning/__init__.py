@@ -4,7 +4,8 @@
 region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22) and the
 blocks' trails (Rule 24);
 ``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs; ``live_bytes.py`` reads the
-peaks of a step's memory, ``scratch.py`` the kernels' work buffers; ``peak.py`` predicts a plan's);
+peaks of a step's memory, ``scratch.py`` the kernels' work buffers; ``peak.py`` predicts a plan's;
+``kept.py`` tells a kept span's ops and saves apart, Rule 25);
 ``installed.py`` takes a plan off a model or a copy of it; ``solver.py`` chooses; ``trials.py``
 times candidate plans on the model (Rule 23). The rules below are shared by all of them.
 
@@ -280,6 +281,29 @@ NOTE [Planner model]
           prediction chose trails (their machinery is priced per call, Rule 22, but a W2 step
           is where a 1 % error shows). Under ``torch.compile`` the blocks are torch's regions,
           whole: the end hook returns at once while dynamo traces.
+  Rule 25. Kept spans. In a checkpointed region the ops of a ``keep(fn, *args)`` span are
+          neither counted nor cached by the selective modes, nor replayed (NOTE [Kept spans],
+          Rule 6): they are the span's, not the policy's. The profile runs the model without
+          checkpointing, where ``keep`` would be a plain call, so its pack hook
+          (``kept.SpanWatch``) asks ``keep`` for the span (NOTE [Kept spans], Rule 11) and runs
+          it under the span's marker: the ops inside are not the region's (not numbered, so
+          they shift no key of Rule 3; not priced nor offered, nor in the replay graph or the
+          draws), and what reads the span's outputs reads a storage the replay is served. A
+          save inside the span that is one of its arguments or a view of one is a holder, as
+          the frame makes it (the argument's producer is needed, Rule 21; the early stop moves,
+          Rule 16); any other is kept by the span and is the region's whenever it is
+          checkpointed (``RegionProfile.kept``, charged with its inputs), as are the span's
+          outputs that are no view of an argument once a holder is made at or after the span's
+          start (early stop releases the others). Un-checkpointed, the span is a plain call and
+          the region keeps what autograd saves, the span's saves included. Rule 19's draws modes
+          pass a span's ops by as the selective ones do, so a region that keeps its draws keeps
+          its spans too. Why the watch and not the profile under checkpoint: what autograd saves
+          would hide behind the frame's holders (see Rejected); why in the pack hook: ``keep``
+          decides by the top saved-tensors hook (Rule 1 there), and a hook of the user's or a
+          span inside a span makes it a plain call in the profile as at run time. Not modelled:
+          ``with keeping():`` blocks (plain calls in the profile: their ops are numbered there
+          and not at run time), a span's RNG states, a span's host copies (offload policies,
+          counted as kept) and early stop turned off (every span's outputs are then held).
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

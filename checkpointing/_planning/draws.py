@@ -11,19 +11,26 @@ Why below the selective modes: selective checkpointing recomputes random ops wha
 says (NOTE [Selective checkpoint cache], Rule 10), so its recompute mode runs them again and the
 call reaches this mode, which answers it from the forward; the selective modes count and check
 the op sequence as always. All or none: with every draw answered from the forward, the replay
-draws nothing, so no later draw can shift.
+draws nothing, so no later draw can shift. A kept span's draws (``checkpointing.keep``) are
+neither kept nor answered: the replay skips the span, as the selective modes do (NOTE [Kept
+spans], Rule 6), and the profile leaves its ops out of the group (NOTE [Planner model], Rule
+25). A ``with keeping():`` block is a plain call under these modes (``honours_kept_blocks``):
+the replay runs a block again, and its draws, answered by nobody, would come from an RNG state
+the answered draws before it did not move on; as a plain call its draws are the group's, as the
+profile sees them.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from .. import _compat
 from .._selective import draws_random
+from .._state import span_depth
 from .profile import tensors
 
 __all__ = ["draw_contexts"]
@@ -61,7 +68,9 @@ class _Draws:
 
 
 class _KeepDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
-    """Forward: runs every op; keeps what each random op produced."""
+    """Forward: runs every op; keeps what each random op outside a kept span produced."""
+
+    honours_kept_spans: Final = True
 
     def __init__(self, draws: _Draws) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -72,7 +81,7 @@ class _KeepDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  #
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if draws_random(func, args, kwargs):
+        if not span_depth() and draws_random(func, args, kwargs):
             inputs = list(tensors((args, kwargs)))
             outs = out if isinstance(out, tuple | list) else (out,)
             self.draws.kept.append((tuple(_keep(o, inputs) for o in outs), outs is out))
@@ -89,7 +98,11 @@ def _keep(out: Any, inputs: list[torch.Tensor]) -> _Kept:
 
 
 class _ReplayDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
-    """Recompute: answers every random op from the forward, in order; runs the others."""
+    """Recompute: answers every random op outside a kept span from the forward, in order; runs
+    the others."""
+
+    honours_kept_spans: Final = True
+    honours_kept_blocks: Final = False  # a block's draws are the group's: a plain call
 
     def __init__(self, draws: _Draws) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -104,7 +117,7 @@ class _ReplayDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call] 
         self, func: Any, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not draws_random(func, args, kwargs):
+        if span_depth() or not draws_random(func, args, kwargs):
             return func(*args, **kwargs)
         draws = self.draws
         index = draws.replayed
@@ -140,6 +153,9 @@ def _restore(func: Any, kept: _Kept, inputs: list[torch.Tensor]) -> Any:
 class _Stacked(contextlib.ExitStack):
     """The draws mode with a selective checkpoint's mode on top of it; passes the frame's
     ``respect_saved_tensors_hooks`` on to the selective mode."""
+
+    honours_kept_spans: Final = True  # both modes do
+    honours_kept_blocks: Final = False
 
     def __init__(self, below: Any, above: Any) -> None:
         super().__init__()

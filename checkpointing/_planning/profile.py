@@ -29,6 +29,7 @@ from .._scope.ops import written_tensors
 from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
 from .._state import ForwardState
 from .flops import op_flops
+from .kept import SpanWatch
 from .live_bytes import step_peaks
 from .solver import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
 from .spans import SpanProfile
@@ -103,6 +104,8 @@ class RegionProfile:
     """The child module the region calls last, where a scope may record it (Rule 24)."""
     backward_peak: int = 0
     """The most bytes live while the plain step's backward ran the region (Rule 18; 0: not)."""
+    kept: set[int] = field(default_factory=set)
+    """What its kept spans keep when it is checkpointed (Rule 25): theirs whatever it saves."""
 
 
 @dataclass(slots=True)
@@ -199,7 +202,7 @@ class StepProfile:
             regions.append(
                 RegionChoices(
                     frozenset(region.saved),
-                    frozenset(region.inputs | region.states),
+                    frozenset(region.inputs | region.states | region.kept),
                     forced_seconds,
                     tuple(units),
                     policy,
@@ -306,6 +309,7 @@ class _Step:
         self.returned = False  # the model's forward has returned: the loss runs now
         self.late: set[int] = set()  # storages saved after it (Rule 22)
         self.children: list[list[_ChildCall]] = []  # per running region call (Rule 24)
+        self.in_kept_span = 0  # Rule 25: a kept span's ops are not the region's
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule 2)."""
@@ -417,7 +421,7 @@ class _Step:
             self.span.record(
                 seconds, flops, fresh, activations, random, [self.activation(t) for t in written]
             )
-        if not self.stack:
+        if not self.stack or self.in_kept_span:  # Rule 25: numbered as the selective modes do
             return
         _profile, counts, ops, _stop = self.stack[-1]
         read = (
@@ -445,11 +449,12 @@ class _Step:
         )
         ops.append(OpCall(str(func), index, seconds, flops, kind, tuple(fresh), read, skippable))
 
-    def on_saved(self, tensor: torch.Tensor) -> None:
+    def on_saved(self, tensor: torch.Tensor, kept: bool = False) -> None:
         """Rule 16: a frame has a holder for every tensor saved in its region, parameters
         included, so recompute runs up to the op during which the last one is saved. An op's
-        inputs are saved before it runs (the recorder has not seen it yet), its outputs after."""
-        if self.stack:
+        inputs are saved before it runs (the recorder has not seen it yet), its outputs after; what
+        a kept span keeps is no holder (Rule 25)."""
+        if self.stack and not kept:
             self.stack[-1][3][0] = len(self.stack[-1][2])
         storage = self.activation(tensor)
         if storage is None:
@@ -789,7 +794,7 @@ def _one_step(
     start = time.perf_counter()
     try:
         with (
-            torch.autograd.graph.saved_tensors_hooks(_packer(step), _unpack),
+            torch.autograd.graph.saved_tensors_hooks(SpanWatch(step), _unpack),
             _Recorder(step, synchronize),
         ):
             output = model(*args, **kwargs)
@@ -804,14 +809,6 @@ def _one_step(
         for handle in handles:
             handle.remove()
     return step, time.perf_counter() - start
-
-
-def _packer(step: _Step) -> Callable[[torch.Tensor], torch.Tensor]:
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        step.on_saved(tensor)
-        return tensor.detach()  # never the tensor itself: a cycle through its grad_fn
-
-    return pack
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
