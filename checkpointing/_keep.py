@@ -74,7 +74,7 @@ NOTE [Kept spans]
           kwargs)`` and runs it: the profile must number, price and offer the ops outside
           spans only, as the selective modes see them under Rule 6, or a plan's op keys would
           name other ops at run time (NOTE [Planner model], Rule 25). ``with keeping():``
-          blocks are plain calls there.
+          blocks are plain calls there, told to the watch (``kept_block``), which says so.
 
 Rejected: a dispatch mode recording each op's outputs (what selective checkpointing does, ~12
 us per op); marking saved tensors through their autograd nodes' sequence numbers (a view of an
@@ -663,6 +663,8 @@ _MSG_EXIT_UNMATCHED = (
 def _enter_block(name: str, offload: OffloadStats | bool) -> Callable[[], None]:
     """Start a ``with keeping():`` block (Rule 7); returns what ends it."""
     phase, owner = _frame_on_top()
+    if phase == "watched":
+        owner.kept_block(name)  # Rule 11: the planner's profile says what it does not model
     if phase in ("plain", "watched") or _foreign_context(
         owner if phase == "forward" else owner.replaying, block=True
     ):

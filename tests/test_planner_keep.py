@@ -6,6 +6,8 @@ plan's, the op keys those of the run time."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from test_leaks import gc_disabled  # noqa: F401  (a fixture)
@@ -15,6 +17,7 @@ from torch import nn
 
 import checkpointing
 from checkpointing import plan_checkpointing
+from checkpointing._planning import kept
 from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import Choice
 
@@ -226,7 +229,9 @@ def test_rule25_a_region_that_keeps_its_draws_runs_keeping_blocks_plainly() -> N
     model = nn.Sequential(*(BlockOfKeeping() for _ in range(DEPTH))).train()
     x = inputs()
     plain = two_steps(model, x)
-    plan = forced_plan(model, x, draws_only)
+    kept._said_blocks.clear()  # said once per process
+    with pytest.warns(UserWarning, match="does not model what such a block keeps"):
+        plan = forced_plan(model, x, draws_only)
     assert all(r.keep_draws for r in plan.regions), str(plan)
     plan.apply(model)
     try:
@@ -238,3 +243,34 @@ def test_rule25_a_region_that_keeps_its_draws_runs_keeping_blocks_plainly() -> N
         for a, b in zip(step, again, strict=True):
             assert torch.equal(a, b)
     assert held == plan.kept_bytes, str(plan)
+
+
+def test_rule25_a_keeping_block_in_a_planned_region_is_said_not_silent() -> None:
+    """What a ``with keeping():`` block keeps is not modelled by the planner, so planning a
+    model that runs one inside a region says so once, naming the block and the fix; a block
+    outside every region (nothing planned around it) says nothing."""
+
+    class Outside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*(Block() for _ in range(DEPTH)))
+            self.head = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with checkpointing.keeping("head"):
+                return self.head(self.blocks(x))
+
+    torch.manual_seed(0)
+    x = inputs()
+    kept._said_blocks.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_checkpointing(Outside().train(), (x,), budget=0.5, timing_steps=0)
+    assert not [w for w in caught if "keeping()" in str(w.message)]
+    model = nn.Sequential(*(BlockOfKeeping() for _ in range(DEPTH))).train()
+    with pytest.warns(UserWarning, match="does not model what such a block keeps") as said:
+        plan_checkpointing(model, (x,), budget=0.5, timing_steps=0)
+    texts = [str(w.message) for w in said if "keeping()" in str(w.message)]
+    assert len(texts) == 1
+    assert "block ('block') inside a planned region" in texts[0]
+    assert "keep(fn, *args) or @keeping()" in texts[0]

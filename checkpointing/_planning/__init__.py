@@ -302,8 +302,9 @@ NOTE [Planner model]
           decides by the top saved-tensors hook (Rule 1 there), and a hook of the user's or a
           span inside a span makes it a plain call in the profile as at run time. Not modelled:
           ``with keeping():`` blocks (plain calls in the profile: their ops are numbered there
-          and not at run time), a span's RNG states, a span's host copies (offload policies,
-          counted as kept) and early stop turned off (every span's outputs are then held).
+          and not at run time; one inside a profiled region is said once, never silent), a
+          span's RNG states, a span's host copies (offload policies, counted as kept) and early
+          stop turned off (every span's outputs are then held).
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

@@ -11,6 +11,7 @@ for the replay) are the region's, kept whenever it is checkpointed. Profiling th
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Final, Protocol
 
 import torch
@@ -20,6 +21,15 @@ from .._span_args import recipe_for, storage_ranges, tensor_leaves
 from .._state import enter_span, exit_span
 
 __all__ = ["SpanWatch"]
+
+_MSG_KEPT_BLOCK = (
+    "checkpointing.plan_checkpointing: the model runs a `with keeping():` block ({name!r}) inside "
+    "a planned region; the planner does not model what such a block keeps (its saves are kept, "
+    "and the replay runs it again), so the plan's kept bytes and peak may be exceeded (gradients "
+    "stay correct). Fix: give the span as a function, keep(fn, *args) or @keeping(), which the "
+    "planner models. (Said once per process.)"
+)
+_said_blocks: set[str] = set()
 
 
 class _Step(Protocol):
@@ -86,6 +96,13 @@ class SpanWatch:
                     self.pending.append((call, start, storage))
         self._reach(call)
         return outputs
+
+    def kept_block(self, name: str) -> None:
+        """A ``with keeping():`` block began in the profiled step: inside a region, not modelled
+        (NOTE [Planner model], Rule 25), said once per process rather than silently."""
+        if self.step.stack and name not in _said_blocks:
+            _said_blocks.add(name)
+            warnings.warn(_MSG_KEPT_BLOCK.format(name=name), UserWarning, stacklevel=4)
 
     def _reach(self, call: Any) -> None:
         """The pending outputs of ``call``'s spans that a holder made since they started now
