@@ -109,11 +109,14 @@ def saved_bytes(
 
 def allocator_bytes(forward: Callable[[], Tensor]) -> tuple[int, int]:
     """(held after forward, peak over forward + backward), from the profiler's allocator events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function(_FORWARD_MARK):
-            loss = forward()
-        loss.backward()
-        del loss
+    with warnings.catch_warnings():
+        # torch 2.11-2.13 warn once per process that a profiler clears its events per cycle.
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function(_FORWARD_MARK):
+                loss = forward()
+            loss.backward()
+            del loss
     results = prof.profiler.kineto_results  # set once profiling has ended
     events = results.events()
     forward_end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == _FORWARD_MARK)

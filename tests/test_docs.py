@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,7 +128,10 @@ def test_page_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     """The page's unmarked ```python blocks run in order, in one namespace, without error."""
     blocks = _blocks(page)
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {"__name__": "__docs__"}
+    # A real module: dynamo (torch 2.11) imports the module a traced function's globals name.
+    module = types.ModuleType("docs_page_under_test")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace: dict[str, Any] = module.__dict__
     missing: list[str] = []
     for block in blocks:
         if block.skip is not None:
