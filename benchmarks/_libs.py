@@ -22,22 +22,24 @@ import torch.utils.checkpoint as torch_checkpoint
 
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 
-# The overloads a "save matmuls" policy keeps: dense matmuls and every fused attention kernel that
-# this torch build has (on CPU, scaled_dot_product_attention lands in the *_for_cpu flash kernel).
-_MATMUL_NAMES = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
+# The overloads a "save matmuls" policy keeps: dense matmuls and every overload of each fused
+# attention kernel this torch build has (on CPU, scaled_dot_product_attention lands in the
+# *_for_cpu flash kernel; flash attention has a ``quantized`` overload besides ``default``).
+_ATTENTION_NAMES = (
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_scaled_dot_product_attention_math_for_mps",
 )
 MATMUL_OPS = tuple(
-    getattr(torch.ops.aten, name).default
-    for name in _MATMUL_NAMES
-    if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), "default")
+    getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "bmm", "baddbmm")
+) + tuple(
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in _ATTENTION_NAMES
+    if hasattr(torch.ops.aten, name)
+    for overload in getattr(torch.ops.aten, name).overloads()
 )
 
 
