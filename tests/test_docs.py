@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 from compile_support import COMPILE_MARKS, fresh_dynamo  # noqa: F401 (an autouse fixture)
 
 import checkpointing
@@ -38,7 +39,6 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 
 # Blocks marked "skip" per page (relative path): each one says why on its mark.
 SKIPPED: dict[str, int] = {
-    "docs/guide/distributed.md": 2,
     "docs/guide/transformers.md": 1,
 }
 
@@ -133,14 +133,18 @@ def test_page_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, module.__name__, module)
     namespace: dict[str, Any] = module.__dict__
     missing: list[str] = []
-    for block in blocks:
-        if block.skip is not None:
-            continue
-        absent = [n for n in block.requires if not _has(n)]
-        if absent:
-            missing += absent
-            continue
-        exec(compile(block.code, f"{_name(page)}:{block.line}", "exec"), namespace)
+    try:
+        for block in blocks:
+            if block.skip is not None:
+                continue
+            absent = [n for n in block.requires if not _has(n)]
+            if absent:
+                missing += absent
+                continue
+            exec(compile(block.code, f"{_name(page)}:{block.line}", "exec"), namespace)
+    finally:  # a page that starts a (one-rank) process group ends it; one that failed, too
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if missing:
         pytest.skip(f"blocks need checkpointing.{', '.join(sorted(set(missing)))}")
 
