@@ -67,6 +67,26 @@ def two_steps(model: nn.Module, x: torch.Tensor) -> list[tuple[torch.Tensor, ...
     return grads
 
 
+def trains_as_planned(
+    model: nn.Module,
+    x: torch.Tensor,
+    plan: checkpointing.ActivationPlan,
+    plain: list[tuple[torch.Tensor, ...]],
+) -> None:
+    """Apply ``plan``: two steps give ``plain``'s gradients bitwise, and the allocator holds
+    after forward the plan's kept bytes; the plan is taken off again."""
+    plan.apply(model)
+    try:
+        grads = two_steps(model, x)
+        held = allocator_held(lambda: model(x).sum())
+    finally:
+        plan.remove(model)
+    for step, again in zip(plain, grads, strict=True):
+        for a, b in zip(step, again, strict=True):
+            assert torch.equal(a, b)
+    assert held == plan.kept_bytes, str(plan)
+
+
 def span_parameter_bytes(report: checkpointing.SavedTensorsReport) -> int:
     """What the report counts of the parameter views a span keeps (a linear layer's transposed
     weight): no activation, since the parameter stays whatever is kept, and the plan counts
@@ -159,16 +179,7 @@ def test_rule25_regions_that_keep_their_draws_keep_spans_too(choose: Chooser) ->
     plain = two_steps(model, x)
     plan = forced_plan(model, x, choose)
     assert all(r.keep_draws for r in plan.regions), str(plan)
-    plan.apply(model)
-    try:
-        grads = two_steps(model, x)
-        held = allocator_held(lambda: model(x).sum())
-    finally:
-        plan.remove(model)
-    for step, again in zip(plain, grads, strict=True):
-        for a, b in zip(step, again, strict=True):
-            assert torch.equal(a, b)
-    assert held == plan.kept_bytes, str(plan)
+    trains_as_planned(model, x, plan, plain)
 
 
 class Ending(nn.Module):
@@ -198,16 +209,7 @@ def test_rule25_a_span_the_replay_cannot_reach_keeps_nothing(after: bool) -> Non
     assert [len(r.kept) for r in profile.regions] == [1 if after else 0] * DEPTH
     plain = two_steps(model, x)
     plan = forced_plan(model, x, lambda _problem, _index: Choice(True))
-    plan.apply(model)
-    try:
-        grads = two_steps(model, x)
-        held = allocator_held(lambda: model(x).sum())
-    finally:
-        plan.remove(model)
-    for step, again in zip(plain, grads, strict=True):
-        for a, b in zip(step, again, strict=True):
-            assert torch.equal(a, b)
-    assert held == plan.kept_bytes, str(plan)
+    trains_as_planned(model, x, plan, plain)
 
 
 class BlockOfKeeping(Block):
@@ -233,16 +235,7 @@ def test_rule25_a_region_that_keeps_its_draws_runs_keeping_blocks_plainly() -> N
     with pytest.warns(UserWarning, match="does not model what such a block keeps"):
         plan = forced_plan(model, x, draws_only)
     assert all(r.keep_draws for r in plan.regions), str(plan)
-    plan.apply(model)
-    try:
-        grads = two_steps(model, x)
-        held = allocator_held(lambda: model(x).sum())
-    finally:
-        plan.remove(model)
-    for step, again in zip(plain, grads, strict=True):
-        for a, b in zip(step, again, strict=True):
-            assert torch.equal(a, b)
-    assert held == plan.kept_bytes, str(plan)
+    trains_as_planned(model, x, plan, plain)
 
 
 def test_rule25_a_keeping_block_in_a_planned_region_is_said_not_silent() -> None:
