@@ -429,7 +429,7 @@ def _forward_span(
         hooks.leaves = []  # the graph holds the unpack hook: not the span's arguments
         hooks._user_hooks = None  # Rule 10's mark lives while the hook is on the stack
     if versions is not None:  # See NOTE [Kept spans], Rule 9: the replay cannot write them again
-        versions.refuse_writes(leaves, name, frame.region())
+        versions.refuse_writes(leaves, name, frame.region)
     if before is not None:
         after = _rng_states(frame)
         if not _same_states(before, after):  # Rule 4: only a span that drew

@@ -10,6 +10,7 @@ The spans themselves, their hooks and the replay belong to ``_keep``; the rules 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -110,15 +111,18 @@ class ArgumentVersions:
     def __init__(self, leaves: list[torch.Tensor]) -> None:
         self.versions = [_version(leaf) for leaf in leaves]
 
-    def refuse_writes(self, leaves: list[torch.Tensor], name: str, region: str) -> None:
-        """Raise if the span wrote one of ``leaves`` (the same list as at the start)."""
+    def refuse_writes(
+        self, leaves: list[torch.Tensor], name: str, region: Callable[[], str]
+    ) -> None:
+        """Raise if the span wrote one of ``leaves`` (the same list as at the start); ``region``
+        names the region, asked only when raising (a span call must not pay for the label)."""
         for index, (leaf, then) in enumerate(zip(leaves, self.versions, strict=True)):
             now = _version(leaf)
             if now != then:
                 what = f"shape {tuple(leaf.shape)}, dtype {leaf.dtype}"
                 raise CheckpointError(
                     _MSG_ARGUMENT_WRITTEN.format(
-                        name=name, region=region, index=index, what=what, then=then, now=now
+                        name=name, region=region(), index=index, what=what, then=then, now=now
                     )
                 )
 
