@@ -51,9 +51,10 @@ NOTE [Nestable checkpoint]
   Rule 12. ``recompute_state_hooks`` (user state, NOTE [Kept spans], Rule 5): each hook is
           snapshotted when the frame starts; the recompute snapshots the caller's state,
           restores the forward's, runs, and puts the caller's back (as Rule 7's RNG). A frame
-          also holds the kept spans its forward met (``_keep``); its recompute carries
-          ``replaying`` (the frame) and ``spans_seen`` on its pack hook, so that a span the
-          replay reaches finds what to serve.
+          also holds the kept spans its forward met (``_span``'s records, made by ``_keep``,
+          which imports this module, never the reverse); its recompute carries ``replaying``
+          (the frame) and ``spans_seen`` on its pack hook, so that a span the replay reaches
+          finds what to serve.
 
 Rejected: torch's per-frame dicts keyed by graph task id and a ``WeakKeyDictionary`` of handles.
 Keeping the recomputed tensor in the holder itself gives the same lifetimes (the holder dies with
@@ -85,9 +86,9 @@ from ._determinism import (
 )
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
-from ._keep import Span, bind_frame
 from ._regions import region_label
 from ._selective import replay_taint
+from ._span import Span
 from ._state import (
     ContextFn,
     ForwardState,
@@ -101,6 +102,7 @@ from ._state import (
 )
 
 __all__ = [
+    "NULL_CONTEXT",
     "Frame",
     "GraphExecGroup",
     "Holder",
@@ -181,6 +183,9 @@ class GraphExecGroup:
 
 
 _MISSING: Final = object()
+# The forward and recompute context of a checkpoint without ``context_fn``: kept spans know by
+# it that no recompute context needs keeping in step with a skipped span (NOTE [Kept spans]).
+NULL_CONTEXT: Final = contextlib.nullcontext()
 # Read per saved tensor: module globals rather than attributes of ``_compat``.
 _weak: Final = weakref.ref
 _partial: Final = functools.partial
@@ -546,7 +551,7 @@ def checkpoint_without_reentrant_generator_impl(
     if loggers is not None:
         forward_context, recompute_context = loggers[0].mode(), loggers[1].mode()
     elif is_noop_context_fn(context_fn):
-        forward_context = recompute_context = _NULL_CONTEXT
+        forward_context = recompute_context = NULL_CONTEXT
     else:
         forward_context, recompute_context = context_fn()  # called once per call, as torch
         if hasattr(forward_context, "respect_saved_tensors_hooks"):  # a selective checkpoint's
@@ -612,8 +617,6 @@ def run_generator(
     return out
 
 
-_NULL_CONTEXT: Final = contextlib.nullcontext()
-bind_frame(Frame, _NULL_CONTEXT)  # NOTE [Kept spans], Rule 1
 _MSG_DEBUG_WITH_CONTEXT_FN = (
     "debug=True is incompatible with non-default context_fn (checkpointing.checkpoint: the "
     "debug report installs its own op loggers as the forward and recompute contexts). Fix: "

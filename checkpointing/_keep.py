@@ -1,11 +1,12 @@
 """Keep by code: spans of a checkpointed region whose saved tensors are kept, not recomputed.
 
 Owns ``keep(fn, *args, **kwargs)`` and ``keeping()`` (its context-manager and decorator form),
-the per-span record the frame holds (``Span``) and the replay side that skips a span. The frame
-(``_frame``) owns holders, recompute and early stop; this module only adds a saved-tensors hook
-on top of the frame's while a span runs, and tells the replay what to serve in its place. What
-is known of a span's arguments (their views, the write check) is ``_span_args``'; tensors a span
-keeps in host memory are ``_span_offload``'s.
+the hooks of a span in forward and the replay side that skips a span. The frame (``_frame``)
+owns holders, recompute and early stop; this module only adds a saved-tensors hook on top of the
+frame's while a span runs, and tells the replay what to serve in its place. The per-span record
+the frame holds (``Span``, its held outputs) is ``_span``'s, below both; what is known of a
+span's arguments (their views, the write check) is ``_span_args``'; tensors a span keeps in host
+memory are ``_span_offload``'s. This module imports the frame; the frame never imports it.
 
 NOTE [Kept spans]
   Rule 1. A span belongs to the checkpoint whose frame is the top saved-tensors hook when it
@@ -85,19 +86,20 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import torch
 
 from . import _compat, _compiled, _offload
 from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
+from ._frame import NULL_CONTEXT, Frame
 from ._selective import CheckpointPolicy, OffloadStats
+from ._span import Held, Span, held_outputs, hold_outputs, map_tensors
 from ._span_args import (
     ArgumentVersions,
-    Recipe,
     rebuild,
     recipe_for,
     storage_ranges,
@@ -106,10 +108,7 @@ from ._span_args import (
 from ._span_offload import Offloaded, offload_kept, restore
 from ._state import enter_span, exit_span, set_device_states
 
-if TYPE_CHECKING:
-    from ._frame import Frame
-
-__all__ = ["Span", "held_outputs", "keep", "keeping", "replay_span"]
+__all__ = ["held_outputs", "keep", "keeping", "replay_span"]  # held_outputs: for reports
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -164,36 +163,6 @@ class _Kept:
         self.alias = alias
         self.version = version
         self.counted = counted  # a host tensor under an offload policy: counted as offloaded
-
-
-class Span:
-    """What the forward of one span left for the replay (Rules 2-5)."""
-
-    __slots__ = (
-        "name",
-        "outputs",
-        "released",
-        "rng_after",
-        "routed",
-        "start",
-        "state_after",
-    )
-
-    def __init__(self, name: str, start: int) -> None:
-        self.name = name
-        self.start = start  # holders the frame had when the span began (Rule 3)
-        self.routed: list[Recipe] = []  # saved arguments, in the order they were saved
-        self.outputs: Any = None  # the span's return value, tensors as ``_Held``
-        self.released = False
-        self.rng_after: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None
-        self.state_after: tuple[Any, ...] | None = None
-
-    def release(self) -> None:
-        """The replay will not reach this span (Rule 3): drop what only it would use."""
-        self.outputs = None
-        self.rng_after = None
-        self.state_after = None
-        self.released = True
 
 
 def _rng_states(frame: Frame) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -318,7 +287,7 @@ def _span_name(fn: object, name: str | None) -> str:
 def _foreign_context(frame: Frame, block: bool = False) -> bool:
     """Rule 6: a recompute context we cannot keep in step with a skipped span (or block)."""
     context = frame.recompute_context
-    if context is _NO_CONTEXT or getattr(context, "honours_kept_spans", False):
+    if context is NULL_CONTEXT or getattr(context, "honours_kept_spans", False):
         return block and not getattr(context, "honours_kept_blocks", True)
     what = type(context).__name__
     if what not in _warned_foreign:
@@ -334,24 +303,13 @@ def _frame_on_top() -> tuple[str, Any]:
     if hooks is None:
         return "plain", None
     pack = hooks[0]
-    if type(pack) is _FRAME_TYPE[0]:
+    if type(pack) is Frame:
         return "forward", pack
     if getattr(pack, "replaying", None) is not None:
         return "replay", pack
     if getattr(pack, "watches_kept_spans", False):
         return "watched", pack
     return "plain", None
-
-
-_FRAME_TYPE: list[type] = []  # set by _frame at import (it imports this module)
-_NO_CONTEXT: Final = object()  # replaced by _frame's null context at import
-
-
-def bind_frame(frame_type: type, null_context: object) -> None:
-    """Called once by ``_frame``: the frame's type and its "no context" marker."""
-    global _NO_CONTEXT
-    _FRAME_TYPE[:] = [frame_type]
-    _NO_CONTEXT = null_context  # type: ignore[misc]  # bound once, at import
 
 
 def keep(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -436,77 +394,12 @@ def _forward_span(
             span.rng_after = after
     if frame.state_hooks:
         span.state_after = tuple(hook.snapshot() for hook in frame.state_hooks)  # Rule 5
-    _hold_outputs(span, outputs, leaves, hooks.ranges)
+    hold_outputs(span, outputs, leaves, hooks.ranges)
     frame.add_span(span)
     if frame.observed:  # a watching report counts what the frame holds for the replay
         for held in held_outputs(span):
             announce_kept(held, hooks.region_label, "span output")
     return outputs
-
-
-class _Held:
-    """One tensor output of a span, as the replay will be served it (Rule 3): a detached alias
-    and the version it had when the span returned, or a recipe to rebuild it from the replay's
-    arguments (``alias`` None)."""
-
-    __slots__ = ("alias", "recipe", "requires_grad", "version")
-
-    def __init__(
-        self,
-        alias: torch.Tensor | None,
-        recipe: Recipe | None,
-        requires_grad: bool,
-        version: int,
-    ) -> None:
-        self.alias = alias
-        self.recipe = recipe
-        self.requires_grad = requires_grad
-        self.version = version
-
-
-def _hold_outputs(
-    span: Span,
-    outputs: Any,
-    leaves: list[torch.Tensor],
-    ranges: list[tuple[int, int] | None],
-) -> None:
-    """Rule 3: aliases of the outputs (or recipes for those that are the arguments' views)."""
-
-    def hold(value: torch.Tensor) -> _Held:
-        recipe = recipe_for(value, leaves, ranges) if leaves else None
-        if recipe is not None:
-            return _Held(None, recipe, value.requires_grad, -1)
-        return _Held(value.detach(), None, value.requires_grad, value._version)
-
-    span.outputs = _map_tensors(outputs, hold)
-
-
-def held_outputs(span: Span) -> list[torch.Tensor]:
-    """The outputs ``span`` holds for the replay (not those rebuilt from its arguments)."""
-    found: list[torch.Tensor] = []
-
-    def collect(held: _Held) -> _Held:
-        if held.alias is not None:
-            found.append(held.alias)
-        return held
-
-    _map_tensors(span.outputs, collect, _Held)
-    return found
-
-
-def _map_tensors(value: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) -> Any:
-    """``value`` with every ``leaf`` inside tuples, named tuples, lists and dicts mapped by
-    ``fn`` (other objects are left as they are)."""
-    if isinstance(value, leaf):
-        return fn(value)
-    if isinstance(value, tuple):
-        mapped = [_map_tensors(item, fn, leaf) for item in value]
-        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
-    if isinstance(value, list):
-        return [_map_tensors(item, fn, leaf) for item in value]
-    if isinstance(value, dict):
-        return type(value)((key, _map_tensors(item, fn, leaf)) for key, item in value.items())
-    return value
 
 
 def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
@@ -531,7 +424,7 @@ def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: 
         for recipe in span.routed:  # may end the replay here (early stop)
             pack(rebuild(recipe, leaves))
         _restore_after(frame, span)
-        return _map_tensors(span.outputs, functools.partial(_serve, frame, span, leaves), _Held)
+        return map_tensors(span.outputs, functools.partial(_serve, frame, span, leaves), Held)
     finally:
         exit_span(token)
 
@@ -554,7 +447,7 @@ def _restore_after(frame: Frame, span: Span) -> None:
         )
 
 
-def _serve(frame: Frame, span: Span, leaves: list[torch.Tensor], held: _Held) -> torch.Tensor:
+def _serve(frame: Frame, span: Span, leaves: list[torch.Tensor], held: Held) -> torch.Tensor:
     """One output of a skipped span, as the replay is served it (Rule 3)."""
     if held.recipe is not None:
         tensor = rebuild(held.recipe, leaves).detach()
@@ -693,8 +586,3 @@ def _enter_block(name: str, offload: OffloadStats | bool) -> Callable[[], None]:
 
 def _nothing() -> None:
     return None
-
-
-def spans_in(frame: Frame) -> Iterator[Span]:
-    """The spans a frame holds (for reports and tests)."""
-    return iter(frame.spans or ())
