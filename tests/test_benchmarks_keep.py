@@ -10,6 +10,9 @@ from types import ModuleType
 
 import pytest
 
+# Run in CI's first stage only (the `once` marker): they call the library as the release stages do.
+pytestmark = pytest.mark.once
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

@@ -31,8 +31,9 @@ from compile_support import COMPILE_MARKS, fresh_dynamo  # noqa: F401 (an autous
 import checkpointing
 import checkpointing.policies
 
-# A page on torch.compile compiles (see COMPILE_MARKS for the warnings torch raises inside).
-pytestmark = COMPILE_MARKS
+# A page on torch.compile compiles (see COMPILE_MARKS for the warnings torch raises inside). The
+# pages run in CI's first stage only (the `once` marker): the release stages test the same calls.
+pytestmark = [*COMPILE_MARKS, pytest.mark.once]
 
 ROOT = Path(__file__).parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])

@@ -11,6 +11,9 @@ import pytest
 
 import checkpointing
 
+# Run in CI's first stage only (the `once` marker): they call the library as the release stages do.
+pytestmark = pytest.mark.once
+
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("[0-9][0-9]_*.py"))
 # The scripts must import the same checkpointing as this test run (installed or source tree).
 PACKAGE_PARENT = str(Path(checkpointing.__file__).parent.parent)
