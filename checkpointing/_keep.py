@@ -96,7 +96,8 @@ from . import _compat, _compiled, _offload
 from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._frame import NULL_CONTEXT, Frame
-from ._selective import CheckpointPolicy, OffloadStats
+from ._offload import OffloadStats
+from ._selective import CheckpointPolicy
 from ._span import Held, Span, held_outputs, hold_outputs, map_tensors
 from ._span_args import (
     ArgumentVersions,

@@ -4,9 +4,10 @@ Owns ``Transfer`` (one offloaded device tensor: its pinned host copy and the cop
 ``Engine`` that issues, prefetches and retires transfers, the bounded pool of pinned buffers, and
 the ``Backend`` interface through which every stream, event and pinned-memory call goes: CUDA's
 (``CudaBackend``, through ``_compat``) by default, a fake in the tests (streams as ordered queues,
-events as completion points), installed with ``installed(engine)``. What to offload is the
-policies' business; the entries that hold transfers are ``_selective.cache``'s (``_HostCopy``)
-and ``_keep``'s (``_Offloaded``); counting is ``OffloadStats``'.
+events as completion points), installed with ``installed(engine)``, and ``OffloadStats``, what
+the engine and its users count (bytes each way, restores that waited, unhidden copy time). What
+to offload is the policies' business; the entries that hold transfers are ``_selective.cache``'s
+(``_HostCopy``) and ``_span_offload``'s (``Offloaded``). This module imports neither.
 
 NOTE [Host copies off the critical path]
   Rule 1. A device->host copy is queued on a side stream ("d2h") that first waits for an event
@@ -60,20 +61,19 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
 
 import torch
 
 from . import _compat
-
-if TYPE_CHECKING:
-    from ._selective.cache import OffloadStats
 
 __all__ = [
     "Backend",
     "CudaBackend",
     "Engine",
     "Group",
+    "OffloadStats",
     "Stale",
     "Transfer",
     "begin",
@@ -88,6 +88,77 @@ Direction = Literal["d2h", "h2d"]
 
 DEFAULT_PREFETCH_BYTES: Final = 1 << 30
 DEFAULT_POOL_BYTES: Final = 2 << 30
+
+
+@dataclass
+class OffloadStats:
+    """Bytes selective checkpointing moved to host memory in forward and back for recompute.
+
+    Pass one to ``create_selective_checkpoint_contexts(..., offload_stats=stats)`` or
+    ``policies.as_context_fn(..., offload_stats=stats)`` to add up many regions and steps; each
+    pair of modes also exposes its own as ``.offload_stats``. A host (CPU) tensor under an
+    offload decision stays where it is (like save) and is still counted, so the numbers follow
+    the policy's decisions on any device. Safe to update from forward and backward threads.
+
+    ``waited_restores`` counts the restores whose copy had not finished when the recompute
+    needed the tensor (the compute stream waited for it); with ``time_copies=True`` CUDA events
+    measure those waits, and ``unhidden_copy_seconds`` adds them up: the copy time the overlap
+    did not hide. Read it once the device has finished the step (after
+    ``torch.cuda.synchronize()``). Host tensors are never copied, so on CPU both stay 0.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, offload_ops
+        >>> stats = checkpointing.OffloadStats()
+        >>> ctx = as_context_fn(offload_ops(torch.ops.aten.mm.default), offload_stats=stats)
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> y = checkpointing.checkpoint(lambda t: (t @ t).relu(), x, use_reentrant=False,
+        ...                              context_fn=ctx)
+        >>> y.sum().backward()
+        >>> (stats.offloaded_bytes, stats.restored_bytes)
+        (256, 256)
+    """
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    restored_tensors: int = 0
+    restored_bytes: int = 0
+    waited_restores: int = 0
+    time_copies: bool = False
+    _unhidden: float = field(default=0.0, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def unhidden_copy_seconds(self) -> float:
+        """Seconds the compute stream waited for restores (``time_copies=True``; else 0)."""
+        poll_all()
+        return self._unhidden
+
+    def reset(self) -> None:
+        """Set every counter back to zero (e.g. between training steps)."""
+        with self._lock:
+            self.offloaded_tensors = self.offloaded_bytes = 0
+            self.restored_tensors = self.restored_bytes = 0
+            self.waited_restores = 0
+            self._unhidden = 0.0
+
+    def _count_wait(self) -> None:
+        with self._lock:
+            self.waited_restores += 1
+
+    def _add_unhidden(self, seconds: float) -> None:
+        with self._lock:
+            self._unhidden += seconds
+
+    def _count_offload(self, nbytes: int) -> None:
+        with self._lock:
+            self.offloaded_tensors += 1
+            self.offloaded_bytes += nbytes
+
+    def _count_restore(self, nbytes: int) -> None:
+        with self._lock:
+            self.restored_tensors += 1
+            self.restored_bytes += nbytes
 
 
 class Stale(Exception):

@@ -13,7 +13,7 @@ import torch
 
 from . import _offload
 from ._errors import internal_error
-from ._selective import OffloadStats
+from ._offload import OffloadStats
 
 __all__ = ["Offloaded", "offload_kept", "restore"]
 

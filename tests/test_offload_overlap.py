@@ -595,3 +595,17 @@ def test_host_tensors_keep_their_old_path_without_a_fake() -> None:
     assert _offload.engine().pending() == before
     assert stats.waited_restores == 0
     assert stats.unhidden_copy_seconds == 0.0
+
+
+def test_offload_stats_lives_with_the_engine() -> None:
+    """``OffloadStats`` is the offload engine's (the engine imports no cache), its example runs,
+    and the selective package hands out the same class."""
+    import doctest
+
+    from checkpointing import _selective
+
+    assert OffloadStats is _offload.OffloadStats is _selective.OffloadStats
+    assert OffloadStats.__module__ == "checkpointing._offload"
+    result = doctest.testmod(_offload)
+    assert result.failed == 0
+    assert result.attempted >= 1

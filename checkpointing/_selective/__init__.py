@@ -54,8 +54,8 @@ them (the numbers are unchanged, so "See NOTE [Selective checkpoint cache], Rule
 
 from __future__ import annotations
 
+from .._offload import OffloadStats
 from .cache import _CONSUMED as _CONSUMED
-from .cache import OffloadStats
 from .contexts import create_selective_checkpoint_contexts
 from .ops import SAC_IGNORED_OPS, Op, draws_random
 from .policy import (

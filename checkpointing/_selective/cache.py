@@ -1,12 +1,13 @@
 """What a selectively checkpointed region keeps: its cache, the entries in it, host copies.
 
-Owns ``OffloadStats``; the cache entries (``_Saved``, a detached alias; ``_Packed``, a saved
+Owns the cache entries (``_Saved``, a detached alias; ``_Packed``, a saved
 output through the user's saved-tensors hooks; ``_HostAlias`` and ``_HostCopy`` for offload;
 ``_Tree`` for an op that returned a container; ``_Blank``, the metadata of a call skipped in the
 replay, Rule 14) and the consumed slot; a region's ``_Cache`` of per-key ``_OpRecord``s;
 ``_CacheMode``, the base of the pair of modes that share one; and ``_keep``, which makes the
 entry for an output under an action.
-Deciding what to keep is ``forward``'s job, handing entries out ``recompute``'s.
+Deciding what to keep is ``forward``'s job, handing entries out ``recompute``'s; what offload
+counts (``OffloadStats``) is the offload engine's (``_offload``), which never imports this.
 
 NOTE [Selective checkpoint cache] (Rules 3, 5, 7 and 13, on what the cache holds; the package
 docstring says where the others live)
@@ -48,9 +49,7 @@ keep the memory offload frees); it is kept only while its copy is in flight.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import torch
@@ -59,84 +58,11 @@ from .. import _compat, _offload
 from .._compat import TorchDispatchMode
 from .._errors import internal_error
 from .._events import announce
+from .._offload import OffloadStats
 from .ops import _OpFacts
 from .policy import _Action, _OpPlan
 
 _REGION: Final = "sac"
-
-
-# --- Offload accounting -----------------------------------------------------------------------
-
-
-@dataclass
-class OffloadStats:
-    """Bytes selective checkpointing moved to host memory in forward and back for recompute.
-
-    Pass one to ``create_selective_checkpoint_contexts(..., offload_stats=stats)`` or
-    ``policies.as_context_fn(..., offload_stats=stats)`` to add up many regions and steps; each
-    pair of modes also exposes its own as ``.offload_stats``. A host (CPU) tensor under an
-    offload decision stays where it is (like save) and is still counted, so the numbers follow
-    the policy's decisions on any device. Safe to update from forward and backward threads.
-
-    ``waited_restores`` counts the restores whose copy had not finished when the recompute
-    needed the tensor (the compute stream waited for it); with ``time_copies=True`` CUDA events
-    measure those waits, and ``unhidden_copy_seconds`` adds them up: the copy time the overlap
-    did not hide. Read it once the device has finished the step (after
-    ``torch.cuda.synchronize()``). Host tensors are never copied, so on CPU both stay 0.
-
-    Example:
-        >>> import torch, checkpointing
-        >>> from checkpointing.policies import as_context_fn, offload_ops
-        >>> stats = checkpointing.OffloadStats()
-        >>> ctx = as_context_fn(offload_ops(torch.ops.aten.mm.default), offload_stats=stats)
-        >>> x = torch.randn(8, 8, requires_grad=True)
-        >>> y = checkpointing.checkpoint(lambda t: (t @ t).relu(), x, use_reentrant=False,
-        ...                              context_fn=ctx)
-        >>> y.sum().backward()
-        >>> (stats.offloaded_bytes, stats.restored_bytes)
-        (256, 256)
-    """
-
-    offloaded_tensors: int = 0
-    offloaded_bytes: int = 0
-    restored_tensors: int = 0
-    restored_bytes: int = 0
-    waited_restores: int = 0
-    time_copies: bool = False
-    _unhidden: float = field(default=0.0, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    @property
-    def unhidden_copy_seconds(self) -> float:
-        """Seconds the compute stream waited for restores (``time_copies=True``; else 0)."""
-        _offload.poll_all()
-        return self._unhidden
-
-    def reset(self) -> None:
-        """Set every counter back to zero (e.g. between training steps)."""
-        with self._lock:
-            self.offloaded_tensors = self.offloaded_bytes = 0
-            self.restored_tensors = self.restored_bytes = 0
-            self.waited_restores = 0
-            self._unhidden = 0.0
-
-    def _count_wait(self) -> None:
-        with self._lock:
-            self.waited_restores += 1
-
-    def _add_unhidden(self, seconds: float) -> None:
-        with self._lock:
-            self._unhidden += seconds
-
-    def _count_offload(self, nbytes: int) -> None:
-        with self._lock:
-            self.offloaded_tensors += 1
-            self.offloaded_bytes += nbytes
-
-    def _count_restore(self, nbytes: int) -> None:
-        with self._lock:
-            self.restored_tensors += 1
-            self.restored_bytes += nbytes
 
 
 # --- Cache entries ----------------------------------------------------------------------------

@@ -9,7 +9,8 @@ through ``context_fn``).
 from __future__ import annotations
 
 from .._compat import TorchDispatchMode
-from .cache import OffloadStats, _Cache
+from .._offload import OffloadStats
+from .cache import _Cache
 from .forward import _CachingMode
 from .ops import Op
 from .policy import Policy, policy_from
