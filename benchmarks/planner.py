@@ -76,11 +76,12 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 import checkpointing
 from checkpointing import _compat, policies
 from checkpointing._planning.flops import FlopCount
-from checkpointing._planning.plan import _cheapest, _RegionContexts, find_regions
+from checkpointing._planning.plan import _RegionContexts
 from checkpointing._planning.profile import profile_step, tail_regions
+from checkpointing._planning.search import _cheapest, find_regions
 from checkpointing._planning.solver import solve
 from checkpointing._planning.spans import span_problems
-from checkpointing._selective import CheckpointPolicy
+from checkpointing._selective import SAC_IGNORED_OPS, CheckpointPolicy
 
 try:
     from checkpointing._planning.flops import op_flops
@@ -820,6 +821,156 @@ def solve_time(depth: int = 32) -> dict[str, float]:
     return times
 
 
+def _best(run: Callable[[], Any], repeats: int, rounds: int = 7) -> float:
+    """The fastest of ``rounds`` rounds' median seconds of ``run`` (``repeats`` calls each)."""
+    rounds_seconds = []
+    for _ in range(rounds):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        rounds_seconds.append(statistics.median(times))
+    return min(rounds_seconds)
+
+
+class _OpCount(_compat.TorchDispatchMode):  # type: ignore[misc]
+    """Counts the ops a forward runs (as the selective modes count them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in SAC_IGNORED_OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def cost_model() -> dict[str, float]:
+    """``--cost-model``: the constants of ``checkpointing/_planning/costs.py`` on this machine
+    (one thread): a large ``mm``'s FLOP rate; a large ``add``'s bytes (read and written) per
+    second; a one-element ``add``'s seconds (dispatch and its autograd node); the selective
+    modes' price per op (a W2 block's forward inside the forward mode ``apply`` installs
+    against plain, doubled for the replay); what a checkpointed block costs beyond its ops,
+    per op (W2 steps with every block checkpointed against plain, less the blocks' forward);
+    and a recorded span call beyond its ops (a layer norm recorded between a product and a
+    linear layer, against unrecorded)."""
+    from checkpointing import checkpoint_module, gradient_checkpoint_scope
+    from checkpointing._scope import gradient_checkpoint_session
+
+    torch.manual_seed(0)
+    found: dict[str, float] = {}
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    found["flops_per_second"] = 2 * 512**3 / _best(lambda: torch.mm(a, b), 5)
+    big = torch.randn(4 * 1024 * 1024)
+    found["bytes_per_second"] = 3 * big.nbytes / _best(lambda: torch.add(big, big), 5)
+    one = torch.randn(1, requires_grad=True)  # an autograd node, as in a training step
+    found["dispatch_seconds"] = _best(lambda: torch.add(one, one), 2000)
+    model, x = w2(4, 1)
+    block = model[0]
+    with torch.no_grad(), _OpCount() as counter:
+        block(x)
+    ops = counter.count
+
+    def forward() -> None:
+        block(x)
+
+    def under_policy() -> None:
+        mode, _ = _RegionContexts({})()
+        with mode:
+            block(x)
+
+    plain = _best(forward, 10)
+    selective = _best(under_policy, 10)
+    found["policy_seconds_per_op"] = max(0.0, 2 * (selective - plain) / ops)
+    model_plain = copy.deepcopy(model)
+    for child in model:
+        checkpoint_module(child)
+
+    def plain_step() -> None:
+        model_plain(x).sum().backward()
+
+    def checkpointed_step() -> None:
+        model(x).sum().backward()
+
+    blocks_forward = _best(lambda: model_plain(x), 5)
+    extra = _best(checkpointed_step, 5) - _best(plain_step, 5) - blocks_forward
+    found["frame_seconds_per_op"] = max(0.0, extra / (ops * len(model)))
+    norm, linear = nn.LayerNorm(64), nn.Linear(64, 64)
+    h0 = torch.randn(1, 32, 64, requires_grad=True)
+
+    def unrecorded() -> None:
+        linear(norm(h0 * 2.0)).sum().backward()
+
+    def recorded() -> None:
+        with gradient_checkpoint_session():
+            h = h0 * 2.0
+            with gradient_checkpoint_scope() as scope:
+                y = norm(h)
+            loss = linear(y).sum()
+            scope.exit_saved_tensors_hooks_scope()
+        loss.backward()
+
+    found["span_call_seconds"] = max(0.0, _best(recorded, 50) - _best(unrecorded, 50))
+    return found
+
+
+def planning_time() -> list[str]:
+    """``--planning-time``: ``plan_checkpointing``'s seconds (default options, budget 0.5)
+    against one plain training step's (the median of 7 after 3 untimed), and how many times
+    the plan ran the model (a forward pre-hook), on W2 and a 12-layer tiny GPT-2."""
+    import transformers
+
+    def gpt2() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Any]:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            n_layer=12, n_embd=128, n_head=4, vocab_size=1024, n_positions=256, use_cache=False
+        )
+        ids = torch.randint(1024, (4, 128), generator=torch.Generator().manual_seed(1))
+        model = transformers.GPT2LMHeadModel(config).train()
+        return model, (ids,), {"labels": ids}, lambda output: output.loss
+
+    def w2_setting() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Any]:
+        model, x = w2(4, 1)
+        return model, (x,), {}, None
+
+    return [
+        _planning_ratio(name, *build())
+        for name, build in (("W2", w2_setting), ("GPT-2, 12 layers", gpt2))
+    ]
+
+
+def _planning_ratio(
+    name: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Any
+) -> str:
+    """One ``--planning-time`` line."""
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    def plain_step() -> None:
+        output = model(*args, **kwargs)
+        (sum_loss(output) if loss_fn is None else loss_fn(output)).backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        plain_step()
+    step_seconds = _best(plain_step, 7, rounds=1)
+    handle = model.register_forward_pre_hook(count)
+    start = time.perf_counter()
+    checkpointing.plan_checkpointing(
+        model, args, example_kwargs=kwargs, loss_fn=loss_fn, budget=0.5
+    )
+    seconds = time.perf_counter() - start
+    handle.remove()
+    return (
+        f"{name}: plain step {1e3 * step_seconds:.1f} ms, planning {seconds:.2f} s, "
+        f"ratio {seconds / step_seconds:.1f}, model runs {calls[0]}"
+    )
+
+
 def dump_plans(directory: Path, objective: str | None) -> None:
     """Write the plan of W1 and W2 at every budget as JSON (``--dump-plans``; the default
     objective, or ``--objective``): run it on an older checkout (``PYTHONPATH=that/checkout``),
@@ -902,6 +1053,12 @@ def main() -> None:
         "--workloads", default=",".join(WORKLOADS), help="--compile: which (comma-separated)"
     )
     parser.add_argument("--solve-time", action="store_true", help="only time the solver")
+    parser.add_argument(
+        "--cost-model", action="store_true", help="measure the cost model's constants"
+    )
+    parser.add_argument(
+        "--planning-time", action="store_true", help="planning time against a plain step"
+    )
     parser.add_argument("--dump-plans", type=Path, help="write W1/W2 default plans as JSON")
     parser.add_argument("--ab", type=Path, help="time this checkout's plans against those")
     parser.add_argument(
@@ -918,6 +1075,13 @@ def main() -> None:
         return
     if args.ab is not None:
         ab(args.ab, args.quads or 24, args.objective)
+        return
+    if args.cost_model:
+        for name, value in cost_model().items():
+            print(f"{name}: {value:.4g}")
+        return
+    if args.planning_time:
+        print("\n".join(planning_time()))
         return
     if args.solve_time:
         for objective, seconds in solve_time().items():

@@ -499,9 +499,9 @@ def test_planner_times_its_candidate_plans_on_cuda(monkeypatch: pytest.MonkeyPat
     """Rule 23 on CUDA: with prices moved far enough to give other plans, the candidates are
     timed (the device synchronized around each step) and the plan returned is exact: the
     plain run's gradients bit for bit, dropout included, and the bytes within the budget."""
-    from checkpointing._planning import plan as plan_module
+    from checkpointing._planning import search
 
-    monkeypatch.setattr(plan_module, "_PERTURBED", ((0.0, 0.0), (1000.0, 0.0), (1.0, 10.0)))
+    monkeypatch.setattr(search, "_PERTURBED", ((0.0, 0.0), (1000.0, 0.0), (1.0, 10.0)))
     torch.manual_seed(0)
     model = nn.Sequential(
         *(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True) for _ in range(3))

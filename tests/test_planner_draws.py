@@ -31,7 +31,7 @@ from test_planner import (
 from torch import nn
 
 from checkpointing import ActivationPlan
-from checkpointing._planning import plan as plan_module
+from checkpointing._planning import search as search_module
 from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import (
     Choice,
@@ -51,7 +51,7 @@ Chooser = Callable[[Problem, int], Choice]
 
 def forced_plan(model: nn.Module, x: torch.Tensor, choose: Chooser) -> ActivationPlan:
     """A plan of ``choose``'s choices (not the solver's) on the profiled model."""
-    named = plan_module.find_regions(model, None)
+    named = search_module.find_regions(model, None)
     profile = profile_step(model, named, (x,), {}, None)
     problem = profile.problem(0.0)
     choices = tuple(choose(problem, i) for i in range(len(problem.regions)))

@@ -32,6 +32,7 @@ from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
+from checkpointing._planning import search as search_module
 from checkpointing._planning import solver
 from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.profile import profile_step
@@ -88,7 +89,7 @@ def test_early_stop_makes_the_last_projection_free() -> None:
     its FLOPs."""
     torch.manual_seed(0)
     model, x = TinyLlama(), torch.randint(0, 64, (2, 16))
-    regions = plan_module.find_regions(model, None)
+    regions = search_module.find_regions(model, None)
     profile = profile_step(model, regions, (x,), {}, llama_loss)
     for region in profile.regions:
         matmuls = [i for i, op in enumerate(region.ops) if op.op == "aten.mm.default"]
@@ -107,7 +108,7 @@ def test_flops_objective_recomputes_no_more_flops_than_time() -> None:
     FLOPs than the plan made for time (on one profile: the solver's own claim)."""
     torch.manual_seed(0)
     model, x = TinyLlama(), torch.randint(0, 64, (2, 16))
-    regions = plan_module.find_regions(model, None)
+    regions = search_module.find_regions(model, None)
     profile = profile_step(model, regions, (x,), {}, llama_loss, plan_module._RegionContexts({}))
     by_flops = profile.problem(profile.policy_seconds_per_op, profile.objective("flops"))
     by_time = profile.problem(profile.policy_seconds_per_op, profile.objective("time"))
@@ -122,7 +123,7 @@ def test_identical_blocks_share_times_and_one_front() -> None:
     unit front for all of them."""
     torch.manual_seed(0)
     model, x = transformer(4), torch.randn(2, 16, 32, requires_grad=True)
-    profile = profile_step(model, plan_module.find_regions(model, None), (x,), {}, None)
+    profile = profile_step(model, search_module.find_regions(model, None), (x,), {}, None)
     seconds = [[op.seconds for op in r.ops] for r in profile.regions]
     assert all(s == seconds[0] for s in seconds)
     problem = profile.problem(0.0)

@@ -28,6 +28,7 @@ from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
+from checkpointing._planning import search as search_module
 from checkpointing._planning import solver
 from checkpointing._planning.profile import (
     OpCall,
@@ -118,7 +119,7 @@ def inputs() -> torch.Tensor:
 def step_problem(model: nn.Module, x: torch.Tensor) -> tuple[StepProfile, Problem]:
     """The profile of ``model`` and its problem under the FLOP objective, as the planner poses
     it (the policy's cost measured)."""
-    regions = plan_module.find_regions(model, None)
+    regions = search_module.find_regions(model, None)
     profile = profile_step(model, regions, (x,), {}, None, plan_module._RegionContexts({}))
     return profile, profile.problem(profile.policy_seconds_per_op, profile.objective("flops"))
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import checkpointing
 from checkpointing import ActivationPlan, _compat, plan_checkpointing
-from checkpointing._planning import plan as plan_module
+from checkpointing._planning import search as search_module
 from checkpointing._planning.profile import profile_step, tail_regions
 from checkpointing._planning.solver import recompute_cost, solve
 from checkpointing._planning.spans import span_problems
@@ -80,7 +80,7 @@ def test_rule22_spans_pay_off_against_the_plan_without_them() -> None:
     """Recording lowers the floor, and at a budget both reach the chosen variant recomputes no
     more than the blocks and tail regions alone (the same profile, solved without spans)."""
     model, x = llama(), tokens()
-    named = plan_module.find_regions(model, None)
+    named = search_module.find_regions(model, None)
     tail = tail_regions(model, named, (x,), {})
     profile = profile_step(model, named + tail, (x,), {}, llama_loss, tail=len(tail))
     base = profile.problem(profile.policy_seconds_per_op, profile.objective("flops"))
@@ -89,7 +89,7 @@ def test_rule22_spans_pay_off_against_the_plan_without_them() -> None:
     floors = [solve(problem, 0).floor_bytes for _, problem in variants]
     assert min(floors[1:]) < floors[0]
     budget = int(1.1 * floors[0])
-    index, chosen = plan_module._cheapest([problem for _, problem in variants], budget)
+    index, chosen = search_module._cheapest([problem for _, problem in variants], budget)
     spans, problem = variants[index]
     assert spans
     cost = recompute_cost(problem, chosen.choices)

@@ -24,7 +24,7 @@ from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._module import is_module_checkpointed
-from checkpointing._planning import plan as plan_module
+from checkpointing._planning import search as search_module
 from checkpointing._planning.profile import tail_regions
 
 
@@ -77,14 +77,14 @@ def test_tail_regions_are_the_modules_called_after_the_last_block() -> None:
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 8))
     llama = TinyLlama()
-    blocks = plan_module.find_regions(llama, None)
+    blocks = search_module.find_regions(llama, None)
     assert [n for n, _ in tail_regions(llama, blocks, (tokens,), {})] == ["norm", "head"]
     nested = ForCausalLM()
-    blocks = plan_module.find_regions(nested, None)
+    blocks = search_module.find_regions(nested, None)
     names = [n for n, _ in tail_regions(nested, blocks, (tokens,), {})]
     assert names == ["model.norm", "lm_head"]
     shared = SharedNorm()
-    blocks = plan_module.find_regions(shared, None)
+    blocks = search_module.find_regions(shared, None)
     assert [n for n, _ in tail_regions(shared, blocks, (torch.randn(4, 16),), {})] == ["head"]
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from checkpointing import plan_checkpointing
 from checkpointing._module import is_module_checkpointed
-from checkpointing._planning import plan as plan_module
+from checkpointing._planning import search as search_module
 from checkpointing._planning import solver, trials
 from checkpointing._planning.solver import Problem, RegionChoices, Unit, solve
 from checkpointing._planning.trials import time_plans
@@ -174,8 +174,8 @@ def test_the_candidate_timed_fastest_is_the_plan(
         seen.append((list(plans), relative))
         return relative
 
-    monkeypatch.setattr(plan_module, "time_plans", spy)
-    monkeypatch.setattr(plan_module, "_PERTURBED", FAR)
+    monkeypatch.setattr(search_module, "time_plans", spy)
+    monkeypatch.setattr(search_module, "_PERTURBED", FAR)
     model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
     expected = grads_of(model, x, None)
     plan = plan_checkpointing(model, x, budget=0.5, timing_steps=3)
@@ -206,7 +206,7 @@ def test_no_timing_without_steps_or_under_the_flops_objective(
     def refuse(*_: Any) -> list[float]:
         raise AssertionError("timed")
 
-    monkeypatch.setattr(plan_module, "time_plans", refuse)
+    monkeypatch.setattr(search_module, "time_plans", refuse)
     model, x = transformer(), torch.randn(2, 16, 32)
     for budget in (0.3, 0.5):
         assert plan_checkpointing(model, x, budget=budget, timing_steps=0).timed == ()

@@ -316,6 +316,7 @@ other instead, round by round, only where the prices disagree); and torch's ``SA
 
 from __future__ import annotations
 
-from .plan import ActivationPlan, RegionDecision, SpanDecision, plan_checkpointing
+from .plan import ActivationPlan, RegionDecision, SpanDecision
+from .search import plan_checkpointing
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]

@@ -1,58 +1,37 @@
-"""``plan_checkpointing`` and ``ActivationPlan``: the planner's front door and its result.
+"""``ActivationPlan``: the planner's result, and installing it on a model.
 
-Owns choosing the regions, reading the budget, turning the solver's answer into per-region
-decisions keyed by op name and occurrence (Rule 3), installing them with ``checkpoint_module``
-and a selective policy per region (Rule 11), all or nothing, with a picklable input-shape
-check on the model (Rule 12); removing them, and printing them. Profiling belongs to
-``profile``, deciding (offload included) to ``solver``, the JSON text to ``plan_json``; the
-checkpoint mechanics to ``_module`` and ``_selective``.
+Owns the per-region and per-span decisions (keyed by op name and occurrence, Rule 3), turning
+the solver's answer into them, installing them with ``checkpoint_module`` and a selective policy
+per region (Rule 11), all or nothing, with a picklable input-shape check on the model (Rule 12);
+removing them, printing them, and their JSON. The search belongs to ``search``, a region's
+policy to ``contexts``, deciding (offload included) to ``solver``, the JSON text to
+``plan_json``; the checkpoint mechanics to ``_module`` and ``_selective``.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Final
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from .. import _compat
 from .._errors import describe_value
 from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
-from .._selective import (
-    SKIP_IN_REPLAY,
-    CheckpointPolicy,
-    Op,
-    ReplayAnswer,
-    SelectiveCheckpointContext,
-    create_selective_checkpoint_contexts,
-)
+from .._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
 from .._state import noop_context_fn
 from .._units import format_bytes
 from . import plan_json
-from .draws import draw_contexts
+from .contexts import Answer, _RegionContexts, resolve_op
+from .contexts import _region_contexts_by_name as _region_contexts_by_name
 from .installed import Installed, ShapeCheck, carries, new_mark, take_off
 from .peak import predicted_peak
-from .profile import ObjectiveName, StepProfile, profile_step, tail_regions
-from .solver import (
-    Choice,
-    Problem,
-    Solution,
-    kept_storages,
-    offloads,
-    recompute_cost,
-    recompute_flops,
-    recompute_seconds,
-    region_recompute,
-    skipped,
-    solve,
-)
-from .spans import SpanCost, SpanHooks, SpanKind, span_call_seconds, span_problems
-from .trials import time_plans
+from .profile import StepProfile
+from .solver import Choice, Problem, Solution, kept_storages, region_recompute, skipped
+from .spans import SpanCost, SpanHooks, SpanKind
 
-__all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]
+__all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "resolve_op"]
 
 
 Key = tuple[str, int]
@@ -125,66 +104,6 @@ _MSG_SPAN = (
     "{name!r}, which the model does not have (or the kind is not 'head', 'tail' or 'trail'). Fix: "
     "apply the plan to the model it was made for, or plan this model again."
 )
-_MSG_BUDGET_TYPE = (
-    "checkpointing.plan_checkpointing: budget must be a float in (0, 1] (a fraction of the "
-    "activation bytes the model keeps without checkpointing) or an int (bytes), got {got!r}. "
-    "Fix: e.g. budget=0.5 or budget=2 * 1024**3."
-)
-_MSG_HOST_BUDGET = (
-    "checkpointing.plan_checkpointing: host_budget must be None or an int >= 0 (bytes of host "
-    "memory offloaded activations may use), got {got}. Fix: e.g. host_budget=8 * 1024**3."
-)
-_MSG_TIMING_STEPS = (
-    "checkpointing.plan_checkpointing: timing_steps must be an int >= 0 (the most steps each "
-    "candidate plan is timed for), got {got}. Fix: e.g. timing_steps=24 (the default), or "
-    "timing_steps=0 to take the predicted plan untimed."
-)
-_MSG_OBJECTIVE = (
-    "checkpointing.plan_checkpointing: objective must be one of {allowed}, got {got}. Fix: "
-    "objective='time' (least predicted recompute time, the default) or objective='flops' "
-    "(fewest recomputed FLOPs, as torch.compile's partitioner counts them)."
-)
-_MSG_MODEL_TYPE = (
-    "checkpointing.plan_checkpointing: model must be an nn.Module (its submodules are the "
-    "regions), got {got}. Fix: pass the model itself, e.g. plan_checkpointing(model, x, "
-    "budget=0.5); wrap a plain function in an nn.Module first."
-)
-_MSG_KWARGS_TYPE = (
-    "checkpointing.plan_checkpointing: example_kwargs must be None or a dict of the step's "
-    "keyword arguments by name, got {got}. Fix: pass positional inputs as example_inputs (a "
-    "tensor, or a tuple of them) and named ones as example_kwargs={{'attention_mask': mask}}."
-)
-_MSG_LOSS_FN_TYPE = (
-    "checkpointing.plan_checkpointing: loss_fn must be None or a callable loss_fn(output) -> "
-    "scalar tensor, got {got}. Fix: e.g. loss_fn=lambda output: output.logits.float().mean(), "
-    "or leave it out to backward the sum of the floating-point outputs."
-)
-_MSG_BELOW_FLOOR = (
-    "checkpointing.plan_checkpointing: budget {budget:,} bytes is below the smallest reachable "
-    "{floor:,} bytes ({share:.1%} of the {baseline:,} bytes kept without checkpointing: every "
-    "region checkpointed, keeping only its inputs and RNG states, and what runs outside the "
-    "regions). Fix: give a budget of at least {floor:,} bytes, or choose regions that split the "
-    "model finer (regions=...) so that less is kept at their boundaries."
-)
-_MSG_NO_REGIONS = (
-    "checkpointing.plan_checkpointing: found no regions in {type_name}: {why}. Fix: pass "
-    "regions=lambda module: isinstance(module, MyBlock) naming the blocks to checkpoint."
-)
-_MSG_REGIONS_TYPE = (
-    "checkpointing.plan_checkpointing: regions must be None or a predicate "
-    "(module) -> bool, got {got!r}. Fix: e.g. regions=lambda m: isinstance(m, MyBlock)."
-)
-_MSG_CHECKPOINTED = (
-    "checkpointing.plan_checkpointing: region {name!r} is already checkpointed, so profiling "
-    "would not see what it saves. Fix: checkpointing.remove_checkpoint_module(module) before "
-    "planning again."
-)
-_MSG_PLANNED = (
-    "checkpointing.plan_checkpointing: {where} carries the hooks of an applied ActivationPlan "
-    "(a copy of a planned model, by copy.deepcopy or torch.save/load, carries them too), so "
-    "profiling would measure the planned step, not the model's own. Fix: plan.remove(model) "
-    "with that plan (or a pickled copy of it) before planning again."
-)
 _MSG_APPLIED_TWICE = (
     "checkpointing.ActivationPlan.apply: this plan is already applied to a model; applying it "
     "again would checkpoint its regions twice. Fix: call plan.remove(model) first."
@@ -225,358 +144,9 @@ _MSG_UNKNOWN_OP = (
 )
 
 
-def plan_checkpointing(
-    model: nn.Module,
-    example_inputs: Any,
-    *,
-    budget: float | int,
-    regions: Callable[[nn.Module], bool] | None = None,
-    example_kwargs: dict[str, Any] | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    host_budget: int | None = None,
-    objective: ObjectiveName = "time",
-    timing_steps: int = 24,
-) -> ActivationPlan:
-    """Choose what to checkpoint so that the activations kept for backward fit ``budget``.
-
-    Profiles a few real forward+backward steps of ``model`` on the example inputs, with grad
-    enabled also under ``no_grad`` or ``inference_mode`` (the model, its buffers, ``.grad`` and
-    the RNG states are left as they were), then chooses per region whether to checkpoint it
-    and, inside checkpointed regions, which op outputs to keep, recompute or (with
-    ``host_budget`` on an accelerator) offload, at the least predicted recompute time; with
-    ``objective="time"``, where the prediction's least sure prices moved give other plans, the
-    fastest of them timed on the model. Nothing is installed until ``plan.apply(model)``.
-
-    Args:
-        model: any ``nn.Module``; it must run without checkpointing while it is profiled.
-        example_inputs: the positional arguments of one step (a tensor, or a tuple of them).
-        budget: a float in (0, 1]: a fraction of the activation bytes the model keeps without
-            checkpointing; or an int: bytes. Activation bytes are the storages autograd keeps
-            for backward, each once, except the parameters, buffers and example inputs.
-        regions: a predicate on submodules naming the regions (the outermost matches);
-            default: the blocks of the model's longest ``nn.ModuleList``/``nn.Sequential``,
-            and the modules called after the last block (a final norm, an LM head).
-        example_kwargs: keyword arguments of one step.
-        loss_fn: ``loss_fn(output) -> scalar``; default: the sum of the floating-point outputs.
-        host_budget: bytes of host memory that offloaded outputs may use (accelerators only;
-            on CPU, host memory is the device memory and nothing is offloaded).
-        objective: ``"time"`` (default): the least predicted recompute time, measured per op,
-            with FLOPs breaking ties within the profile's noise; ``"flops"``: the fewest
-            recomputed FLOPs (matrix work, as torch's FLOP counter and the compiler count
-            it), with time breaking ties.
-        timing_steps: with ``objective="time"``, where the prediction's least sure prices (the
-            selective policy's cost per op, what a checkpointed region costs beyond its ops)
-            moved give other plans, each is applied and timed on the model for at most this
-            many interleaved steps (one leaves once clearly slower) and the fastest is
-            returned; 0: the predicted plan, untimed.
-
-    Returns:
-        An ``ActivationPlan``: ``print(plan)``, ``plan.apply(model)``, ``plan.remove(model)``,
-        ``plan.frontier()``, ``plan.to_json()``.
-
-    Raises:
-        TypeError: an argument of the wrong type (checked before anything runs).
-        ValueError: the budget is below the smallest reachable bytes (the message names them).
-
-    Example:
-        >>> import torch, checkpointing
-        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8),
-        ...                               torch.nn.Tanh()) for _ in range(4)])
-        >>> x = torch.randn(16, 8, requires_grad=True)
-        >>> plan = checkpointing.plan_checkpointing(model, x, budget=0.75)
-        >>> _ = plan.apply(model)
-        >>> model(x).sum().backward()
-        >>> _ = plan.remove(model)
-    """
-    _check_arguments(model, budget, example_kwargs, loss_fn, host_budget, objective, timing_steps)
-    planned = carries(model)  # NOTE [Installed plan], Rule 2
-    if planned is not None:
-        where = f"module {planned!r} of the model" if planned else "the model"
-        raise ValueError(_MSG_PLANNED.format(where=where))
-    named = find_regions(model, regions)
-    for name, module in named:
-        if is_module_checkpointed(module):
-            raise ValueError(_MSG_CHECKPOINTED.format(name=name))
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
-    tail: list[tuple[str, nn.Module]] = []
-    if regions is None:  # Rule 20: what runs after the blocks is a region too
-        tail = [
-            (name, module)
-            for name, module in tail_regions(model, named, args, kwargs)
-            if not is_module_checkpointed(module)
-        ]
-        named += tail
-    profile = profile_step(model, named, args, kwargs, loss_fn, _RegionContexts({}), tail=len(tail))
-    forward = [sum(op.seconds for op in r.ops) * r.calls for r in profile.regions]
-    weights = profile.objective(objective)  # one weighing for every variant: costs compare
-    trailed = profile.trailed() if regions is None else None  # Rule 24
-
-    def variants_at(scale: float, frame: float) -> list[_Variant]:
-        """The problem and its span variants (Rules 22 and 24) with the selective policy's
-        per-op cost scaled by ``scale`` and ``frame`` of a region's forward time charged for
-        checkpointing it (Rule 23)."""
-        policy = profile.policy_seconds_per_op * scale
-
-        def base_of(step: StepProfile) -> Problem:
-            base = step.problem(policy, weights)
-            if frame:
-                charged = zip(base.regions, forward, strict=True)
-                base = replace(
-                    base, regions=tuple(replace(r, frame_seconds=frame * f) for r, f in charged)
-                )
-            return base
-
-        if regions is not None:
-            return [((), base_of(profile), profile)]
-        ends = range(len(named) - len(tail), len(named))
-        late = frozenset(profile.late)
-        call = span_call_seconds()
-        found = [
-            (costs, problem, profile)
-            for costs, problem in span_problems(
-                base_of(profile), profile.spans, ends, policy, late, call_seconds=call
-            )
-        ]
-        if trailed is not None:
-            step, trails = trailed
-            found += [
-                (costs, problem, step)
-                for costs, problem in span_problems(
-                    base_of(step), profile.spans, ends, policy, late, trails, call
-                )
-            ]
-        return found
-
-    variants = variants_at(1.0, 0.0)
-    first = [solve(problem, 0) for _, problem, _ in variants]
-    baseline, floor = first[0].baseline_bytes, min(f.floor_bytes for f in first)
-    budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
-    if budget_bytes < floor:
-        raise ValueError(
-            _MSG_BELOW_FLOOR.format(
-                budget=budget_bytes, floor=floor, baseline=baseline, share=floor / max(baseline, 1)
-            )
-        )
-    frontier = _pareto_front([p for f in first for p in f.frontier])
-    perturbed = _PERTURBED if objective == "time" and timing_steps else ()
-    plans: dict[tuple[int, tuple[Choice, ...]], ActivationPlan] = {}
-    draws = [(1.0, 0.0, True), *((scale, frame, True) for scale, frame in perturbed)]
-    if perturbed and trailed is not None:
-        draws.append((1.0, 0.0, False))  # Rule 24: trails' machinery timed against none
-    for scale, frame, trails in draws:
-        drawn = variants_at(scale, frame)  # those without trails first: indices agree
-        index, found = _cheapest(
-            [problem for _, problem, step in drawn if trails or step is profile], budget_bytes
-        )
-        if (index, found.choices) in plans or found.kept_bytes > budget_bytes:
-            continue  # drawn before, or (without trails, below their floor) over the budget
-        spans, problem, step = variants[index]  # Rule 23: priced as measured, whatever drew it
-        solution = replace(  # Rule 22: the plan's ends and trade-off over all variants
-            found,
-            recompute_seconds=recompute_seconds(problem, found.choices),
-            recompute_flops=recompute_flops(problem, found.choices),
-            floor_bytes=floor,
-            baseline_bytes=baseline,
-            frontier=frontier,
-        )
-        # Rule 10: nothing on CPU, where host memory is the device memory.
-        offload = (
-            [frozenset[int]()] * len(problem.regions)
-            if host_budget is None or profile.device.startswith("cpu")
-            else offloads(problem, solution, host_budget)
-        )
-        plans[(index, found.choices)] = ActivationPlan._from_solution(
-            step, problem, solution, budget_bytes, offload, objective, spans
-        )
-    candidates = list(plans.values())
-    chosen = candidates[0]
-    if len(candidates) > 1:  # Rule 23: the prediction's least sure prices disagree: time them
-        relative = time_plans(model, candidates, args, kwargs, loss_fn, timing_steps)
-        fastest = relative.index(min(relative))
-        chosen = candidates[fastest]
-        chosen.timed = (relative[fastest], *relative[:fastest], *relative[fastest + 1 :])
-    chosen._model = weakref.ref(model)
-    return chosen
-
-
-# A problem to solve: the spans it records (Rules 22 and 24), and the profile it was made of.
-_Variant = tuple[tuple[SpanCost, ...], Problem, StepProfile]
-
-
-def _cheapest(problems: list[Problem], budget: int) -> tuple[int, Solution]:
-    """Rule 22: the index of the variant whose solution fits ``budget`` at the least cost (the
-    fewest recorded spans on a tie: they are listed first), and that solution; where none
-    fits, the fewest bytes."""
-    solved = [(index, solve(problem, budget)) for index, problem in enumerate(problems)]
-    fitting = [v for v in solved if v[1].kept_bytes <= budget]
-    if not fitting:
-        return min(solved, key=lambda v: v[1].kept_bytes)
-    return min(fitting, key=lambda v: recompute_cost(problems[v[0]], v[1].choices))
-
-
-def _pareto_front(points: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """The (bytes, seconds) points no other beats on both, most bytes first."""
-    kept: list[tuple[int, float]] = []
-    for point in sorted(points):
-        if not kept or point[1] < kept[-1][1]:
-            kept.append(point)
-    return tuple(reversed(kept))
-
-
-def _check_arguments(
-    model: object,
-    budget: object,
-    example_kwargs: object,
-    loss_fn: object,
-    host_budget: object,
-    objective: object,
-    timing_steps: object = 0,
-) -> None:
-    """Every argument's type and range, before anything runs."""
-    if not isinstance(objective, str) or objective not in _OBJECTIVES:
-        raise ValueError(_MSG_OBJECTIVE.format(allowed=_OBJECTIVES, got=describe_value(objective)))
-    if not isinstance(model, nn.Module):
-        raise TypeError(_MSG_MODEL_TYPE.format(got=describe_value(model)))
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise TypeError(_MSG_BUDGET_TYPE.format(got=budget))
-    if isinstance(budget, float) and not 0 < budget <= 1:
-        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
-    if isinstance(budget, int) and budget < 0:
-        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
-    if example_kwargs is not None and (
-        not isinstance(example_kwargs, Mapping)
-        or not all(isinstance(name, str) for name in example_kwargs)
-    ):
-        raise TypeError(_MSG_KWARGS_TYPE.format(got=describe_value(example_kwargs)))
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(_MSG_LOSS_FN_TYPE.format(got=describe_value(loss_fn)))
-    if host_budget is not None:
-        if isinstance(host_budget, bool) or not isinstance(host_budget, int):
-            raise TypeError(_MSG_HOST_BUDGET.format(got=describe_value(host_budget)))
-        if host_budget < 0:
-            raise ValueError(_MSG_HOST_BUDGET.format(got=host_budget))
-    if isinstance(timing_steps, bool) or not isinstance(timing_steps, int):
-        raise TypeError(_MSG_TIMING_STEPS.format(got=describe_value(timing_steps)))
-    if timing_steps < 0:
-        raise ValueError(_MSG_TIMING_STEPS.format(got=timing_steps))
-
-
-_OBJECTIVES = ("time", "flops")
-# Rule 23: (scale of the selective policy's per-op cost, share of a region's forward time
-# charged for checkpointing it) of the prices that draw the candidate plans besides the measured.
-_PERTURBED: Final = ((0.5, 0.0), (2.0, 0.0), (1.0, 0.25), (0.5, 0.25))
-
-
-def find_regions(
-    model: nn.Module, predicate: Callable[[nn.Module], bool] | None
-) -> list[tuple[str, nn.Module]]:
-    """The regions, outermost matches of ``predicate`` (default: the longest container's
-    blocks), in the model's module order, with their qualified names."""
-    if predicate is None:
-        containers = [
-            (name, m)
-            for name, m in model.named_modules()
-            if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) > 0
-        ]
-        if not containers:
-            raise ValueError(
-                _MSG_NO_REGIONS.format(
-                    type_name=type(model).__name__, why="it has no nn.ModuleList or nn.Sequential"
-                )
-            )
-        name, container = max(containers, key=lambda c: len(c[1]))  # the first longest
-        prefix = f"{name}." if name else ""
-        return [(f"{prefix}{child}", m) for child, m in container.named_children()]
-    if not callable(predicate):
-        raise TypeError(_MSG_REGIONS_TYPE.format(got=predicate))
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        inside = any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found)
-        if not inside and predicate(module):
-            found.append((name, module))
-    if not found:
-        raise ValueError(
-            _MSG_NO_REGIONS.format(type_name=type(model).__name__, why="the predicate matched none")
-        )
-    return found
-
-
-# What a planned region answers for one op call: torch's answers, or ours (Rule 21).
-Answer = CheckpointPolicy | ReplayAnswer
-
-
-class _KeyedPolicy:
-    """One region call's selective policy: the decision for each (op, occurrence) (Rule 3).
-    A fresh one per call of the region, so occurrences count from 0 in every forward."""
-
-    __slots__ = ("counts", "decisions")
-
-    def __init__(self, decisions: dict[tuple[Op, int], Answer]) -> None:
-        self.decisions = decisions
-        self.counts: dict[Op, int] = {}
-
-    def __call__(
-        self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> Answer:
-        index = self.counts.get(op, 0)
-        self.counts[op] = index + 1
-        return self.decisions.get((op, index), CheckpointPolicy.PREFER_RECOMPUTE)
-
-
-class _RegionContexts:
-    """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``
-    (where it keeps, offloads or skips, Rule 21), over the draws modes where it keeps its
-    random draws (Rule 19). Pickled with the model (``torch.save``) by op names: torch's op
-    objects do not pickle."""
-
-    __slots__ = ("decisions", "keep_draws")
-
-    def __init__(
-        self, decisions: dict[tuple[Op, int], Answer], *, keep_draws: bool = False
-    ) -> None:
-        self.decisions = decisions
-        self.keep_draws = keep_draws
-
-    def __call__(self) -> tuple[Any, Any]:
-        if not self.keep_draws:
-            return self._selective()
-        return draw_contexts(self._selective() if self.decisions else None)
-
-    def _selective(self) -> tuple[Any, Any]:
-        policy = _KeyedPolicy(self.decisions)
-        # The public ``Policy`` protocol names torch's answers only; the modes take ours too
-        # (SKIP_IN_REPLAY, NOTE [Selective checkpoint cache], Rule 2).
-        return create_selective_checkpoint_contexts(policy)  # type: ignore[arg-type]  # see above
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        named = [(str(op), index, policy) for (op, index), policy in self.decisions.items()]
-        return _region_contexts_by_name, (named, self.keep_draws)
-
-
-def _region_contexts_by_name(
-    named: list[tuple[str, int, Answer]], keep_draws: bool = False
-) -> _RegionContexts:
-    """A pickled ``_RegionContexts`` back, its ops resolved by name."""
-    return _RegionContexts(
-        {(resolve_op(op), index): policy for op, index, policy in named}, keep_draws=keep_draws
-    )
-
-
-_ShapeCheck = ShapeCheck  # the name models pickled with a plan applied (before issue 40) refer to
-
-
-def resolve_op(name: str) -> Op:
-    """The op named like ``aten.mm.default`` (what ``str(op)`` gives)."""
-    namespace, _, rest = name.partition(".")
-    packet, _, overload = rest.rpartition(".")
-    try:
-        op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-    except (AttributeError, RuntimeError):
-        raise ValueError(_MSG_UNKNOWN_OP.format(name=name)) from None
-    if not isinstance(op, _compat.OpOverload):
-        raise ValueError(_MSG_UNKNOWN_OP.format(name=name))
-    return op
+# The names models pickled with a plan applied refer to (before the search and the policies
+# left this module): ``_region_contexts_by_name`` above, and the shape check (before issue 40).
+_ShapeCheck = ShapeCheck
 
 
 class ActivationPlan:
