@@ -509,6 +509,22 @@ def wrap_policy_targets(policy: object, root: torch.nn.Module) -> dict[Any, Any]
     return None if run is None else dict(run(root, ignored_modules=set(), root_kwargs={}))
 
 
+def process_group_named(name: str) -> Any:
+    """The process group a functional collective's ``group_name`` argument names (2.11-2.15:
+    ``torch._C._distributed_c10d._resolve_process_group``)."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)  # type: ignore[arg-type]  # a NewType of str
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group, which every rank reaches (2.11-2.15:
+    ``torch.distributed.distributed_c10d._get_default_store``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def dynamo_eval_frame_active() -> bool:
     """Whether dynamo's frame-evaluation callback is set in this thread, i.e. new Python frames
     may be compiled (2.11-2.15: ``torch._C._dynamo.eval_frame.get_eval_frame_callback``). When it is

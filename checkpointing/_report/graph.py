@@ -70,6 +70,7 @@ from .._regions import RegionNames, naming
 from .._scope.router import _Delegated, _Passed
 from .._scope.tape import _ScopeHolder
 from .._selective.cache import _HostAlias, _HostCopy, _Packed, _Saved, _Tree
+from .._selective.collectives import is_collective
 from .._selective.ops import _op_facts
 from .._selective.recompute import _CachedMode
 from .records import LEAF, OUTSIDE, SavedTensorRecord, SavedTensorsReport, Tally, record_of
@@ -482,4 +483,5 @@ def _op_of_cache_key(key: object) -> str:
     facts = _op_facts.get(key) if isinstance(key, int) else None
     op = facts[0] if facts is not None else key
     packet = getattr(op, "overloadpacket", None)
-    return str(getattr(packet, "__name__", None) or getattr(op, "__name__", None) or op)
+    name = str(getattr(packet, "__name__", None) or getattr(op, "__name__", None) or op)
+    return f"{op.namespace}::{name}" if is_collective(op) else name  # type: ignore[attr-defined]

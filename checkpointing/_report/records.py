@@ -44,6 +44,9 @@ SELECTIVE = "sac"
 whose forward runs, and keeps this name only where none runs (torch's own checkpoint)."""
 _INPUTS = "inputs of "  # a region's inputs, kept for it by its parent
 _SPAN = re.compile(r"^keep\(.*?\) in ")  # what a kept span holds, in its region
+# How the builders name a collective's output: its op qualified by its namespace (NOTE
+# [Collectives under selective checkpointing], Rule 1, says which ops; both builders ask it).
+COLLECTIVE_NAMESPACES = ("_c10d_functional::", "_c10d_functional_autograd::", "_dtensor::")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,13 @@ class SavedTensorRecord:
     region: str
     decision: Decision
     name: str | None = None
+
+    @property
+    def collective(self) -> bool:
+        """Whether a functional collective made the tensor (its op is named with the
+        collective's namespace, ``_c10d_functional::all_reduce``): selective checkpointing
+        keeps these unless the policy answers ``MUST_RECOMPUTE``."""
+        return self.op.startswith(COLLECTIVE_NAMESPACES)
 
 
 @dataclass
@@ -96,6 +106,13 @@ class SavedTensorsReport:
         for record in self.records:
             totals[record.decision] += record.nbytes
         return totals
+
+    @property
+    def collective_bytes(self) -> int:
+        """Tensor bytes of the collectives' outputs kept for backward (saved or offloaded):
+        what keeping them instead of running them again in backward costs (a tensor listed
+        twice counts twice)."""
+        return sum(r.nbytes for r in self.records if r.decision != "recomputed" and r.collective)
 
     def bytes_by_region(self, decision: Decision = "saved") -> dict[str, int]:
         """Tensor bytes per region for one decision, largest first (a tensor saved twice
@@ -172,6 +189,13 @@ class SavedTensorsReport:
             "tensor bytes by decision (a tensor listed twice counts twice): "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in totals.items())
         ]
+        collective = [r for r in self.records if r.decision != "recomputed" and r.collective]
+        if collective:
+            lines.append(
+                f"kept collective outputs: {len(collective)} tensors, "
+                f"{format_bytes(self.collective_bytes)} (not run again in backward; a policy "
+                "answering MUST_RECOMPUTE for a collective re-runs it)"
+            )
         if self.recompute_counted:
             lines.append(
                 f"recompute cost: {self.recompute_ops} ops, {self.recompute_flops:,} FLOPs "

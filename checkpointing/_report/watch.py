@@ -59,6 +59,7 @@ from .. import _compat
 from .._events import Decision, Kept, current_region, listener, note_tag, tag_name
 from .._regions import RegionNames, naming
 from .._selective import TAG_OP
+from .._selective.collectives import is_collective
 from .._state import is_recomputing
 from .records import LEAF, OUTSIDE, SELECTIVE, SavedTensorsReport, Tally, storage_key
 
@@ -164,6 +165,8 @@ class _ProducerMode(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
             note_tag(args[0], args[1] if len(args) > 1 else kwargs["name"])
         self.watcher.note_made((args, kwargs), out)
         name = str(func.overloadpacket.__name__)
+        if is_collective(func):  # records.COLLECTIVE_NAMESPACES
+            name = f"{func.namespace}::{name}"
         for tensor in _compat.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.watcher.producers[tensor] = name

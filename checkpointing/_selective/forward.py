@@ -48,6 +48,7 @@ from .._compiled import say_once
 from .._errors import CheckpointError, internal_error
 from .._state import span_depth as _span_depth
 from .cache import _Blank, _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
+from .collectives import agree, is_collective
 from .ops import (
     _ALWAYS,
     _IGNORED,
@@ -218,6 +219,8 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             action = asked
             if record.effect and id(answer) in _PREFERS_RECOMPUTE:
                 action = _Action.SAVE  # Rule 12
+        if record.effect and is_collective(func):  # NOTE [Collectives under selective ...]
+            agree(func, args, kwargs, action is _Action.RECOMPUTE)
         draw_rule = record.draw_rule
         random = draw_rule == _ALWAYS or (draw_rule >= 0 and _draws_at(draw_rule, args, kwargs))
         if action is _PLACEHOLDER and (
@@ -365,8 +368,8 @@ def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
         if action in (_Action.SAVE, _Action.OFFLOAD) and func in asked_of(policy).ops:
             say_random(policy, func)  # Rule 15 (b): no call of it will ever be kept
         return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
-    if func is TAG_OP or draw_rule >= 0 or action is _PLACEHOLDER:
-        return _Plan.CHECK, action  # Rules 8, 10 and 14: the call decides
+    if func is TAG_OP or draw_rule >= 0 or action is _PLACEHOLDER or effect:
+        return _Plan.CHECK, action  # Rules 8, 10, 14; collectives: agree (in _decide)
     if action is not _Action.RECOMPUTE:
         return _Plan.KEEP, action
     if pure and _tags_may_keep(policy, plans):

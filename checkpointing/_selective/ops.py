@@ -2,7 +2,8 @@
 
 Owns ``SAC_IGNORED_OPS`` (the ops both modes run as they are), the ``Op`` type, and per op
 overload (keyed by its id, the op held): whether a call draws random numbers (``draws_random``),
-whether the op leaves its inputs alone, whether it has an ordered side effect, what calling it
+whether the op leaves its inputs alone, whether it has an ordered side effect or is a
+collective (``collectives``), what calling it
 calls (its runner), and the cache key of a call (``_region_key``). The state here (``_op_facts``,
 ``_runners``, ``SAC_IGNORED_OPS``) exists once: the modes import these objects, never copies.
 What a policy's answer means is ``policy``'s; what the modes do with these facts is ``forward``'s
@@ -20,12 +21,15 @@ where the others live)
           (the fused attention kernels) draws only when it is not 0, so attention without
           dropout is kept as the policy says.
   Rule 12. An op registered with an ordered side effect (``aten::_print``, a torchbind call, ...;
-          ``c10d`` launches excepted) must not run twice: recompute would repeat the effect. Its
-          output is kept whatever the policy answers, unless the answer is ``MUST_RECOMPUTE``,
-          the one explicit request to replay it (torch 2.15's rule, on every release; an
-          offload answer keeps it in host memory, as offload does). Rule 10 comes first: a
-          random op is recomputed regardless. The effect registry is read at an op's first call
-          and remembered (an effect registered later is not seen).
+          the ``c10d`` launches, which return a work handle, excepted) must not run twice:
+          recompute would repeat the effect. Its output is kept whatever the policy answers,
+          unless the answer is ``MUST_RECOMPUTE``, the one explicit request to replay it (torch
+          2.15's rule, on every release; an offload answer keeps it in host memory, as offload
+          does). Rule 10 comes first: a random op is recomputed regardless. The effect registry
+          is read at an op's first call and remembered (an effect registered later is not
+          seen). Functional collectives and their waits are flagged the same way, unlike in
+          torch, which recomputes what a policy does not keep of them: NOTE [Collectives under
+          selective checkpointing] (``collectives``) says why, and how the ranks agree.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 
 from .. import _compat
 from .._compat import HigherOrderOperator, OpOverload
+from .collectives import is_collective
 
 Op: TypeAlias = OpOverload | HigherOrderOperator
 
@@ -125,7 +130,8 @@ _INDUCTOR_CODE: Final = _compat.inductor_compiled_code
 # the region caches use the same ids (their ops are all held here).
 _NEVER: Final = -1
 _ALWAYS: Final = -2
-# Rule 12: whether it has an ordered side effect.
+# Rule 12: whether it has an ordered side effect or is a collective (NOTE [Collectives under
+# selective checkpointing], Rule 1).
 _OpFacts: TypeAlias = tuple[object, int, bool, bool]
 _op_facts: dict[int, _OpFacts] = {}
 # Per op id, what calling the op calls: for a plain ``OpOverload`` its C++ entry point (one Python
@@ -158,14 +164,15 @@ def _draws_at(rule: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def _facts(func: object) -> _OpFacts:
     """``func`` (held), its draw rule (Rule 10), whether it is pure (Rule 8) and whether it has
-    an ordered side effect (Rule 12), worked out on its first call and remembered."""
+    an ordered side effect or is a collective (Rule 12), worked out on its first call and
+    remembered."""
     facts = _op_facts.get(id(func))
     if facts is None:
         facts = _op_facts[id(func)] = (
             func,
             _draw_rule(func),
             _is_pure(func),
-            _compat.has_ordered_effect(func),
+            _compat.has_ordered_effect(func) or is_collective(func),
         )
     return facts
 
