@@ -15,11 +15,25 @@ NOTE [Determinism checks]
           a ``ValueError`` that lists the allowed values.
   Rule 4. With debug on, the error carries both op logs and names the first divergent op, and
           keeps torch's guidance paragraph word for word.
+  Rule 5. Without debug, a recompute that saves a tensor of other metadata, or more tensors,
+          names the first such tensor's source (the user's line, the expression running there
+          and the op that made the tensor, when autograd recorded one), read from the stack
+          when the mismatch is seen: nothing is captured while the two runs agree. An exception
+          raised inside a recompute (an op that refused the recomputed shapes, selective
+          checkpointing's "not found in storage") gets a note naming the region, the user's
+          line it was raised under and the likely cause; its type and message stay torch's.
+          The text holds nothing particular to the process (no rank, no address), so every
+          rank that drifts raises the same message. A rank that does not drift sees no error
+          of ours: its backward finishes and it waits at its next collective for the ranks that
+          raised, until their processes end (the collective then fails) or the group times out.
+          Both name the fix for mixture-of-experts layers: keep the routing
+          (``policies.save_routing()``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import linecache
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -40,6 +54,8 @@ __all__ = [
     "check_metadata",
     "debug_enabled",
     "metadata_fn_for",
+    "note_recompute_error",
+    "recompute_site",
     "set_checkpoint_debug_enabled",
 ]
 
@@ -65,15 +81,28 @@ _MSG_COUNT_MISMATCH = (
 )
 _MSG_TOO_MANY = (
     "torch.utils.checkpoint: trying to save more tensors during recomputation than during the "
-    "original forward pass (forward saved {forward}).\n"
-    "Likely cause: the checkpointed function takes a different path in recompute.\n{tip}"
+    "original forward pass (forward saved {forward}).\n{site}"
+    "Likely cause: the checkpointed function takes a different path in recompute.\n{hint}{tip}"
 )
 _MSG_METADATA_MISMATCH = (
     "torch.utils.checkpoint: Recomputed values for the following tensors have different "
-    "metadata than during the forward pass.\n{details}.\n"
+    "metadata than during the forward pass.\n{details}.\n{site}"
     "Likely cause: the checkpointed function computes something different in recompute (shapes "
     "or dtypes depending on global state, autocast or RNG changed between forward and "
-    "backward).\n{tip}"
+    "backward).\n{hint}{tip}"
+)
+_MSG_DRIFT_SITE = "First differing tensor: position {idx}, saved during recomputation at {site}\n"
+_MSG_DRIFT_HINT = (
+    "If the region routes tokens to experts (mixture of experts), its recompute routed them "
+    "differently (scores computed in another order, a counter or noise that moved): keep the "
+    "routing so that recompute replays it, with context_fn=as_context_fn(save_routing()) from "
+    "checkpointing.policies (combined with a policy: either(policy, save_routing())).\n"
+)
+_MSG_RECOMPUTE_RAISED = (
+    "checkpointing: raised while recomputing {region} for backward, at {site}. If the forward "
+    "ran this code without error, the recompute computed something different (global state, "
+    "RNG, or data-dependent control flow changed between forward and backward). "
+    + _MSG_DRIFT_HINT.rstrip("\n")
 )
 _MSG_BAD_DETERMINISM_CHECK = (
     "checkpointing.checkpoint: determinism_check should be one of ['default', 'none'], but got "
@@ -165,13 +194,20 @@ def check_counts(forward: int, recompute: int) -> None:
         )
 
 
-def too_many_saved(forward: int) -> NoReturn:
-    """Rule 1, seen early: recompute is saving past the forward's count."""
-    raise CheckpointError(_MSG_TOO_MANY.format(forward=forward, tip=_MSG_DEBUG_TIP))
+def too_many_saved(forward: int, site: str | None = None) -> NoReturn:
+    """Rule 1, seen early: recompute is saving past the forward's count; ``site``: where
+    (Rule 5, from ``recompute_site``)."""
+    where = "" if site is None else _MSG_DRIFT_SITE.format(idx=forward, site=site)
+    raise CheckpointError(
+        _MSG_TOO_MANY.format(forward=forward, site=where, hint=_hint(site), tip=_MSG_DEBUG_TIP)
+    )
 
 
-def check_metadata(pairs: Sequence[tuple[int, Metadata, torch.Tensor]]) -> None:
-    """Rule 2: ``pairs`` are (position, saved metadata, recomputed tensor)."""
+def check_metadata(
+    pairs: Sequence[tuple[int, Metadata, torch.Tensor]], site: str | None = None
+) -> None:
+    """Rule 2: ``pairs`` are (position, saved metadata, recomputed tensor); ``site``: where the
+    first of them was saved in the recompute (Rule 5, from ``recompute_site``)."""
     details = [
         f"tensor at position {idx}:\nsaved metadata: {_describe(saved)}\n"
         f"recomputed metadata: {_describe(metadata_of(tensor))}\n"
@@ -179,9 +215,55 @@ def check_metadata(pairs: Sequence[tuple[int, Metadata, torch.Tensor]]) -> None:
         if metadata_of(tensor) != saved
     ]
     if details:
+        where = "" if site is None else _MSG_DRIFT_SITE.format(idx=pairs[0][0], site=site)
         raise CheckpointError(
-            _MSG_METADATA_MISMATCH.format(details="".join(details), tip=_MSG_DEBUG_TIP)
+            _MSG_METADATA_MISMATCH.format(
+                details="".join(details), site=where, hint=_hint(site), tip=_MSG_DEBUG_TIP
+            )
         )
+
+
+def _hint(site: str | None) -> str:
+    """The routing hint goes with a re-run's site (a scope's tape replay cannot route anew)."""
+    return "" if site is None else _MSG_DRIFT_HINT
+
+
+def recompute_site(tensor: torch.Tensor | None = None) -> str:
+    """Rule 5: where the recompute is now, read from the stack (call it from a pack hook, on
+    the error path only): the user's file and line, the expression running there and the
+    line's text; with ``tensor``, the op autograd recorded as its maker, if any."""
+    frame = _user_frame_object(sys._getframe(1))
+    if frame is None:
+        return "<unknown source>"
+    code = frame.f_code
+    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    site = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+    expression = _running_expression(frame)
+    if expression and expression != line:
+        site += f", running `{expression}`"
+    if line:
+        site += f"\n    {line}"
+    maker = getattr(tensor, "grad_fn", None)
+    if maker is not None:
+        site += f"\n  (the tensor was made by {maker.name()})"
+    return site
+
+
+def note_recompute_error(error: BaseException, region: str) -> None:
+    """Rule 5: add to an exception raised inside a recompute where and why (type and message
+    unchanged); the user's line is the deepest one in its traceback."""
+    frame = None
+    tb = error.__traceback__
+    while tb is not None:
+        if _is_user_code(tb.tb_frame.f_code.co_filename):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    site = "<unknown source>"
+    if frame is not None:
+        code = frame.f_code
+        line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+        site = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}: {line}"
+    error.add_note(_MSG_RECOMPUTE_RAISED.format(region=region, site=site))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,19 +281,44 @@ class _LoggedOp:
     where: str
 
 
-def _user_frame(frame: FrameType | None) -> str:
+def _is_user_code(filename: str) -> bool:
+    """Whether a code object's file is the user's: not torch, this package, the stdlib's
+    contextlib or a frozen module."""
+    filename = filename.replace("\\", "/")
+    return not (
+        "/torch/" in filename
+        or f"/{_OUR_PACKAGE}/" in filename
+        or filename.startswith("<frozen")
+        or "/contextlib.py" in filename
+    )
+
+
+def _user_frame_object(frame: FrameType | None) -> FrameType | None:
     """The first stack frame outside torch, this package and the standard library."""
-    while frame is not None:
-        filename = frame.f_code.co_filename.replace("\\", "/")
-        if not (
-            "/torch/" in filename
-            or f"/{_OUR_PACKAGE}/" in filename
-            or filename.startswith("<frozen")
-            or "/contextlib.py" in filename
-        ):
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    while frame is not None and not _is_user_code(frame.f_code.co_filename):
         frame = frame.f_back
-    return "<unknown source>"
+    return frame
+
+
+def _user_frame(frame: FrameType | None) -> str:
+    """The first stack frame outside torch, this package and the standard library, named."""
+    found = _user_frame_object(frame)
+    if found is None:
+        return "<unknown source>"
+    return f"{found.f_code.co_filename}:{found.f_lineno} in {found.f_code.co_name}"
+
+
+def _running_expression(frame: FrameType) -> str:
+    """The source of the expression ``frame`` is executing (the span Python 3.11 records per
+    instruction, as its tracebacks underline), on one line; empty when unknown."""
+    positions = list(frame.f_code.co_positions())
+    index = frame.f_lasti // 2
+    if not 0 <= index < len(positions):
+        return ""
+    start, end, col, end_col = positions[index]
+    if start is None or end != start or col is None or end_col is None:
+        return ""
+    return linecache.getline(frame.f_code.co_filename, start)[col:end_col].strip()
 
 
 def _short(value: Any) -> str:

@@ -82,6 +82,8 @@ from ._determinism import (
     debug_enabled,
     debug_error,
     metadata_fn_for,
+    note_recompute_error,
+    recompute_site,
     too_many_saved,
 )
 from ._errors import CheckpointError, internal_assert, internal_error
@@ -378,6 +380,7 @@ class Frame:
         # Rule 9: a recompute mode that passes ``detach`` through need not see ours.
         quiet_detach = getattr(self.recompute_context, "passes_detach_through", False)
         mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
+        sites: list[str] = []  # where the first mismatch was saved
         count = 0
 
         def pack(x: torch.Tensor) -> torch.Tensor:
@@ -386,6 +389,7 @@ class Frame:
             taint = replay_taint()
             if taint is not None:  # NOTE [Selective checkpoint cache], Rule 14
                 taint.refuse_saved(x, self.region, count)
+            made = x  # NOTE [Determinism checks], Rule 5: a mismatch names its maker
             if x.requires_grad:
                 if (
                     quiet_detach
@@ -404,7 +408,7 @@ class Frame:
                 if not self.forward_completed:
                     self.ignore_count_mismatch = True  # Rule 6
                     return x
-                too_many_saved(n_saved)
+                too_many_saved(n_saved, recompute_site(made))
             holder = holders[idx]()
             if holder is not None:  # a holder cleared by an earlier inner backward is skipped
                 if holder.setdefault(key, x) is not x:
@@ -413,6 +417,8 @@ class Frame:
                     saved = metadata[idx]
                     # dtypes are singletons: ``is not`` spares a rich comparison
                     if saved[1] is not x.dtype or saved[0] != x.shape or saved[2] != x.device:
+                        if not mismatches:  # NOTE [Determinism checks], Rule 5
+                            sites.append(recompute_site(made))
                         mismatches.append((idx, saved, x))
             if early_stop and idx + 1 == n_saved:
                 raise _StopRecompute
@@ -439,6 +445,11 @@ class Frame:
                     self.fn(*args, **self.kwargs)
         except _StopRecompute:
             pass
+        except CheckpointError:
+            raise
+        except Exception as error:  # NOTE [Determinism checks], Rule 5
+            note_recompute_error(error, self.region())
+            raise
         finally:
             _compat.pop_saved_tensors_hooks()
             del pack._user_hooks  # type: ignore[attr-defined]  # Rule 10: no graph-held reference
@@ -450,7 +461,7 @@ class Frame:
             return  # Rule 6: a forward cut short by its own backward saved fewer
         check_counts(len(holders), count)
         if mismatches:
-            check_metadata(mismatches)
+            check_metadata(mismatches, sites[0])
 
 
 def _announce_kept(

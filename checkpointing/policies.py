@@ -73,10 +73,13 @@ from ._selective import (
     tag,
     uncalled_factory,
 )
+from ._selective.routing import RANKING_OPS as _RANKING_OPS
+from ._selective.routing import ROUTING_OPS as _ROUTING_OPS
 
 __all__ = [
     "ATTENTION_OPS",
     "MATMUL_OPS",
+    "ROUTING_OPS",
     "Policy",
     "as_context_fn",
     "both",
@@ -90,6 +93,7 @@ __all__ = [
     "save_nothing",
     "save_only_these_names",
     "save_ops",
+    "save_routing",
     "tag",
 ]
 
@@ -102,6 +106,7 @@ _RANK: Final[dict[CheckpointPolicy, int]] = {
     CheckpointPolicy.PREFER_SAVE: 4,
     CheckpointPolicy.MUST_SAVE: 5,
 }
+_SAVES: Final = CheckpointPolicy.PREFER_SAVE  # the lowest rank that saves on the device
 
 
 # ``torch.nn.functional.scaled_dot_product_attention`` is a composite op: it never reaches a
@@ -131,6 +136,8 @@ def _dispatched_overloads(names: Iterable[str]) -> frozenset[OpOverload]:
     return frozenset(op for op in found if not is_composite(op))
 
 
+# The ops ``save_routing`` keeps (NOTE [Routing ops], Rule 1).
+ROUTING_OPS: Final[frozenset[OpOverload]] = _ROUTING_OPS
 # The ops ``save_attention`` keeps: the fused scaled-dot-product attention kernels.
 ATTENTION_OPS: Final[frozenset[OpOverload]] = _dispatched_overloads(_ATTENTION_KERNELS)
 # The ops ``save_matmuls`` keeps: matrix products and fused scaled-dot-product attention.
@@ -164,7 +171,7 @@ class _Constant(OpPolicyBase):
 class _ByOp(OpPolicyBase):
     """``hit`` for the ops in a set, ``miss`` for every other op."""
 
-    __slots__ = ("_asked_to_keep", "_hit", "_miss", "_ops", "_repr")
+    __slots__ = ("_asked_to_keep", "_hit", "_keeps_ranking", "_miss", "_ops", "_repr")
 
     def __init__(
         self,
@@ -180,6 +187,9 @@ class _ByOp(OpPolicyBase):
         self._miss = miss
         self._repr = description
         self._asked_to_keep = asked  # what it names for keeping (``_selective.unkept``)
+        # Whether it may save a ranking op (NOTE [Routing ops], Rule 3, read by the forward
+        # mode: the makers of scores are then noted for a hand-over).
+        self._keeps_ranking = bool(ops & _RANKING_OPS) and _RANK[hit] >= _RANK[_SAVES]
 
     def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         return self._hit if op in self._ops else self._miss
@@ -240,7 +250,7 @@ class _Combined:
 class _CombinedByOp(OpPolicyBase):
     """``_Combined`` of policies that all answer by op alone: itself answers by op alone."""
 
-    __slots__ = ("_asked_to_keep", "_pick", "_policies", "_repr")
+    __slots__ = ("_asked_to_keep", "_keeps_ranking", "_pick", "_policies", "_repr")
 
     def __init__(
         self, policies: tuple[OpPolicy, ...], pick: Callable[..., CheckpointPolicy], name: str
@@ -250,6 +260,7 @@ class _CombinedByOp(OpPolicyBase):
         self._pick = pick
         self._repr = f"{name}({', '.join(map(repr, policies))})"
         self._asked_to_keep = _asked_by_all(policies, pick)
+        self._keeps_ranking = any(getattr(p, "_keeps_ranking", False) for p in policies)
 
     def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         answers = [
@@ -390,6 +401,45 @@ def save_attention() -> Policy:
         CheckpointPolicy.PREFER_RECOMPUTE,
         "save_attention()",
         Asked(ATTENTION_OPS, frozenset()),
+    )
+
+
+@policy_factory
+def save_routing() -> Policy:
+    """Keep the routing of mixture-of-experts layers, so that recompute cannot route differently.
+
+    Keeps the outputs of the ops that pick experts and dispatch tokens (``ROUTING_OPS``:
+    ``topk``, ``sort`` (which ``argsort`` runs), ``argmax``, ``kthvalue``, ``bincount``,
+    ``histc``, ``nonzero`` (which ``torch.where(mask)`` runs)) and, for the ops that rank
+    scores, the scores they ranked (the router's probabilities): a recompute that computes other
+    scores (another reduction order, a counter that moved) is served the forward's routing and
+    scores, and gradients equal the run without checkpointing. The kept outputs are copies, so
+    a router that normalises its top-k values in place (Hugging Face's Mixtral) is replayed as
+    it ran; see NOTE [Routing ops] in ``checkpointing._selective.routing``. Default: MUST_SAVE
+    for them (they are small: tokens x experts) and PREFER_RECOMPUTE for the rest; combine it
+    with any policy, e.g. ``either(save_matmuls(), save_routing())``.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, either, save_matmuls, save_routing
+        >>> def moe(x, router, experts):
+        ...     probs = (x @ router).softmax(-1)
+        ...     weight, expert = probs.topk(1)
+        ...     return sum((weight * (x @ w))[expert[:, 0] == e].sum() for e, w in
+        ...                enumerate(experts))
+        >>> x = torch.randn(6, 4)
+        >>> router = torch.randn(4, 2, requires_grad=True)
+        >>> experts = [torch.randn(4, 4, requires_grad=True) for _ in range(2)]
+        >>> policy = either(save_matmuls(), save_routing())
+        >>> loss = checkpointing.checkpoint(moe, x, router, experts, use_reentrant=False,
+        ...                                 context_fn=as_context_fn(policy))
+        >>> loss.backward()
+    """
+    return _ByOp(
+        ROUTING_OPS,
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+        "save_routing()",
     )
 
 

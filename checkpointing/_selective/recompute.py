@@ -15,6 +15,15 @@ where the others live)
           extra time". Recompute slots are never consumed, nor are blanks (Rule 14). The
           recompute mode restarts its counters on every ``__enter__``, so a retained graph meets
           that error, not a "not found" one.
+          Except for regions whose forward ran under ``split_backward()``: a graph that is
+          backwarded in several passes (a zero-bubble pipeline's input-gradient pass, then its
+          weight-gradient pass from the same outputs; both unpack every saved tensor of the
+          nodes they run, so each pass recomputes) needs the kept entries in every pass. There
+          no slot is consumed: each replay takes the same entries (version-checked, Rule 5),
+          and they go when the graph is freed (the frame, hence this mode and its cache, dies
+          with the graph's last holder), never later. Opt-in, because which backward is the last
+          cannot be told while it runs: by default the entries' memory is freed at the first
+          recompute, as torch frees it.
 
 Rejected: entering the recompute mode only when the forward kept something: on the benchmark's
 W3/W4 (nothing kept there) SAC's overhead would fall from about 0.52/0.57 of torch's to
@@ -25,8 +34,12 @@ torch's SAC overhead, and ours add 0.03-0.05 to that (2026-11-23, CPU time, inte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, Final
+
+import torch
 
 from .. import _compat, _offload
 from .._state import span_depth as _span_depth
@@ -37,6 +50,7 @@ from .cache import (
     _CacheEntryMutated,
     _CacheMode,
     _Consumed,
+    _map_leaves,
     _StaleHostAlias,
 )
 from .ops import _IGNORED, _INDUCTOR_CODE, Op, _region_key, _runner, _runners
@@ -52,8 +66,11 @@ _MSG_NOT_CACHED = (
 _MSG_EXTRA_BACKWARD = (
     "Trying to backward an extra time. You are only allowed to backward once on any region "
     "computed under selective activation checkpoint (it hands each cached output out once). "
-    "Fix: run the forward again before another backward, or use a policy that saves nothing "
-    "if you need retain_graph=True."
+    "Fix: run the forward again before another backward. If the graph is backwarded in "
+    "several passes on purpose (retain_graph=True; a zero-bubble pipeline schedule's "
+    "input-gradient then weight-gradient pass), run the forward under "
+    "checkpointing.split_backward(): the kept outputs then serve every pass and are freed "
+    "with the graph."
 )
 _MSG_MUTATED = (
     "Tensor cached during selective activation checkpoint has been mutated: the output of "
@@ -62,6 +79,43 @@ _MSG_MUTATED = (
     "before the in-place op); pass allow_cache_entry_mutation=True only if the change is "
     "harmless for backward."
 )
+
+
+_split_backward: ContextVar[bool] = ContextVar("checkpointing_split_backward", default=False)
+
+
+@contextlib.contextmanager
+def split_backward() -> Iterator[None]:
+    """Selective checkpoints whose forward runs in this block keep their cached outputs for
+    every backward pass over their graph, until the graph is freed (Rule 6).
+
+    For schedules that backward one graph more than once: ``ScheduleInterleavedZeroBubble``
+    and ``ScheduleZBVZeroBubble`` (``torch.distributed.pipelining``) run an input-gradient
+    pass with ``retain_graph=True`` and later a weight-gradient pass; ``retain_graph=True``
+    backwards in general. Each pass recomputes the region from the same kept outputs. Outside
+    this block a region's second backward raises "backward an extra time", as torch's does.
+
+    Memory: the outputs a policy keeps live until the graph is freed rather than until the
+    first recompute; recomputed tensors are still freed as soon as they are used.
+
+    Example:
+        >>> import functools, torch, checkpointing
+        >>> from checkpointing._selective.recompute import split_backward
+        >>> ctx = functools.partial(checkpointing.create_selective_checkpoint_contexts,
+        ...                         [torch.ops.aten.mm.default])
+        >>> w = torch.randn(4, 4, requires_grad=True)
+        >>> x = torch.randn(4, 4, requires_grad=True)
+        >>> with split_backward():
+        ...     y = checkpointing.checkpoint(lambda a: (a @ w).sin(), x, use_reentrant=False,
+        ...                                  context_fn=ctx)
+        >>> (gx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+        >>> (gw,) = torch.autograd.grad(y.sum(), w)
+    """
+    token = _split_backward.set(True)
+    try:
+        yield
+    finally:
+        _split_backward.reset(token)
 
 
 class _CachedMode(_CacheMode):
@@ -77,6 +131,8 @@ class _CachedMode(_CacheMode):
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
         self.replays: dict[object, int] = {}  # per key, the calls replayed so far
         self.taint: _Taint | None = None  # Rule 14: made at this replay's first blank
+        # Rule 6: made with the forward (context_fn runs there), so the forward's block decides.
+        self.consumes = not _split_backward.get()
 
     def __enter__(self) -> _CachedMode:
         self.replays.clear()  # Rule 6: every recompute starts from index 0.
@@ -133,13 +189,20 @@ class _CachedMode(_CacheMode):
                 raise RuntimeError(_MSG_EXTRA_BACKWARD)
             if isinstance(slot, _Blank):
                 return self._blank(slot, func, index, args, kwargs)
-            kept[index] = _CONSUMED
+            if self.consumes:  # Rule 6
+                kept[index] = _CONSUMED
             try:
-                return slot.take(self.allow_cache_entry_mutation, self.offload_stats)
+                out = slot.take(self.allow_cache_entry_mutation, self.offload_stats)
             except _CacheEntryMutated:
                 raise RuntimeError(_MSG_MUTATED.format(op=func, index=index)) from None
             except _StaleHostAlias:
                 return func(*args, **kwargs) if taint is None else taint.run(func, args, kwargs)
+            if self.consumes:
+                return out
+            # Rule 6: autograd gives the returned tensor this replay's history, whose saved
+            # tensors lead back to the frame, and so to this cache: a kept entry handed out
+            # itself would hold its graph alive for good. Each replay gets a fresh alias.
+            return _map_leaves(out, torch.Tensor, _compat.detach_sharing_version)
         raise RuntimeError(_MSG_NOT_CACHED.format(op=func, index=index))
 
     def _blank(
