@@ -1,9 +1,15 @@
-"""A tiny Hugging Face Llama built from a config (random weights, nothing downloaded), for the
-tests that run one."""
+"""Tiny Hugging Face models built from a config (random weights, nothing downloaded), for the
+tests that run one: a Llama, and the planner's zoo of model families."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 import transformers
+from torch import nn
 
 
 def tiny_llama(layers: int = 2) -> transformers.PreTrainedModel:
@@ -18,3 +24,250 @@ def tiny_llama(layers: int = 2) -> transformers.PreTrainedModel:
         use_cache=False,
     )
     return transformers.LlamaForCausalLM(config).train()
+
+
+# The planner's zoo (tests/test_planner_zoo.py, issue 43 point 1): one tiny member of each family,
+# random weights from a config, training mode, transformers' defaults kept where the zoo tests them
+# (use_cache stays True: a decoder then hands each layer its key/value cache). Two layers, hidden
+# size 32 to 64, dropout where the family has it, so that replays must draw as the forward drew.
+_VOCAB = 96
+_SEQ = 16
+_BATCH = 2
+# Special tokens inside the tiny vocabulary (the configs' defaults are GPT-2's 50256 and warn).
+_TOKENS: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+
+
+@dataclass(frozen=True)
+class ZooMember:
+    """A model, one step's inputs, its loss, and the planner's ``regions`` (None: the default)."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor]
+    regions: Callable[[nn.Module], bool] | None = None
+
+
+def _hf_loss(output: Any) -> torch.Tensor:
+    """The model's own loss (``labels`` given)."""
+    loss: torch.Tensor = output.loss
+    return loss
+
+
+def _ids(*shape: int) -> torch.Tensor:
+    return torch.randint(0, _VOCAB, shape, generator=torch.Generator().manual_seed(1))
+
+
+def _causal(model: transformers.PreTrainedModel) -> ZooMember:
+    """A causal LM's step: token ids as the input and the labels (the model shifts them)."""
+    ids = _ids(_BATCH, _SEQ)
+    return ZooMember(model.train(), (ids,), {"labels": ids.clone()}, _hf_loss)
+
+
+def _zoo_gpt2() -> ZooMember:
+    config = transformers.GPT2Config(
+        vocab_size=_VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, **_TOKENS
+    )
+    return _causal(transformers.GPT2LMHeadModel(config))
+
+
+def _zoo_gpt_neox() -> ZooMember:
+    config = transformers.GPTNeoXConfig(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
+    return _causal(transformers.GPTNeoXForCausalLM(config))
+
+
+def _llama_like(config_type: Any, model_type: Any, **extra: Any) -> ZooMember:
+    config = config_type(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+        **extra,
+    )
+    return _causal(model_type(config))
+
+
+def _zoo_phi() -> ZooMember:
+    config = transformers.PhiConfig(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attention_dropout=0.1,
+    )
+    return _causal(transformers.PhiForCausalLM(config))
+
+
+def _zoo_opt() -> ZooMember:
+    config = transformers.OPTConfig(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+    )
+    return _causal(transformers.OPTForCausalLM(config))
+
+
+def _zoo_bert() -> ZooMember:
+    config = transformers.BertConfig(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    ids = _ids(_BATCH, _SEQ)
+    model = transformers.BertForMaskedLM(config).train()
+    return ZooMember(model, (ids,), {"labels": ids.clone()}, _hf_loss)
+
+
+def _seq2seq(model: transformers.PreTrainedModel) -> ZooMember:
+    """An encoder-decoder's step with its decoder's layers among the regions: decoder inputs
+    given and no ``labels`` (with labels the model turns its cache off itself), so each decoder
+    layer gets the EncoderDecoderCache; the loss on the logits against the inputs shifted."""
+    ids = _ids(_BATCH, _SEQ)
+    layer = transformers.modeling_layers.GradientCheckpointingLayer
+
+    def loss_fn(output: Any) -> torch.Tensor:
+        logits = output.logits[:, :-1].flatten(0, 1)
+        return nn.functional.cross_entropy(logits, ids[:, 1:].flatten())
+
+    return ZooMember(
+        model.train(),
+        (ids,),
+        {"decoder_input_ids": ids.clone()},
+        loss_fn,
+        lambda m: isinstance(m, layer),
+    )
+
+
+def _zoo_bart() -> ZooMember:
+    config = transformers.BartConfig(
+        vocab_size=_VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        **_TOKENS,
+    )
+    return _seq2seq(transformers.BartForConditionalGeneration(config))
+
+
+def _zoo_t5() -> ZooMember:
+    config = transformers.T5Config(
+        vocab_size=_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        **_TOKENS,
+    )
+    return _seq2seq(transformers.T5ForConditionalGeneration(config))
+
+
+def _zoo_vit() -> ZooMember:
+    config = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        num_labels=5,
+    )
+    pixels = torch.randn(_BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([1, 3])
+    model = transformers.ViTForImageClassification(config).train()
+    return ZooMember(model, (pixels,), {"labels": labels}, _hf_loss)
+
+
+def _zoo_mixtral() -> ZooMember:
+    return _llama_like(
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
+def _zoo_qwen2_moe() -> ZooMember:
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return _causal(transformers.Qwen2MoeForCausalLM(config))
+
+
+def _zoo_torch_encoder() -> ZooMember:
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.1, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    x = torch.randn(_BATCH, _SEQ, 32, generator=torch.Generator().manual_seed(1))
+    return ZooMember(model, (x,), {}, lambda out: out.square().mean())
+
+
+ZOO: dict[str, Callable[[], ZooMember]] = {
+    "gpt2": _zoo_gpt2,
+    "gpt_neox": _zoo_gpt_neox,
+    "llama": lambda: _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": lambda: _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": lambda: _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "phi": _zoo_phi,
+    "opt": _zoo_opt,
+    "bert": _zoo_bert,
+    "bart": _zoo_bart,
+    "t5": _zoo_t5,
+    "vit": _zoo_vit,
+    "mixtral": _zoo_mixtral,
+    "qwen2_moe": _zoo_qwen2_moe,
+    "torch_encoder": _zoo_torch_encoder,
+}
+if hasattr(transformers, "Qwen3ForCausalLM"):
+    ZOO["qwen3"] = lambda: _llama_like(
+        transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=8
+    )
+
+
+def zoo_member(name: str) -> ZooMember:
+    """The zoo's ``name``, built with the weights seeded (the same model on every call)."""
+    torch.manual_seed(0)
+    return ZOO[name]()

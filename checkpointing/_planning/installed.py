@@ -24,13 +24,14 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import _compat
+from .._caches import drop_caches
 from .._module import is_module_checkpointed, remove_checkpoint_module
 from .profile import input_shapes
 from .spans import SpanHooks, span_hook_mark, take_off_spans
@@ -86,12 +87,16 @@ class Installed:
     spans: SpanHooks
     ends: list[torch.utils.hooks.RemovableHandle]
     """Rule 24: the hooks that end a region's frame at its trail."""
+    caches: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+    """NOTE [Key/value caches], Rule 2: every region's ``drop_caches`` pre-hook."""
 
     def remove(self) -> None:
         """Every hook off; a region whose removal raises (during the model's forward) stays
         listed, so that a later call finishes."""
         while self.ends:
             self.ends.pop().remove()
+        while self.caches:
+            self.caches.pop().remove()
         while self.modules:
             remove_checkpoint_module(self.modules[-1])
             self.modules.pop()
@@ -140,6 +145,8 @@ def take_off(
         if isinstance(hook, ShapeCheck) and hook.mark == mark:
             _compat.remove_forward_hooks(model, hook, hook)
     take_off_spans(model, mark)
+    for module in modules.values():  # NOTE [Key/value caches], Rule 2: on every region
+        _compat.remove_forward_hooks(module, drop_caches, drop_caches)
 
 
 def take_off_found(model: nn.Module, regions: Iterable[str]) -> None:

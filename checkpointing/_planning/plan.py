@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._caches import drop_caches
 from .._errors import describe_value
 from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
 from .._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
@@ -324,6 +325,11 @@ class ActivationPlan:
         head, tail, trails = self._spans_in(model)
         installed: list[nn.Module] = []
         ends: list[torch.utils.hooks.RemovableHandle] = []
+        modules = dict(model.named_modules())  # NOTE [Key/value caches], Rule 2: every region
+        caches = [
+            modules[r.name].register_forward_pre_hook(drop_caches, with_kwargs=True, prepend=True)
+            for r in self.regions
+        ]
         try:  # all or nothing: what was installed goes again if a later step raises
             for module, context_fn in chosen:
                 checkpoint_module(module, context_fn=context_fn)
@@ -335,12 +341,12 @@ class ActivationPlan:
             hook = model.register_forward_pre_hook(check, with_kwargs=True)
             spans = SpanHooks(model, head, tail, [child for _, child in trails], self._mark)
         except BaseException:
-            for handle in ends:
+            for handle in [*ends, *caches]:
                 handle.remove()
             for module in installed:
                 remove_checkpoint_module(module)
             raise
-        self._applied = Installed(weakref.ref(model), installed, hook, spans, ends)
+        self._applied = Installed(weakref.ref(model), installed, hook, spans, ends, caches)
         self._model = weakref.ref(model)
         return model
 

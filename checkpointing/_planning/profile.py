@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from .._caches import dropping_caches
 from .._scope.ops import written_tensors
 from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
 from .._state import ForwardState
@@ -589,7 +590,13 @@ def tail_regions(
         handles.append(module.register_forward_hook(leave))
     inputs = list(tensors((args, kwargs)))
     try:
-        with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
+        # NOTE [Key/value caches], Rule 2: the blocks run as the profile and the plan run them.
+        with (
+            untouched([model], inputs),
+            torch.enable_grad(),
+            torch.inference_mode(False),
+            dropping_caches(m for _, m in blocks),
+        ):
             model(*args, **kwargs)
     finally:
         for handle in handles:
@@ -631,7 +638,13 @@ def profile_step(
     wrt, device, synchronize = step_setting(model, inputs)
     steps = []
     # Rule 8: the profiled steps train, so grad is on whatever the caller's mode (restored after).
-    with untouched([model], inputs), torch.enable_grad(), torch.inference_mode(False):
+    # NOTE [Key/value caches], Rule 2: every region runs without the caches it is handed.
+    with (
+        untouched([model], inputs),
+        torch.enable_grad(),
+        torch.inference_mode(False),
+        dropping_caches(m for _, m in regions),
+    ):
         for _ in range(1 + _PROFILE_STEPS):
             steps.append(
                 _one_step(model, regions, args, kwargs, loss_fn, leaves, wrt, synchronize, tail)

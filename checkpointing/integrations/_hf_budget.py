@@ -22,6 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import PreTrainedModel
 
 from .. import _compat
+from .._caches import drop_caches
 from .._planning import ActivationPlan, plan_checkpointing
 from .._planning.installed import take_off_found
 from .._planning.profile import default_loss
@@ -143,16 +144,10 @@ def _drop_cache(
     layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Rule 7: while autograd records (so the layer may be recomputed), it runs without its
-    key/value cache, as transformers' layers do under their own checkpointing."""
-    if not torch.is_grad_enabled():
-        return None
-    names = ["past_key_values", "layer_past"]
-    if getattr(layer, "_can_checkpoint_with_cache", False):
-        names = []
-    dropped: dict[str, bool | None] = {n: None for n in names if kwargs.get(n) is not None}
-    if kwargs.get("use_cache"):
-        dropped["use_cache"] = False
-    return (args, {**kwargs, **dropped}) if dropped else None
+    key/value cache, as transformers' layers do under their own checkpointing: the planner's
+    ``drop_caches`` (NOTE [Key/value caches]), under this integration's own name, by which
+    ``has_plan`` finds the layers it planned."""
+    return drop_caches(layer, args, kwargs)
 
 
 @contextlib.contextmanager
