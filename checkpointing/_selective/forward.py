@@ -78,6 +78,7 @@ from .policy import (
     _Plan,
     answers_by_op,
 )
+from .routing import RANKING_IDS, ROUTING_IDS, copy_outputs
 from .skip import may_skip
 from .unkept import Makers, Unkept, asked_of, cause_of, note_makers, say_random
 
@@ -92,6 +93,8 @@ _PLAN_ASK: Final = _Plan.ASK
 _PLACEHOLDER: Final = _Action.PLACEHOLDER
 _OFFLOAD: Final = _Action.OFFLOAD
 _dispatch_mode_depth: Final = _compat.dispatch_mode_depth
+_ROUTING_IDS: Final = ROUTING_IDS
+_RANKING_IDS: Final = RANKING_IDS
 
 # Rule 12: the answers that keep an op with an ordered effect all the same (every "recompute"
 # answer except MUST_RECOMPUTE, and Rule 14's skip), by identity; and, under a tracing compiler,
@@ -228,7 +231,11 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         ):
             action = _Action.RECOMPUTE  # Rule 14: a blank could be wrong here (random: below)
         if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
-            record.keep(index, _Blank(out) if action is _PLACEHOLDER else self._entry(out, action))
+            if action is _Action.SAVE and id(func) in _ROUTING_IDS:
+                self._keep_routing(func, args, out, record, index)
+            else:
+                entry = _Blank(out) if action is _PLACEHOLDER else self._entry(out, action)
+                record.keep(index, entry)
             if self._makers is not None and type(out) is torch.Tensor:
                 self._makers.pop(id(out), None)  # Rule 15: kept, so a tag of it keeps it
         elif func is TAG_OP:
@@ -242,6 +249,15 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             elif self._makers is not None:  # Rule 15 (c)
                 note_makers(self._makers, func, out, record.pure, random)
         return out
+
+    def _keep_routing(
+        self, func: Op, args: tuple[Any, ...], out: Any, record: _OpRecord, index: int
+    ) -> None:
+        """NOTE [Routing ops], Rules 2 and 3: keep a copy of a routing op's outputs and, for a
+        ranking op, hand the save over to the maker of the scores it ranked."""
+        record.keep(index, self._entry(copy_outputs(out), _Action.SAVE))
+        if id(func) in _RANKING_IDS and args and isinstance(args[0], torch.Tensor):
+            self._hand_over(args[0], _Action.SAVE)
 
     def _tag(self, args: tuple[Any, ...], kwargs: dict[str, Any], action: _Action) -> None:
         """A kept tag: Rule 8's hand-over, and Rule 15 (c)'s note when its name was named."""
@@ -370,11 +386,21 @@ def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
         return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
     if func is TAG_OP or draw_rule >= 0 or action is _PLACEHOLDER or effect:
         return _Plan.CHECK, action  # Rules 8, 10, 14; collectives: agree (in _decide)
+    if action is _Action.SAVE and id(func) in _ROUTING_IDS:
+        return _Plan.CHECK, action  # NOTE [Routing ops], Rules 2 and 3
     if action is not _Action.RECOMPUTE:
         return _Plan.KEEP, action
-    if pure and _tags_may_keep(policy, plans):
-        return _Plan.NOTE, action  # Rule 8: its output may take a later tag's decision
+    if pure and (_tags_may_keep(policy, plans) or _ranking_may_keep(policy)):
+        return _Plan.NOTE, action  # Rule 8: its output may take a later decision
     return _Plan.COUNT, action
+
+
+def _ranking_may_keep(policy: OpPolicy) -> bool:
+    """Whether an op-only policy may save a ranking op, whose scores then take its decision
+    (NOTE [Routing ops], Rule 3): the makers of scores must be noted. Our policies say so
+    (``_keeps_ranking``); a user's op-only policy is asked about the ops its regions run only
+    (Rule 1), so under it scores are noted only where its tags need it."""
+    return bool(getattr(policy, "_keeps_ranking", False))
 
 
 def _tags_may_keep(policy: OpPolicy, plans: dict[int, _OpPlan]) -> bool:
