@@ -1,0 +1,232 @@
+"""Mixture-of-experts routing under checkpointing: ``policies.save_routing()`` and the drift error.
+
+NOTE [Routing ops] (``checkpointing/_selective/routing.py``): a policy that saves routing ops
+keeps a private copy of their outputs (Rule 2) and, for the ops that rank scores, the scores
+too (Rule 3). NOTE [Determinism checks], Rule 5 (``checkpointing/_determinism.py``): where
+routing is recomputed and drifts, the error names the source line, without debug mode.
+
+The drift is forced: the toy layer's router adds a shift to its logits on every second call, so
+the recompute of a checkpointed layer picks other experts, with other token counts, than its
+forward did (the plain run calls the router once per step and never shifts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import (
+    create_selective_checkpoint_contexts as torch_contexts,
+)
+
+import checkpointing
+from checkpointing import CheckpointError, CheckpointPolicy
+from checkpointing._selective import answers_by_op, is_composite
+from checkpointing._selective.routing import RANKING_OPS
+from checkpointing.policies import (
+    ROUTING_OPS,
+    as_context_fn,
+    both,
+    either,
+    save_everything,
+    save_matmuls,
+    save_only_these_names,
+    save_ops,
+    save_routing,
+)
+
+aten = torch.ops.aten
+TOKENS, WIDTH, EXPERTS, TOP_K = 16, 8, 4, 2
+
+
+class ShiftingRouter(nn.Module):
+    """A router whose logits move on every second call: a kernel that differs on recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, WIDTH))
+        self.shift = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(5)) * 3
+        self.calls = 0
+        self.drifts = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        moved = float(self.drifts and self.calls % 2 == 0)  # the same ops either way
+        return F.linear(x, self.weight) + self.shift[: x.shape[0]] * moved
+
+
+class ToyMoE(nn.Module):
+    """Hugging Face Mixtral's routing, in small: softmax, top-k, top-k values normalised in
+    place, one_hot, ``torch.where`` per expert, ``index_add_``; dropout inside the experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = ShiftingRouter()
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).softmax(-1)
+        weights, chosen = torch.topk(probs, TOP_K, dim=-1)
+        weights /= weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, EXPERTS).permute(2, 1, 0)
+        for expert in range(EXPERTS):
+            slot, token = torch.where(mask[expert])
+            hidden = F.dropout(self.experts[expert](x[token]), 0.1) * weights[token, slot, None]
+            out.index_add_(0, token, hidden)
+        return out
+
+
+def _model() -> tuple[ToyMoE, torch.Tensor]:
+    torch.manual_seed(0)
+    return ToyMoE(), torch.randn(TOKENS, WIDTH, requires_grad=True)
+
+
+def _grads(model: ToyMoE, x: torch.Tensor, run: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """One step from a fresh router counter and RNG state: every gradient, the input's last."""
+    model.zero_grad()
+    x.grad = None
+    model.router.calls = 0
+    torch.manual_seed(1)
+    run().square().sum().backward()
+    grads = [p.grad for p in model.parameters()] + [x.grad]
+    assert all(g is not None for g in grads)
+    return [g.clone() for g in grads if g is not None]
+
+
+def _plain(model: ToyMoE, x: torch.Tensor) -> list[torch.Tensor]:
+    return _grads(model, x, lambda: model(x))
+
+
+def _ours(model: ToyMoE, x: torch.Tensor, **options: Any) -> list[torch.Tensor]:
+    return _grads(
+        model, x, lambda: checkpointing.checkpoint(model, x, use_reentrant=False, **options)
+    )
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def test_save_routing_reads_as_a_sentence() -> None:
+    """``save_routing()`` names itself, keeps the routing ops, recomputes the rest, answers by
+    op alone, and combines like any policy."""
+    policy = save_routing()
+    assert repr(policy) == "save_routing()"
+    assert answers_by_op(policy)
+    assert policy(None, aten.topk.default) == CheckpointPolicy.MUST_SAVE  # type: ignore[arg-type]
+    assert policy(None, aten.nonzero.default) == CheckpointPolicy.MUST_SAVE  # type: ignore[arg-type]
+    assert policy(None, aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE  # type: ignore[arg-type]
+    combined = either(save_matmuls(), save_routing())
+    assert repr(combined) == "either(save_matmuls(), save_routing())"
+    assert combined(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE  # type: ignore[arg-type]
+    assert combined(None, aten.topk.default) == CheckpointPolicy.MUST_SAVE  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"save_routing\(\)"):
+        either(save_routing)  # type: ignore[arg-type]
+
+
+def test_rule1_routing_ops_are_functional_dispatched_overloads() -> None:
+    """Rule 1: the ops that rank, count and find tokens, each a functional overload that
+    reaches a dispatch mode; ``max.dim`` and ``cumsum`` left out on purpose."""
+    names = {str(op) for op in ROUTING_OPS}
+    assert {"aten.topk.default", "aten.sort.stable", "aten.argmax.default"} <= names
+    assert {"aten.bincount.default", "aten.histc.default", "aten.nonzero.default"} <= names
+    assert not {"aten.max.dim", "aten.cumsum.default", "aten.topk.values"} & names
+    assert RANKING_OPS < ROUTING_OPS
+    assert not any(is_composite(op) or op._schema.is_mutable for op in ROUTING_OPS)
+
+
+def test_without_drift_save_routing_equals_the_plain_run_bitwise() -> None:
+    """With a router that computes the same scores twice, ``save_routing()`` alone and combined
+    give the plain run's gradients bit for bit (dropout in the experts included)."""
+    model, x = _model()
+    model.router.drifts = False
+    plain = _plain(model, x)
+    for policy in (save_routing(), either(save_matmuls(), save_routing())):
+        assert _equal(_ours(model, x, context_fn=as_context_fn(policy)), plain)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        save_routing(),
+        either(save_matmuls(), save_routing()),
+        both(save_everything(), save_routing()),
+        either(save_only_these_names("unused"), save_routing()),  # asked per call
+        save_ops(aten.topk.default, aten.nonzero.default),
+    ],
+    ids=repr,
+)
+def test_rule3_drifting_router_is_served_the_kept_routing(policy: Any) -> None:
+    """Rules 2 and 3: the recompute's router computes other scores, yet gradients equal the
+    plain run's exactly: the top-k (normalised in place after it ran) and the scores it ranked
+    are the forward's."""
+    model, x = _model()
+    plain = _plain(model, x)
+    assert _equal(_ours(model, x, context_fn=as_context_fn(policy)), plain)
+    assert model.router.calls == 2  # the drift did happen: the recompute ran the router
+
+
+def test_torch_selective_checkpoint_fails_on_the_in_place_normalisation() -> None:
+    """Side by side: torch's selective checkpointing with the same policy keeps the top-k as an
+    alias, which the router's in-place normalisation changes: torch refuses the step."""
+    model, x = _model()
+
+    def run() -> torch.Tensor:
+        out = torch_checkpoint(
+            model,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: torch_contexts(save_routing()),
+        )
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    with pytest.raises(RuntimeError, match="mutated"):
+        _grads(model, x, run)
+
+
+def test_rule5_plain_checkpoint_drift_names_the_source_line() -> None:
+    """NOTE [Determinism checks], Rule 5: without debug, recomputed routing that drifts is a
+    ``CheckpointError`` naming the line and expression that saved the first differing tensor,
+    and the fix (``save_routing``)."""
+    model, x = _model()
+    with pytest.raises(CheckpointError) as info:
+        _ours(model, x)
+    message = str(info.value)
+    assert "different metadata" in message
+    assert f"{__file__}:" in message
+    assert "in forward, running `x[token]`" in message
+    assert "self.experts[expert](x[token])" in message
+    assert "save_routing()" in message
+
+
+def test_rule5_selective_drift_notes_the_source_line() -> None:
+    """Rule 5: under a policy that recomputes the routing, the drift breaks an op of the
+    recompute; the exception keeps its type and message and gets a note with the region, the
+    line and the fix."""
+    model, x = _model()
+    with pytest.raises(RuntimeError) as info:
+        _ours(model, x, context_fn=as_context_fn(save_matmuls()))
+    assert not isinstance(info.value, CheckpointError)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "raised while recomputing ToyMoE for backward" in notes
+    assert f"{__file__}:" in notes
+    assert "save_routing()" in notes
+
+
+def test_rule5_messages_are_the_same_on_every_call() -> None:
+    """Rule 5: the message holds nothing particular to the process or the call (what lets every
+    rank raise the same text): two fresh models that drift alike raise the same message."""
+    messages = []
+    for _ in range(2):
+        model, x = _model()
+        with pytest.raises(CheckpointError) as info:
+            _ours(model, x)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
