@@ -45,6 +45,7 @@ import torch
 
 from ._compat import TorchDispatchMode
 from ._errors import CheckpointError
+from ._recompute_context import DeclaredContext
 
 __all__ = [
     "DeterminismCheck",
@@ -355,7 +356,7 @@ class OpLogger:
         return [op for op in self.ops if op.name not in _IGNORED_IN_COMPARISON]
 
 
-class _LoggingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+class _LoggingMode(TorchDispatchMode, DeclaredContext):  # type: ignore[no-untyped-call]  # untyped base
     # A skipped kept span only shortens the log (NOTE [Kept spans], Rule 6).
     honours_kept_spans = True
 

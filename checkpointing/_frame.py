@@ -88,6 +88,7 @@ from ._determinism import (
 )
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
+from ._recompute_context import declared, hand_respect
 from ._regions import region_label
 from ._selective import replay_taint
 from ._span import Span
@@ -378,7 +379,7 @@ class Frame:
         # may still save more, so then the count is read per tensor.
         n_fixed = len(holders) if self.forward_completed else -1
         # Rule 9: a recompute mode that passes ``detach`` through need not see ours.
-        quiet_detach = getattr(self.recompute_context, "passes_detach_through", False)
+        quiet_detach = declared(self.recompute_context).passes_detach_through
         mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
         sites: list[str] = []  # where the first mismatch was saved
         count = 0
@@ -565,8 +566,7 @@ def checkpoint_without_reentrant_generator_impl(
         forward_context = recompute_context = NULL_CONTEXT
     else:
         forward_context, recompute_context = context_fn()  # called once per call, as torch
-        if hasattr(forward_context, "respect_saved_tensors_hooks"):  # a selective checkpoint's
-            forward_context.respect_saved_tensors_hooks = respect_saved_tensors_hooks
+        hand_respect(forward_context, respect_saved_tensors_hooks)  # a selective checkpoint's
     if not torch.is_grad_enabled():
         yield  # nothing will be saved: no frame, no state capture
         return

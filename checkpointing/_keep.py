@@ -37,11 +37,12 @@ NOTE [Kept spans]
           the replay alike (neither cached nor counted), so a policy and spans compose. What
           the replay does on a skipped span's behalf (views of its arguments rebuilt with
           ``as_strided``, its outputs served) runs inside the span's marker too: the forward
-          never ran those ops outside a span. A checkpoint whose ``context_fn`` is not ours
-          (torch's selective contexts, a user's mode) makes every span a plain call, said once
-          by a warning: skipping ops a foreign recompute context counted would desynchronise
-          it. One with ``honours_kept_blocks = False`` (the planner's draws modes, which answer
-          draws without drawing) makes ``with keeping():`` blocks plain calls, silently.
+          never ran those ops outside a span. A checkpoint whose recompute context does not
+          say ``honours_kept_spans`` (torch's selective contexts, a user's mode: NOTE
+          [Recompute context protocol]) makes every span a plain call, said once by a warning:
+          skipping ops a foreign recompute context counted would desynchronise it. One that
+          says ``honours_kept_blocks = False`` (the planner's draws modes, which answer draws
+          without drawing) makes ``with keeping():`` blocks plain calls, silently.
   Rule 7. ``with keeping():`` cannot skip its body (Python runs a ``with`` block whatever its
           context manager does). In forward everything the block saves is kept; the replay
           runs the block again under a hook that stores nothing, and early stop ends the replay
@@ -97,6 +98,7 @@ from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._frame import NULL_CONTEXT, Frame
 from ._offload import OffloadStats
+from ._recompute_context import declared
 from ._selective import CheckpointPolicy
 from ._span import Held, Span, held_outputs, hold_outputs, map_tensors
 from ._span_args import (
@@ -288,8 +290,9 @@ def _span_name(fn: object, name: str | None) -> str:
 def _foreign_context(frame: Frame, block: bool = False) -> bool:
     """Rule 6: a recompute context we cannot keep in step with a skipped span (or block)."""
     context = frame.recompute_context
-    if context is NULL_CONTEXT or getattr(context, "honours_kept_spans", False):
-        return block and not getattr(context, "honours_kept_blocks", True)
+    answers = declared(context)  # NOTE [Recompute context protocol]
+    if context is NULL_CONTEXT or answers.honours_kept_spans:
+        return block and not answers.honours_kept_blocks
     what = type(context).__name__
     if what not in _warned_foreign:
         _warned_foreign.add(what)

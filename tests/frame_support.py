@@ -23,6 +23,7 @@ import torch.utils.checkpoint as torch_checkpoint_module
 
 import checkpointing
 from checkpointing._compat import TorchDispatchMode
+from checkpointing._recompute_context import DeclaredContext
 
 
 @dataclass(frozen=True)
@@ -103,15 +104,16 @@ def is_torch_2_11_input_saver_op(func: Any) -> bool:
     return frame is not None and frame.f_code in savers
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode, DeclaredContext):
     """Counts the aten ops run while active, by name.
 
     ``detach`` is left out: each implementation detaches recomputed tensors its own way, and a
     detach computes nothing. It is counted apart, in ``detaches``. ``passes_detach_through``
     marks the counter as a recompute mode that lets the frame detach below it (NOTE [Nestable
-    checkpoint], Rule 9). On torch 2.11 only, the two ``aten.empty`` per checkpoint call with
-    which torch's own checkpoint saves inputs (``INPUTS_SAVED_WITHOUT_A_DUMMY``) are left out
-    too, counted apart in ``input_savers``; newer torch and ours dispatch nothing there.
+    checkpoint], Rule 9; NOTE [Recompute context protocol]). On torch 2.11 only, the two
+    ``aten.empty`` per checkpoint call with which torch's own checkpoint saves inputs
+    (``INPUTS_SAVED_WITHOUT_A_DUMMY``) are left out too, counted apart in ``input_savers``;
+    newer torch and ours dispatch nothing there.
     """
 
     def __init__(self, passes_detach_through: bool = False) -> None:
@@ -119,7 +121,11 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
         self.detaches = 0
         self.input_savers = 0
-        self.passes_detach_through = passes_detach_through
+        self._passes = passes_detach_through
+
+    @property
+    def passes_detach_through(self) -> bool:
+        return self._passes
 
     def __torch_dispatch__(
         self,

@@ -29,6 +29,7 @@ from typing import Any, Final
 import torch
 
 from .. import _compat
+from .._recompute_context import DeclaredContext
 from .._selective import draws_random
 from .._state import span_depth
 from .profile import tensors
@@ -67,7 +68,7 @@ class _Draws:
         self.replayed = 0
 
 
-class _KeepDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class _KeepDraws(_compat.TorchDispatchMode, DeclaredContext):  # type: ignore[no-untyped-call]  # untyped base
     """Forward: runs every op; keeps what each random op outside a kept span produced."""
 
     honours_kept_spans: Final = True
@@ -97,7 +98,7 @@ def _keep(out: Any, inputs: list[torch.Tensor]) -> _Kept:
     return ("out", out, out._version)
 
 
-class _ReplayDraws(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+class _ReplayDraws(_compat.TorchDispatchMode, DeclaredContext):  # type: ignore[no-untyped-call]  # untyped base
     """Recompute: answers every random op outside a kept span from the forward, in order; runs
     the others."""
 
@@ -150,7 +151,7 @@ def _restore(func: Any, kept: _Kept, inputs: list[torch.Tensor]) -> Any:
     return value
 
 
-class _Stacked(contextlib.ExitStack):
+class _Stacked(contextlib.ExitStack, DeclaredContext):
     """The draws mode with a selective checkpoint's mode on top of it; passes the frame's
     ``respect_saved_tensors_hooks`` on to the selective mode."""
 

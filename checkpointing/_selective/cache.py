@@ -59,6 +59,7 @@ from .._compat import TorchDispatchMode
 from .._errors import internal_error
 from .._events import announce
 from .._offload import OffloadStats
+from .._recompute_context import DeclaredContext
 from .ops import _OpFacts
 from .policy import _Action, _OpPlan
 
@@ -299,7 +300,7 @@ class _Cache:
         return stats
 
 
-class _CacheMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
+class _CacheMode(TorchDispatchMode, DeclaredContext):  # type: ignore[no-untyped-call]  # untyped base
     """What the forward mode and the recompute mode of a pair share: their ``_Cache``, its
     ``OffloadStats`` and how torch treats them (they see higher-order ops; compile internals
     and dynamo's per-op wrapper pass them by, NOTE [Selective checkpoint cache], Rule 11)."""
