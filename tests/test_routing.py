@@ -12,12 +12,16 @@ forward did (the plain run calls the router once per step and never shifts).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from dist_support import gloo_group, spawn_pair
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import (
@@ -230,3 +234,39 @@ def test_rule5_messages_are_the_same_on_every_call() -> None:
             _ours(model, x)
         messages.append(str(info.value))
     assert messages[0] == messages[1]
+
+
+def _drift_worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank: a step where both ranks drift, then one where only rank 1 does; what each
+    rank raised (or None) is gathered and written down."""
+    with gloo_group(rank, port):
+        seen: dict[str, list[str | None]] = {}
+        for case, drifting in (("both", {0, 1}), ("rank 1", {1})):
+            model, x = _model()
+            model.router.drifts = rank in drifting
+            message: str | None = None
+            try:
+                _ours(model, x)
+            except CheckpointError as error:
+                message = str(error)
+            gathered: list[str | None] = [None, None]
+            dist.all_gather_object(gathered, message)
+            seen[case] = gathered
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.once
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_rule5_every_drifting_rank_raises_the_same_message(tmp_path: Path) -> None:
+    """Rule 5 on 2 gloo processes: ranks that drift raise the same message; a rank that does
+    not drift raises nothing of ours (its backward finishes; it would wait at its next
+    collective for the rank that raised)."""
+    spawn_pair(_drift_worker, str(tmp_path))
+    seen = [json.loads(Path(tmp_path, f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0] == seen[1]  # both ranks gathered the same answers
+    both, one = seen[0]["both"], seen[0]["rank 1"]
+    assert both[0] is not None
+    assert both[0] == both[1]
+    assert "save_routing()" in both[0]
+    assert one[0] is None
+    assert one[1] == both[0]
