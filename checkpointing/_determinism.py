@@ -93,17 +93,17 @@ _MSG_METADATA_MISMATCH = (
     "backward).\n{hint}{tip}"
 )
 _MSG_DRIFT_SITE = "First differing tensor: position {idx}, saved during recomputation at {site}\n"
-_MSG_DRIFT_HINT = (
+_DRIFT_FIX = (
     "If the region routes tokens to experts (mixture of experts), its recompute routed them "
     "differently (scores computed in another order, a counter or noise that moved): keep the "
     "routing so that recompute replays it, with context_fn=as_context_fn(save_routing()) from "
-    "checkpointing.policies (combined with a policy: either(policy, save_routing())).\n"
+    "checkpointing.policies (combined with a policy: either(policy, save_routing()))."
 )
+_MSG_DRIFT_HINT = _DRIFT_FIX + "\n"
 _MSG_RECOMPUTE_RAISED = (
     "checkpointing: raised while recomputing {region} for backward, at {site}. If the forward "
     "ran this code without error, the recompute computed something different (global state, "
-    "RNG, or data-dependent control flow changed between forward and backward). "
-    + _MSG_DRIFT_HINT.rstrip("\n")
+    "RNG, or data-dependent control flow changed between forward and backward). " + _DRIFT_FIX
 )
 _MSG_BAD_DETERMINISM_CHECK = (
     "checkpointing.checkpoint: determinism_check should be one of ['default', 'none'], but got "
