@@ -586,7 +586,7 @@ def test_budget_default_loss_without_labels(llama: transformers.PreTrainedModel)
 def test_module_docstring_examples() -> None:
     """The examples in the integration's docstrings run as written (``CheckpointingCallback``'s
     when accelerate, which the ``Trainer`` needs, is installed)."""
-    modules = [hf_checkpointing]
+    modules = [importlib.import_module("checkpointing.integrations._hf_enable")]
     if importlib.util.find_spec("accelerate") is not None:
         modules.append(importlib.import_module("checkpointing.integrations._hf_callback"))
     for module in modules:

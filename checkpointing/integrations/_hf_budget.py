@@ -4,7 +4,7 @@ Owns installing a ``checkpointing.plan_checkpointing`` plan over a model's
 ``GradientCheckpointingLayer`` blocks (profiled in training mode, each layer's key/value cache
 dropped while autograd records, transformers' flags telling the truth) and finding and removing
 it again from the model itself, a deep copy included. Its rules are Rules 6, 7, 8 and 11 of
-NOTE [transformers integration] (in ``transformers``, which owns ``enable``/``disable``, the
+NOTE [transformers integration] (in ``_hf_enable``, which owns ``enable``/``disable``, the
 options and the input-embedding hooks); planning belongs to ``checkpointing._planning``.
 """
 

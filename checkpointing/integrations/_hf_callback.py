@@ -4,9 +4,10 @@ Owns ``CheckpointingCallback``, a ``transformers.TrainerCallback`` that runs
 ``checkpointing.integrations.transformers.enable`` on the ``Trainer``'s model (a PEFT model
 included) with the policy, budget and options it was made with, and the batch a budget profiles
 when none was given. What ``enable`` installs, and how it outlives a later
-``activation_checkpointing_enable()``, belongs to ``transformers`` (NOTE [transformers
-integration]), which loads this module on first use of the name: the ``Trainer``'s modules
-(``training_args``, ``trainer_callback`` and some 300 more) load only for those who use it.
+``activation_checkpointing_enable()``, belongs to ``_hf_enable`` (NOTE [transformers
+integration]), which this module imports; the face (``transformers``) loads this module on
+first use of the name: the ``Trainer``'s modules (``training_args``, ``trainer_callback`` and
+some 300 more) load only for those who use it.
 
 NOTE [Trainer callback]
   Rule 1. Options are checked when the callback is made, as ``enable`` checks them: a mistake
@@ -41,7 +42,7 @@ from transformers.training_args import TrainingArguments
 from .._planning import ActivationPlan
 from ..policies import Policy
 from ._hf_budget import has_plan
-from .transformers import _check_options, _unwrap, enable
+from ._hf_enable import check_options, enable, unwrap
 
 __all__ = ["CheckpointingCallback"]
 
@@ -132,7 +133,7 @@ class CheckpointingCallback(TrainerCallback):
     ) -> None:
         profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
         profiling["loss_fn="] = loss_fn
-        _check_options(_API, policy, budget, every_n_layers, profiling, checkpoint_options)
+        check_options(_API, policy, budget, every_n_layers, profiling, checkpoint_options)
         self.policy = policy
         self.budget = budget
         self.every_n_layers = every_n_layers
@@ -167,7 +168,7 @@ class CheckpointingCallback(TrainerCallback):
             return
         if args.activation_checkpointing:
             raise ValueError(_MSG_BUDGET_AND_TRAINER)
-        if self.plan is not None and has_plan(_unwrap(model, _API)):
+        if self.plan is not None and has_plan(unwrap(model, _API)):
             return  # Rule 4
         example_inputs, example_kwargs = self.example_inputs, self.example_kwargs
         if example_inputs is None and example_kwargs is None:
