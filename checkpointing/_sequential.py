@@ -41,7 +41,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _compat, _compiled
 from ._checkpoint import checkpoint
 from ._errors import describe_value
-from ._planning.profile import untouched
 from ._schedule import (
     STRATEGIES,
     LayerCost,
@@ -53,6 +52,8 @@ from ._schedule import (
     segment_bounds,
 )
 from ._state import ContextFn, is_noop_context_fn, noop_context_fn, state_hooks_from
+from ._trees import StorageKey, storage_key, storage_nbytes, tensors
+from ._untouched import untouched
 
 __all__ = ["checkpoint_sequential", "measure_costs", "segment_bounds", "sequential_schedule"]
 
@@ -416,7 +417,7 @@ def _costs_for(
         if len(given) != len(chain) or not all(isinstance(c, LayerCost) for c in given):
             observed = f"{len(given)} items of types {sorted({type(c).__name__ for c in given})}"
             raise ValueError(_MSG_BAD_COSTS.format(api=api, n=len(chain), observed=observed))
-        inputs = _tensors(_Runner.args_of(input, unpack))
+        inputs = tensors(_Runner.args_of(input, unpack))
         if _compiled.compiling():  # storages are not traceable ([Compiled regions] Rule 5)
             return given, sum(t.numel() * t.element_size() for t in inputs)
         return given, _bytes_of(inputs, set())
@@ -512,17 +513,11 @@ _MEASURED: Final = _MeasuredCosts()
 
 # --- the profiling pass -------------------------------------------------------------------------
 
-_StorageKey = tuple[int, int]
+_StorageKey = tuple[StorageKey | None, int]  # where, and its bytes (0 where it has no key)
 
 
 def _key(tensor: torch.Tensor) -> _StorageKey:
-    storage = tensor.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    items = value if isinstance(value, tuple) else (value,)
-    return (item for item in items if isinstance(item, torch.Tensor))
+    return storage_key(tensor), storage_nbytes(tensor)
 
 
 def _bytes_of(tensors: Iterator[torch.Tensor], leave_out: set[_StorageKey]) -> int:
@@ -543,10 +538,10 @@ def measure_costs(chain: list[Any], input: Any, unpack: bool) -> tuple[tuple[Lay
     modules = [f for f in chain if isinstance(f, torch.nn.Module)]
     params = {_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     args = _Runner.args_of(input, unpack)
-    input_bytes = _bytes_of(_tensors(args), params)
+    input_bytes = _bytes_of(tensors(args), params)
     costs = []
     # Grad on (and inference mode off) whatever the caller's modes: a forward that records.
-    with untouched(modules, list(_tensors(args))), torch.enable_grad(), torch.inference_mode(False):
+    with untouched(modules, list(tensors(args))), torch.enable_grad(), torch.inference_mode(False):
         for function in chain:
             args = tuple(_detached(item) for item in args)
             saved: set[_StorageKey] = set()
@@ -560,13 +555,13 @@ def measure_costs(chain: list[Any], input: Any, unpack: bool) -> tuple[tuple[Lay
                 started = time.perf_counter()
                 result = function(*args)
                 seconds = time.perf_counter() - started
-            inputs = {_key(t) for t in _tensors(args)}
-            outputs = {_key(t) for t in _tensors(result)}
+            inputs = {_key(t) for t in tensors(args)}
+            outputs = {_key(t) for t in tensors(result)}
             temporary = allocations.storages - inputs - outputs - saved - params
             costs.append(
                 LayerCost(
                     time=seconds,
-                    output_bytes=_bytes_of(_tensors(result), params),
+                    output_bytes=_bytes_of(tensors(result), params),
                     saved_bytes=sum(size for _, size in saved - inputs - outputs - params),
                     keeps_input=bool(saved & inputs),
                     keeps_output=bool(saved & outputs),

@@ -32,7 +32,7 @@ from .. import _compat
 from .._recompute_context import DeclaredContext
 from .._selective import draws_random
 from .._state import span_depth
-from .profile import tensors
+from .._trees import tensors
 
 __all__ = ["draw_contexts"]
 

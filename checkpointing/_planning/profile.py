@@ -12,7 +12,6 @@ deciding belongs to ``solver``, installing to ``plan``. See NOTE [Planner model]
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
@@ -29,6 +28,8 @@ from .._caches import dropping_caches
 from .._scope.ops import written_tensors
 from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
 from .._state import ForwardState
+from .._trees import StorageKey, storage_key, storage_nbytes, tensors
+from .._untouched import untouched
 from .flops import op_flops
 from .kept import SpanWatch
 from .live_bytes import step_peaks
@@ -43,8 +44,6 @@ __all__ = [
     "input_shapes",
     "profile_step",
     "tail_regions",
-    "tensors",
-    "untouched",
 ]
 
 # Measured op times below this are mostly dispatch noise; where torch knows the op's FLOPs, the
@@ -58,8 +57,6 @@ _POLICY_ROUNDS: Final = 10  # forward passes timed plainly and under a selective
 _TIE_SPREAD: Final = (0.01, 0.05)
 
 ObjectiveName = Literal["time", "flops"]
-
-StorageKey = tuple[torch.device, int]
 
 
 @dataclass(slots=True)
@@ -314,7 +311,7 @@ class _Step:
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule 2)."""
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         return None if key is None else self.ids.get(key)
 
     def enter(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -395,16 +392,16 @@ class _Step:
         """Record one op: its fresh storages get ids (Rule 1); its kind (Rules 4-6); what it
         reads and whether the replay may skip it (Rule 21)."""
         arguments = list(tensors((args, kwargs)))
-        inputs = {_storage_key(t) for t in arguments}
+        inputs = {storage_key(t) for t in arguments}
         fresh: list[int] = []
         every_fresh = True  # every output in a storage of its own
         for tensor in tensors(out):
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key is None or key in inputs or key in self.leaves:
                 every_fresh = False
                 continue
             storage = self.ids[key] = len(self.storage_bytes)  # a reused address: a new id
-            self.storage_bytes[storage] = tensor.untyped_storage().nbytes()
+            self.storage_bytes[storage] = storage_nbytes(tensor)
             fresh.append(storage)
         flops = op_flops(func, args, kwargs, out)
         if flops and seconds >= _TRUSTED_SECONDS:
@@ -438,7 +435,7 @@ class _Step:
         elif fresh:
             kind = "unit"
         else:  # Rule 21: a view only where every output shares an input's storage
-            outs = [_storage_key(t) for t in tensors(out)]
+            outs = [storage_key(t) for t in tensors(out)]
             kind = "view" if outs and all(k is not None and k in inputs for k in outs) else "none"
         # Rule 21: where the replay's blanks may stand for the outputs, as its mode decides
         # (NOTE [Selective checkpoint cache], Rule 14), effect ops (which it keeps) aside.
@@ -495,21 +492,6 @@ class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         return out
 
 
-def tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors among the leaves of a pytree."""
-    for leaf in _compat.tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
-
-
-def _storage_key(tensor: torch.Tensor) -> StorageKey | None:
-    """Where ``tensor``'s memory lives; None for tensors without memory (meta, empty)."""
-    if tensor.device.type == "meta" or tensor.is_sparse:
-        return None
-    pointer = tensor.untyped_storage().data_ptr()
-    return None if pointer == 0 else (tensor.device, pointer)
-
-
 def default_loss(output: Any) -> torch.Tensor:
     """The sum of every floating-point tensor in the output that requires grad."""
     terms = [t.float().sum() for t in tensors(output) if t.is_floating_point() and t.requires_grad]
@@ -527,31 +509,6 @@ _MSG_LOSS = (
     "checkpointing.plan_checkpointing: loss_fn must return a scalar tensor that requires grad, "
     "got {got}. Fix: return e.g. output.logits.float().mean()."
 )
-
-
-@contextlib.contextmanager
-def untouched(modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-    """Rule 8: after the block, the modules' buffers and their parameters' ``.grad`` are as they
-    were, and so are the CPU RNG state and that of every accelerator the modules or ``inputs``
-    are on. A buffer is copied back only where its values changed, so that one a live graph
-    saved is not bumped for nothing (its version cannot tell: BatchNorm's kernel writes its
-    statistics without moving it). Shared by the planner's profile and
-    ``checkpoint_sequential``'s measuring pass."""
-    parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
-    buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
-    devices = sorted({t.device.index or 0 for t in (*parameters, *buffers, *inputs) if t.is_cuda})
-    copies = [(b, b.detach().clone()) for b in buffers]
-    grads = [(p, p.grad) for p in parameters]
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, copy in copies:
-                    if not torch.equal(buffer, copy):
-                        buffer.copy_(copy)
-            for parameter, grad in grads:
-                parameter.grad = grad
 
 
 def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
@@ -633,7 +590,7 @@ def profile_step(
     leaves = {
         key
         for t in (*model.parameters(), *model.buffers(), *inputs)
-        if (key := _storage_key(t)) is not None
+        if (key := storage_key(t)) is not None
     }
     wrt, device, synchronize = step_setting(model, inputs)
     steps = []

@@ -17,7 +17,9 @@ from typing import Any, Final, Protocol
 import torch
 from torch import nn
 
-from .profile import plain_step, step_setting, tensors, untouched
+from .._trees import tensors
+from .._untouched import untouched
+from .profile import plain_step, step_setting
 
 _SURE: Final = 0.01  # the sign test's level for stopping early
 

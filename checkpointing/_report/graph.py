@@ -73,6 +73,7 @@ from .._selective.cache import _HostAlias, _HostCopy, _Packed, _Saved, _Tree
 from .._selective.collectives import is_collective
 from .._selective.ops import _op_facts
 from .._selective.recompute import _CachedMode
+from .._trees import tensors
 from .records import LEAF, OUTSIDE, SavedTensorRecord, SavedTensorsReport, Tally, record_of
 from .watch import watcher_unpack
 
@@ -353,13 +354,13 @@ class _Walk:
             if raw is not None:
                 self.packed(raw[0], raw[1], key, _REGION_INPUT, None, f"inputs of {region}")
             elif not isinstance(entry, torch.Tensor):
-                for tensor in _leaf_tensors(entry):
+                for tensor in tensors(entry):
                     self.kept(tensor, key, region, "nested input")
         state = frame.state
         for rng_state in (state.cpu_rng, *state.device_rng):
             if rng_state is not None:
                 self.kept(rng_state, (first, -500), region, "rng state")
-        for tensor in _leaf_tensors(frame.kwargs):
+        for tensor in tensors(frame.kwargs):
             self.kept(tensor, (first, -400), region, "keyword input")
         for span in frame.spans or ():
             for tensor in held_outputs(span):
@@ -387,7 +388,7 @@ class _Walk:
             self.tensor(entry.host, key, region, "offloaded", op, op, nbytes=entry.nbytes)
         elif isinstance(entry, _Packed):
             self.tally.note(_NOTE_FOREIGN_HOOKS)
-            for tensor in _leaf_tensors(entry.packed):
+            for tensor in tensors(entry.packed):
                 self.tensor(tensor, key, region, "saved", op, op)
 
 
@@ -404,10 +405,6 @@ def _entries(slot: object) -> list[Any]:
                 found.append(value)
         return found
     return [slot]
-
-
-def _leaf_tensors(value: object) -> list[torch.Tensor]:
-    return [t for t in _compat.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _frame_of(hook: Any) -> Frame | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._events import Decision
+from .._trees import StorageKey, storage_key, storage_nbytes
 from .._units import format_bytes
 
 __all__ = [
@@ -32,7 +33,6 @@ __all__ = [
     "SavedTensorsReport",
     "Tally",
     "record_of",
-    "storage_key",
 ]
 
 OUTSIDE = "(outside any region)"
@@ -240,9 +240,9 @@ class Tally:
 
     def __init__(self, report: SavedTensorsReport) -> None:
         self.report = report
-        self.kept_storages: dict[tuple[int, torch.device], int] = {}
-        self.activation_storages: dict[tuple[int, torch.device], int] = {}
-        self.rng_storages: dict[tuple[int, torch.device], int] = {}
+        self.kept_storages: dict[StorageKey, int] = {}
+        self.activation_storages: dict[StorageKey, int] = {}
+        self.rng_storages: dict[StorageKey, int] = {}
 
     def row(
         self,
@@ -262,7 +262,7 @@ class Tally:
         key = storage_key(tensor)
         if key is None:
             return
-        nbytes = tensor.untyped_storage().nbytes()
+        nbytes = storage_nbytes(tensor)
         report = self.report
         self.kept_storages[key] = nbytes
         report.kept_bytes = sum(self.kept_storages.values())
@@ -291,10 +291,3 @@ def record_of(
     tensor's host copy stands for the device tensor)."""
     size = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
     return SavedTensorRecord(op, tuple(tensor.shape), tensor.dtype, size, region, decision, name)
-
-
-def storage_key(tensor: torch.Tensor) -> tuple[int, torch.device] | None:
-    """Where ``tensor``'s memory lives; None for tensors without memory (meta, sparse)."""
-    if tensor.device.type == "meta" or tensor.is_sparse:
-        return None
-    return (tensor.untyped_storage().data_ptr(), tensor.device)

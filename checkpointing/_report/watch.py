@@ -61,7 +61,8 @@ from .._regions import RegionNames, naming
 from .._selective import TAG_OP
 from .._selective.collectives import is_collective
 from .._state import is_recomputing
-from .records import LEAF, OUTSIDE, SELECTIVE, SavedTensorsReport, Tally, storage_key
+from .._trees import StorageKey, storage_key, tensors
+from .records import LEAF, OUTSIDE, SELECTIVE, SavedTensorsReport, Tally
 
 __all__ = ["watch_step", "watcher_unpack"]
 
@@ -80,7 +81,7 @@ class _Watcher:
         self.report = report
         self.tally = Tally(report)
         self.producers: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self.made: set[tuple[int, torch.device]] = set()  # storages ops made inside the block
+        self.made: set[StorageKey] = set()  # storages ops made inside the block
 
     def record(self, tensor: torch.Tensor, region: str, decision: Decision) -> None:
         op: str = self.producers.get(tensor, LEAF)  # type: ignore[no-untyped-call]  # untyped
@@ -127,12 +128,11 @@ class _Watcher:
     def note_made(self, inputs: Any, outputs: Any) -> None:
         """Note the storages of ``outputs`` that are new: not shared with an input (a view or
         an in-place write makes nothing)."""
-        read = {storage_key(t) for t in _compat.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-        for tensor in _compat.tree_leaves(outputs):
-            if isinstance(tensor, torch.Tensor):
-                key = storage_key(tensor)
-                if key is not None and key not in read:
-                    self.made.add(key)
+        read = {storage_key(t) for t in tensors(inputs)}
+        for tensor in tensors(outputs):
+            key = storage_key(tensor)
+            if key is not None and key not in read:
+                self.made.add(key)
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
