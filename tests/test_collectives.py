@@ -8,11 +8,11 @@ on a tensor-parallel-like region (a column-parallel matmul, then ``all_reduce``,
 and their ``_autograd`` and ``_coalesced`` variants in a second region), counts the collectives
 that run during backward with a dispatch mode around it, and writes the counts, the gradients
 and the errors to a file per rank. The tests compare: kept by default (our policies, a user's
-policy, under our checkpoint and torch's): no collective re-run, as many as the plain run's
-backward; torch's own selective checkpointing re-runs them; an explicit ``MUST_RECOMPUTE``
-re-runs them too, with the same gradients; ranks that disagree both get the error; the report
-shows the kept collectives' bytes. Gradients are compared bitwise with the plain distributed
-run (same ops in the same order on each rank).
+policy, under our checkpoint and torch's, eager and under ``torch.compile``): no collective
+re-run, as many as the plain run's backward; torch's own selective checkpointing re-runs them;
+an explicit ``MUST_RECOMPUTE`` re-runs them too, with the same gradients; ranks that disagree
+both get the error; the report shows the kept collectives' bytes. Gradients are compared bitwise
+with the plain distributed run (same ops in the same order on each rank).
 
 Time is bounded: the group's timeout is 60 s (``dist_support.TIMEOUT``), the agreement waits 3 s
 here for a rank that never answers, and the parent kills the pair past ``LIMIT`` seconds.
@@ -124,6 +124,14 @@ def _runs(group: Any) -> dict[str, Callable[[Region, tuple[torch.Tensor, ...]], 
             region, *xs, group, use_reentrant=False, context_fn=context_fn
         )
 
+    def compiled(
+        run: Callable[[Region, tuple[torch.Tensor, ...]], torch.Tensor],
+    ) -> Callable[[Region, tuple[torch.Tensor, ...]], torch.Tensor]:
+        """``run`` under ``torch.compile`` (aot_eager: the partitioner reads the policy's tags)."""
+        return lambda region, xs: torch.compile(
+            lambda *inputs: run(region, inputs), backend="aot_eager", fullgraph=False
+        )(*xs)
+
     user = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
     return {
         "plain": lambda region, xs: region(*xs, group),
@@ -142,6 +150,19 @@ def _runs(group: Any) -> dict[str, Callable[[Region, tuple[torch.Tensor, ...]], 
         ),
         "ours_must_recompute": ours(
             functools.partial(create_selective_checkpoint_contexts, _collective_recomputed)
+        ),
+        "ours_compiled": compiled(ours(as_context_fn(save_matmuls()))),
+        "torch_compiled": compiled(
+            lambda region, xs: torch_checkpoint(
+                region,
+                *xs,
+                group,
+                use_reentrant=False,
+                context_fn=functools.partial(torch_contexts, _keep_matmuls),
+            )
+        ),
+        "ours_compiled_must_recompute": compiled(
+            ours(functools.partial(create_selective_checkpoint_contexts, _collective_recomputed))
         ),
         "torch_must_recompute": lambda region, xs: torch_checkpoint(
             region,
@@ -273,7 +294,13 @@ def _case(results: list[dict[str, Any]], key: str, rank: int) -> dict[str, Any]:
 
 
 REGIONS = ("tp", "variants")
-KEPT = ("ours_user_policy", "ours_save_matmuls", "ours_save_nothing", "ours_under_torch_checkpoint")
+KEPT = (
+    "ours_user_policy",
+    "ours_save_matmuls",
+    "ours_save_nothing",
+    "ours_under_torch_checkpoint",
+    "ours_compiled",
+)
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
@@ -291,11 +318,12 @@ def test_kept_by_default_none_re_run(
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
 @pytest.mark.parametrize("region", REGIONS)
+@pytest.mark.parametrize("case", ["torch_sac", "torch_compiled"])
 def test_torch_re_runs_what_its_policy_does_not_keep(
-    results: list[dict[str, Any]], region: str, rank: int
+    results: list[dict[str, Any]], region: str, case: str, rank: int
 ) -> None:
     plain = _case(results, f"{region}/plain", rank)
-    got = _case(results, f"{region}/torch_sac", rank)
+    got = _case(results, f"{region}/{case}", rank)
     assert len(got["launched"]) > len(plain["launched"])
     for theirs, reference in zip(got["grads"], plain["grads"], strict=True):
         assert torch.equal(theirs, reference)
@@ -309,10 +337,13 @@ def test_must_recompute_re_runs_them_as_torch_does(
     plain = _case(results, f"{region}/plain", rank)
     ours = _case(results, f"{region}/ours_must_recompute", rank)
     theirs = _case(results, f"{region}/torch_must_recompute", rank)
+    compiled = _case(results, f"{region}/ours_compiled_must_recompute", rank)
     assert len(ours["launched"]) > len(plain["launched"])
     assert sorted(ours["launched"]) == sorted(theirs["launched"])
-    for got, reference in zip(ours["grads"], plain["grads"], strict=True):
-        assert torch.equal(got, reference)
+    assert len(compiled["launched"]) > len(plain["launched"])
+    for run in (ours, compiled):
+        for got, reference in zip(run["grads"], plain["grads"], strict=True):
+            assert torch.equal(got, reference)
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
