@@ -34,7 +34,8 @@ NOTE [Collectives under selective checkpointing]
           arguments): answer for collectives by op alone. A rank that never runs the op in a
           selective region leaves the others waiting for its answer (``AGREEMENT_TIMEOUT``),
           then they raise saying so: the ranks of a group must checkpoint alike. A group of one
-          rank is never asked.
+          rank is never asked; a group destroyed and made again under the same name is not
+          asked again (every call looks up only its group's name and op).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ _OTHER_COLLECTIVES: Final = frozenset({("_dtensor", "shard_dim_alltoall")})
 # How long a rank waits for the other ranks' answers (Rule 2): past it, some rank of the group
 # did not run this collective in a selective region (or died), and waiting longer would hang.
 AGREEMENT_TIMEOUT: Final = timedelta(seconds=60)
-_KEY: Final = "checkpointing/collective/{group}/{generation}/{op}/{rank}"
+_KEY: Final = "checkpointing/collective/{group}/{op}/{rank}"
 
 _MSG_DISAGREE = (
     "selective checkpointing: the ranks of process group {group!r} disagree on whether to "
@@ -88,10 +89,11 @@ def is_collective(func: object) -> bool:
     return (namespace, name) in _OTHER_COLLECTIVES
 
 
-# Rule 2: per (group name, op), the group it was checked in (a group destroyed and made again
-# under the same name is checked again) and how many groups of that name this process has met.
-_agreed: dict[tuple[str, str], object] = {}
-_generations: dict[str, tuple[object, int]] = {}
+# Rule 2: the (group name, op id) pairs this process has checked (the ops are held by
+# ``ops._op_facts``, so their ids stay theirs). Looked up on every call of a collective in a
+# selective region, so nothing else is worked out before it: a group destroyed and made again
+# under the same name is not checked again.
+_agreed: set[tuple[str, int]] = set()
 # Per op id, the position of its ``group_name`` argument (None: it has none).
 _group_index: dict[int, int | None] = {}
 
@@ -102,28 +104,20 @@ def agree(func: object, args: tuple[Any, ...], kwargs: dict[str, Any], recompute
     group_name = _group_name(func, args, kwargs)
     if group_name is None:
         return  # ``wait_tensor`` names no group: it follows its collective
-    op = str(func)
-    group = _compat.process_group_named(group_name)
-    key = (group_name, op)
-    if _agreed.get(key) is group:
+    key = (group_name, id(func))
+    if key in _agreed:
         return
-    _agreed[key] = group
-    ranks = torch.distributed.get_process_group_ranks(group)
-    if len(ranks) < 2:
-        return
-    known = _generations.get(group_name)
-    if known is None or known[0] is not group:
-        known = _generations[group_name] = (group, 0 if known is None else known[1] + 1)
-    _check(op, group_name, known[1], ranks, recompute)
+    _agreed.add(key)
+    ranks = torch.distributed.get_process_group_ranks(_compat.process_group_named(group_name))
+    if len(ranks) > 1:
+        _check(str(func), group_name, ranks, recompute)
 
 
-def _check(op: str, group: str, generation: int, ranks: Sequence[int], recompute: bool) -> None:
+def _check(op: str, group: str, ranks: Sequence[int], recompute: bool) -> None:
     """Rule 2's exchange: this rank's answer to the store, then every rank's."""
     store = _compat.default_store()
     me = torch.distributed.get_rank()
-    keys = {
-        rank: _KEY.format(group=group, generation=generation, op=op, rank=rank) for rank in ranks
-    }
+    keys = {rank: _KEY.format(group=group, op=op, rank=rank) for rank in ranks}
     store.set(keys[me], b"1" if recompute else b"0")
     others = [rank for rank in ranks if rank != me]
     try:
