@@ -12,8 +12,12 @@ ready-made policies live in ``policies``. This front door only re-exports: what 
 
 One concept per module; each imports only from the ones listed before it:
 
+- ``collectives``: the collective rule: which ops are functional collectives, and the ranks'
+  one-time agreement on keeping or recomputing each (NOTE [Collectives under selective
+  checkpointing]).
 - ``ops``: facts about an op, worked out at its first call and shared by both modes: the ``Op``
-  type, ``SAC_IGNORED_OPS``, ``draws_random``, ordered effects, runners, region keys.
+  type, ``SAC_IGNORED_OPS``, ``draws_random``, ordered effects (collectives too), runners,
+  region keys.
 - ``policy``: the public policy surface: ``CheckpointPolicy``, ``SelectiveCheckpointContext``,
   ``Policy`` / ``OpPolicy`` / ``OpPolicyBase``, what an answer means (the planner's private
   ``SKIP_IN_REPLAY`` included), the list form, the tag op.
@@ -46,7 +50,9 @@ them (the numbers are unchanged, so "See NOTE [Selective checkpoint cache], Rule
   Rule 9 (``forward``): under a tracing compiler every output is cached and the nodes tagged.
   Rule 10 (``ops``): random ops are recomputed whatever the policy answers.
   Rule 11 (``forward``): dynamo never traces the modes' ``__torch_dispatch__``.
-  Rule 12 (``ops``): an op with an ordered side effect is kept unless told MUST_RECOMPUTE.
+  Rule 12 (``ops``): an op with an ordered side effect is kept unless told MUST_RECOMPUTE;
+          so is a functional collective (``collectives``: NOTE [Collectives under selective
+          checkpointing], a NOTE of its own).
   Rule 13 (``cache``): saves bypass the user's saved-tensors hooks unless the checkpoint asks.
   Rule 14 (``skip``): a call answered SKIP_IN_REPLAY is replayed by blanks; a needed one raises.
   Rule 15 (``unkept``): a policy that names something to keep and keeps none of it says so once.

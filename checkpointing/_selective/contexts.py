@@ -31,9 +31,12 @@ def create_selective_checkpoint_contexts(
     """The two contexts of selective checkpointing, for ``checkpoint(..., context_fn=...)``.
 
     Same behaviour as ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, except
-    that offload decisions really offload (to host memory and back) and that a policy answer
+    that offload decisions really offload (to host memory and back), that a policy answer
     which is neither a ``CheckpointPolicy`` nor a bool is a ``CheckpointError`` instead of a
-    silent recompute.
+    silent recompute, and that functional collectives (``torch.ops._c10d_functional``: what
+    tensor parallelism runs) are kept unless the policy answers ``MUST_RECOMPUTE`` for them,
+    the ranks of each group checking once that they agree (NOTE [Collectives under selective
+    checkpointing]; torch recomputes a collective its policy does not keep).
 
     Args:
         policy_fn_or_list: a policy ``policy(ctx, op, *args, **kwargs)`` returning a
