@@ -27,7 +27,12 @@ NOTE [Determinism checks]
           of ours: its backward finishes and it waits at its next collective for the ranks that
           raised, until their processes end (the collective then fails) or the group times out.
           Both name the fix for mixture-of-experts layers: keep the routing
-          (``policies.save_routing()``).
+          (``policies.save_routing()``). Not caught: a drift that leaves every saved shape as
+          it was, since values are never compared (as in torch): the same token counts per
+          expert, or a layer whose shapes never depend on the routing (tokens sorted by expert
+          and multiplied by grouped matmuls, as transformers' ``grouped_mm`` experts do).
+          Comparing values would cost a kernel per saved tensor; keeping the routing costs
+          tokens x experts and removes the cause.
 """
 
 from __future__ import annotations
