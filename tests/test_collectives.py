@@ -251,15 +251,27 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def _report(rank: int, group: Any) -> dict[str, Any]:
+    """The report of a watched step, and the one walked from the loss of another."""
+    context_fn = as_context_fn(save_matmuls())
     with checkpointing.saved_tensors_report() as report:
         xs = _inputs(rank)
-        checkpointing.checkpoint(
-            _tp_region, *xs, group, use_reentrant=False, context_fn=as_context_fn(save_matmuls())
-        ).sum().backward()
+        loss = checkpointing.checkpoint(
+            _tp_region, *xs, group, use_reentrant=False, context_fn=context_fn
+        ).sum()
+        loss.backward()
+    xs = _inputs(rank)
+    loss = checkpointing.checkpoint(
+        _tp_region, *xs, group, use_reentrant=False, context_fn=context_fn
+    ).sum()
+    walked = checkpointing.saved_tensors_report(loss)
+    loss.backward()
     return {
-        "collective_bytes": report.collective_bytes,
-        "rows": [(r.op, r.nbytes, r.decision, r.collective) for r in report.records],
-        "summary": str(report),
+        form: {
+            "collective_bytes": got.collective_bytes,
+            "rows": [(r.op, r.nbytes, r.decision, r.collective) for r in got.records],
+            "summary": str(got),
+        }
+        for form, got in (("watched", report), ("walked", walked))
     }
 
 
@@ -365,8 +377,11 @@ def test_a_rank_without_a_region_is_named(results: list[dict[str, Any]]) -> None
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
-def test_report_shows_the_kept_collectives(results: list[dict[str, Any]], rank: int) -> None:
-    got = _case(results, "report", rank)
+@pytest.mark.parametrize("form", ["watched", "walked"])
+def test_report_shows_the_kept_collectives(
+    results: list[dict[str, Any]], form: str, rank: int
+) -> None:
+    got = _case(results, "report", rank)[form]
     rows = got["rows"]
     collective = [row for row in rows if row[3]]
     # all_reduce, all_gather, reduce_scatter, all_to_all: each output kept once
