@@ -30,16 +30,16 @@ import checkpointing
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
 from checkpointing._planning import profile as profile_module
-from checkpointing._planning.profile import profile_step
-from checkpointing._planning.solver import (
+from checkpointing._planning.problem import (
     Choice,
     Problem,
     RegionChoices,
     Unit,
     kept_bytes,
     recompute_seconds,
-    solve,
 )
+from checkpointing._planning.profile import profile_step
+from checkpointing._planning.solver import solve
 
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

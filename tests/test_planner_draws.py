@@ -32,8 +32,7 @@ from torch import nn
 
 from checkpointing import ActivationPlan
 from checkpointing._planning import search as search_module
-from checkpointing._planning.profile import profile_step
-from checkpointing._planning.solver import (
+from checkpointing._planning.problem import (
     Choice,
     Objective,
     Problem,
@@ -43,8 +42,9 @@ from checkpointing._planning.solver import (
     recompute_cost,
     recompute_flops,
     recompute_seconds,
-    solve,
 )
+from checkpointing._planning.profile import profile_step
+from checkpointing._planning.solver import solve
 
 Chooser = Callable[[Problem, int], Choice]
 

@@ -18,8 +18,8 @@ from torch import nn
 import checkpointing
 from checkpointing import plan_checkpointing
 from checkpointing._planning import kept
+from checkpointing._planning.problem import Choice
 from checkpointing._planning.profile import profile_step
-from checkpointing._planning.solver import Choice
 
 WIDTH, SEQ, BATCH, DEPTH = 32, 16, 4, 3
 

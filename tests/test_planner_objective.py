@@ -33,10 +33,11 @@ from torch import nn
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
 from checkpointing._planning import search as search_module
-from checkpointing._planning import solver
 from checkpointing._planning.flops import FlopCount
+from checkpointing._planning.options import Fronts, region_options
+from checkpointing._planning.problem import Objective, Problem, RegionChoices, Unit, recompute_flops
 from checkpointing._planning.profile import profile_step
-from checkpointing._planning.solver import Objective, Problem, RegionChoices, Unit, solve
+from checkpointing._planning.solver import solve
 
 
 def backward_flops(model: nn.Module, x: torch.Tensor, loss_fn: Any) -> int:
@@ -127,9 +128,9 @@ def test_identical_blocks_share_times_and_one_front() -> None:
     seconds = [[op.seconds for op in r.ops] for r in profile.regions]
     assert all(s == seconds[0] for s in seconds)
     problem = profile.problem(0.0)
-    fronts = solver._Fronts()
+    fronts = Fronts()
     for index in range(len(problem.regions)):
-        solver.region_options(problem, index, fronts)
+        region_options(problem, index, fronts)
     assert len(fronts.known) == 1
 
 
@@ -155,9 +156,9 @@ def test_many_large_blocks_are_solved_on_one_front() -> None:
         saved = inputs | {u.storages[0] for u in units}
         regions.append(RegionChoices(saved, inputs, 1e-4, tuple(units), 1e-3, 10))
     problem = Problem(tuple(regions), storage_bytes, frozenset(), Objective(1e-9, 1.0))
-    fronts = solver._Fronts()
+    fronts = Fronts()
     for index in range(len(regions)):
-        solver.region_options(problem, index, fronts)
+        region_options(problem, index, fronts)
     assert len(fronts.known) == 1
     baseline = solve(problem, 0).baseline_bytes
     answer = solve(problem, baseline // 3)
@@ -183,7 +184,7 @@ def test_flops_objective_is_the_brute_force_optimum(problem: Problem) -> None:
         ),
         objective=Objective(seconds=1e-6, flops=1.0),
     )
-    for budget, best in least_per_budget(problem, solver.recompute_flops):
+    for budget, best in least_per_budget(problem, recompute_flops):
         answer = solve(problem, budget)
         assert answer.kept_bytes <= budget
         assert answer.recompute_flops >= best

@@ -29,15 +29,9 @@ from torch import nn
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import plan as plan_module
 from checkpointing._planning import search as search_module
-from checkpointing._planning import solver
-from checkpointing._planning.profile import (
-    OpCall,
-    RegionProfile,
-    StepProfile,
-    profile_step,
-    structure,
-)
-from checkpointing._planning.solver import (
+from checkpointing._planning.offload_choice import offloads
+from checkpointing._planning.options import Fronts, region_options
+from checkpointing._planning.problem import (
     Choice,
     Objective,
     Problem,
@@ -50,8 +44,15 @@ from checkpointing._planning.solver import (
     recompute_flops,
     recompute_seconds,
     skipped,
-    solve,
 )
+from checkpointing._planning.profile import (
+    OpCall,
+    RegionProfile,
+    StepProfile,
+    profile_step,
+    structure,
+)
+from checkpointing._planning.solver import solve
 from checkpointing._selective import SKIP_IN_REPLAY
 
 # --- models -------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ def test_no_option_skips_a_needed_op(case: str) -> None:
     for index, region in enumerate(problem.regions):
         graph = region.replay
         assert graph is not None
-        options = solver.region_options(problem, index)
+        options = region_options(problem, index)
         for option in range(len(options.nbytes)):
             choice = options.choice(option)
             if not choice.checkpoint:
@@ -312,9 +313,9 @@ def test_identical_blocks_are_one_structure_and_solved_once() -> None:
     profile, problem = step_problem(model, x)
     assert len({structure(r, profile.storage_bytes) for r in profile.regions}) == 1
     assert len({r.replay for r in problem.regions}) == 1
-    fronts = solver._Fronts()
+    fronts = Fronts()
     for index in range(len(problem.regions)):
-        solver.region_options(problem, index, fronts)
+        region_options(problem, index, fronts)
     assert len(fronts.known) == 1
     assert len(fronts.replayed) == 1
 
@@ -646,7 +647,7 @@ def test_offload_leaves_skipped_units_alone() -> None:
     """Rules 10 and 21: a unit the replay skips is never offloaded (there is nothing to serve)."""
     problem = two_matmuls(1.0, 1.0, policy=0.0)
     answer = dataclasses.replace(solve(problem, 1), choices=(Choice(True, skip=True),))
-    assert solver.offloads(problem, answer, 100) == [frozenset({1})]
+    assert offloads(problem, answer, 100) == [frozenset({1})]
 
 
 def test_many_llama_sized_graphs_are_solved_once() -> None:
@@ -679,9 +680,9 @@ def test_many_llama_sized_graphs_are_solved_once() -> None:
         saved = inputs | {base + p for p in graph.saved}
         regions.append(RegionChoices(saved, inputs, 1e-6 * 30, tuple(units), 1e-3, replay=graph))
     problem = Problem(tuple(regions), storage_bytes, frozenset(), Objective(1e-9, 1.0))
-    fronts = solver._Fronts()
+    fronts = Fronts()
     for index in range(len(regions)):
-        solver.region_options(problem, index, fronts)
+        region_options(problem, index, fronts)
     assert len(fronts.known) == 1
     assert len(fronts.replayed) == 1
     baseline = solve(problem, 0).baseline_bytes

@@ -20,8 +20,9 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan, _compat, plan_checkpointing
 from checkpointing._planning import search as search_module
+from checkpointing._planning.problem import recompute_cost
 from checkpointing._planning.profile import profile_step, tail_regions
-from checkpointing._planning.solver import recompute_cost, solve
+from checkpointing._planning.solver import solve
 from checkpointing._planning.spans import span_problems
 
 

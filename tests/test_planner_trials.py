@@ -28,8 +28,9 @@ from torch import nn
 from checkpointing import plan_checkpointing
 from checkpointing._module import is_module_checkpointed
 from checkpointing._planning import search as search_module
-from checkpointing._planning import solver, trials
-from checkpointing._planning.solver import Problem, RegionChoices, Unit, solve
+from checkpointing._planning import trials
+from checkpointing._planning.problem import Problem, RegionChoices, Unit, recompute_cost
+from checkpointing._planning.solver import solve
 from checkpointing._planning.trials import time_plans
 
 
@@ -65,14 +66,14 @@ def test_a_frame_charge_is_minimized_exactly_and_never_predicted(
             for r, c in zip(problem.regions, charges, strict=False)
         ),
     )
-    for budget, best in least_per_budget(problem, solver.recompute_cost):
+    for budget, best in least_per_budget(problem, recompute_cost):
         answer = solve(problem, budget)
         charged = sum(
             r.frame_seconds
             for r, c in zip(problem.regions, answer.choices, strict=True)
             if c.checkpoint
         )
-        cost = solver.recompute_cost(problem, answer.choices)
+        cost = recompute_cost(problem, answer.choices)
         assert answer.kept_bytes <= budget
         assert math.isclose(cost, answer.recompute_seconds + charged, rel_tol=1e-9, abs_tol=1e-12)
         assert cost >= best - 1e-12

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .solver import Choice, Problem, kept_bytes, kept_storages
+from .problem import Choice, Problem, kept_bytes, kept_storages
 
 __all__ = ["predicted_peak"]
 

@@ -28,8 +28,8 @@ from .contexts import Answer, _RegionContexts, resolve_op
 from .contexts import _region_contexts_by_name as _region_contexts_by_name
 from .installed import Installed, ShapeCheck, carries, new_mark, take_off
 from .peak import predicted_peak
+from .problem import Choice, Problem, Solution, kept_storages, region_recompute, skipped
 from .profile import StepProfile
-from .solver import Choice, Problem, Solution, kept_storages, region_recompute, skipped
 from .spans import SpanCost, SpanHooks, SpanKind
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "resolve_op"]

@@ -5,7 +5,7 @@ watched by a dispatch mode (every op: time, FLOPs, outputs, in-place writes, ran
 saved-tensors hook (every storage autograd keeps, and which region's op kept it), with forward
 hooks on the region modules saying which region is running; then forward passes with each region
 timed plainly and inside a selective policy's forward mode (what the policy costs per op, Rule
-13). The result, ``StepProfile``, is plain data in the solver's terms (``solver.Problem``);
+13). The result, ``StepProfile``, is plain data in the solver's terms (``problem.Problem``);
 deciding belongs to ``solver``, installing to ``plan``. See NOTE [Planner model] in
 ``checkpointing._planning`` for the rules it follows.
 """
@@ -33,7 +33,7 @@ from .._untouched import untouched
 from .flops import op_flops
 from .kept import SpanWatch
 from .live_bytes import step_peaks
-from .solver import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
+from .problem import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
 from .spans import SpanProfile
 
 __all__ = [

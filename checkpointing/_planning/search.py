@@ -23,18 +23,11 @@ from .._errors import describe_value
 from .._module import is_module_checkpointed
 from .costs import costs_for
 from .installed import carries
+from .offload_choice import offloads
 from .plan import ActivationPlan
+from .problem import Choice, Problem, Solution, recompute_cost, recompute_flops, recompute_seconds
 from .profile import ObjectiveName, StepProfile, profile_step, tail_regions
-from .solver import (
-    Choice,
-    Problem,
-    Solution,
-    offloads,
-    recompute_cost,
-    recompute_flops,
-    recompute_seconds,
-    solve,
-)
+from .solver import solve
 from .spans import SpanCost, span_problems
 from .trials import time_plans
 

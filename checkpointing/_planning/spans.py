@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import _compat
 from .._scope import gradient_checkpoint_scope, gradient_checkpoint_session, records_now
-from .solver import Problem
+from .problem import Problem
 
 __all__ = [
     "SpanCost",
