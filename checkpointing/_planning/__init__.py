@@ -2,12 +2,26 @@
 
 ``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
 region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22) and the
-blocks' trails (Rule 24);
-``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs; ``live_bytes.py`` reads the
-peaks of a step's memory, ``scratch.py`` the kernels' work buffers; ``peak.py`` predicts a plan's;
-``kept.py`` tells a kept span's ops and saves apart, Rule 25);
-``installed.py`` takes a plan off a model or a copy of it; ``solver.py`` chooses; ``trials.py``
-times candidate plans on the model (Rule 23). The rules below are shared by all of them.
+blocks' trails (Rule 24); ``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs;
+``live_bytes.py`` reads the peaks of a step's memory, ``scratch.py`` the kernels' work buffers;
+``peak.py`` predicts a plan's; ``kept.py`` tells a kept span's ops and saves apart, Rule 25);
+``installed.py`` takes a plan off a model or a copy of it; ``problem.py`` states the problem and
+prices a choice, ``fronts.py`` and ``options.py`` give each region its options, ``solver.py``
+chooses across regions, ``offload_choice.py`` what to offload (Rule 10); ``trials.py`` times
+candidate plans on the model (Rule 23). The rules below are shared by all of them.
+
+Glossary. *region*: a module the plan may checkpoint, one frame (a block; a tail module, Rule
+20). *unit*: an op of a region whose outputs the plan may keep. *storage*: the unit of bytes,
+numbered per step (Rule 1); *outside*: kept whatever the plan; *charged*: counted once, up front
+(Rule 7). *draws*: a region's random ops, kept all or none (Rule 19). *early stop*: where a
+region's recompute ends (Rule 16). *replay*: what recompute runs; *skip*: an op nothing needs is
+not run; *useless*: a kept unit the replay would skip anyway; *settle*: drop those and price a
+set exactly (Rule 21). *front*, *options*: a region's Pareto sets of units and of choices (Rule
+17). *span*: a stretch a ``gradient_checkpoint_scope`` records: the *head*, the *tail* (Rule
+22), a *trail* (Rule 24); *late*: saved after the forward returned; *held*: read by a span from
+outside, kept by its tape (Rule 22). *kept span*: a ``keep(fn, ...)`` call (Rule 25). *floor*:
+the fewest bytes a plan can keep; *baseline*: the plain run's. Measurements behind the rules
+are in benchmarks/RESULTS.md ("Planner model: measurements behind the rules").
 
 NOTE [Planner model]
   Rule 1. Bytes are storages: a tensor kept for backward costs its whole storage, once, however
@@ -42,8 +56,8 @@ NOTE [Planner model]
           through ``torch.autograd.grad``), buffers (copied back where written: BatchNorm's
           statistics), CPU and CUDA RNG states (``torch.random.fork_rng``), module hooks
           (removed), and the caller's modes (the profiled steps run with grad enabled, also
-          under ``no_grad`` or ``inference_mode``). ``profile.untouched`` is the one mechanism;
-          ``checkpoint_sequential`` measures its chain under it too.
+          under ``no_grad`` or ``inference_mode``). ``_untouched.untouched`` is the one
+          mechanism; ``checkpoint_sequential`` measures its chain under it too.
   Rule 9. An op's time is its fastest over the measured steps, summed over the region's calls.
           Below ``_TRUSTED_SECONDS`` a time is mostly dispatch noise: ops whose FLOPs torch
           counts get FLOPs / (the FLOP rate of the step's slower ops) instead. Regions of one
@@ -131,9 +145,8 @@ NOTE [Planner model]
           options' bytes where that gives at most ``_GRID_POINTS`` steps (the additive optimum,
           "exact"), else that many equal steps, each option's bytes rounded up ("grid": it fits,
           and costs no more than the additive optimum one step per region below the budget). No
-          greedy fallback: 32 Llama-sized blocks (about 400 options each) solve in 35-51 ms,
-          and a plan's every span variant (Rule 22: four floors and the cheapest at the budget)
-          in 0.30-0.51 s (``benchmarks/planner.py --solve-time``, CPU, 2026-11-25).
+          greedy fallback: the exact programs solve Llama-sized models in well under a second,
+          every span variant included (``benchmarks/planner.py --solve-time``).
   Rule 18. Peak. The profile measures one plain step's peak (CPU: the bytes of the storages its
           ops make, while they live, plus the work buffers of the kernels ``scratch`` knows,
           NOTE [Live bytes]; never a profiler session, which would crash beside another
@@ -201,38 +214,36 @@ NOTE [Planner model]
           tensor: a wrong plan raises, never gives a wrong gradient.
   Rule 22. Spans around the blocks. Module frames keep their inputs, so a model of N blocks
           keeps N + 1 residual-stream tensors at their boundaries (the first block's input, the
-          tail's) where torch.compile's partitioner keeps N (it recomputes the embedding and
-          the final norm from what it keeps). By default the plan may record two spans with a
-          ``gradient_checkpoint_scope`` (``spans.py``): the head, from the model's start to
-          its first block's (the embedding, rotary angles), and the tail, from its first tail
-          module's start to its last one's end (Rule 20). Every storage a recorded span makes
-          is kept nowhere: whoever saves it (a block's frame as its positional input, a plain
+          tail's) where torch.compile's partitioner keeps N (it recomputes the embedding and the
+          final norm from what it keeps). By default the plan may record two spans with a
+          ``gradient_checkpoint_scope`` (``spans.py``): the head, from the model's start to its
+          first block's (the embedding, rotary angles), and the tail, from its first tail
+          module's start to its last one's end (Rule 20). Every storage a recorded span makes is
+          kept nowhere: whoever saves it (a block's frame as its positional input, a plain
           region, an op outside the regions) gets a holder, and backward replays only the ops
           that make what it unpacks (NOTE [Gradient checkpoint scope], Rules 2 and 7); the
           activations it reads from outside (the last block's output) are kept by its tape; a
           frame's keyword or nested inputs are kept by plain reference all the same; the tail's
-          modules run plainly inside it. A session opened at the model's start and closed at
-          its end keeps our saved-tensors hook on the stack whatever the caller pushed (a
-          report, ``save_on_cpu``): the head's tensors are saved after its scope closed (Rule
-          4 there). At the model's end the spans give up their claims on that hook, so none
-          of ours stays on the caller's stack after the step; a span's tensor saved after the
-          model's forward returned (by a loss computed outside it) is kept, and the profile
-          counts it so. A model call under ``no_grad``, in a recompute or inside a
-          checkpoint's frame (the whole planned model checkpointed again) records no span:
-          that frame must see every save, in forward and in recompute alike. A recorded span
-          pays its replay and its recording: per op, priced as the selective modes, and per
-          call what a scope and its session cost beyond that (``spans.span_call_seconds``,
-          measured once per process: about 0.25 ms on this CPU; without it a W2 trail was
-          priced at 0.06 ms and three cost 1.3-1.9 ms a step, Rule 24). The solver solves
-          the step with each subset of the spans recorded (at most four problems) and takes
-          the cheapest that fits; the floor is the lowest. A span is not offered where it
-          draws random numbers (its tape would keep an RNG state per draw, uncounted), writes
-          in place a tensor it did not make (an argument the op's schema marks as written, or
-          batch norm's running statistics in training, which it does not mark, as the scope's
-          tape counts them: a parameter, a buffer, an earlier activation), or frees nothing;
-          nor with a ``regions`` predicate. On the decoder and the tiny Llama of
-          ``benchmarks/planner.py`` this is what stood between the plans and the compiler's
-          FLOPs (one block boundary, 256 KiB, at each budget).
+          modules run plainly inside it. A session opened at the model's start and closed at its
+          end keeps our saved-tensors hook on the stack whatever the caller pushed (a report,
+          ``save_on_cpu``): the head's tensors are saved after its scope closed (Rule 4 there).
+          At the model's end the spans give up their claims on that hook, so none of ours stays
+          on the caller's stack after the step; a span's tensor saved after the model's forward
+          returned (by a loss computed outside it) is kept, and the profile counts it so. A
+          model call under ``no_grad``, in a recompute or inside a checkpoint's frame (the whole
+          planned model checkpointed again) records no span: that frame must see every save, in
+          forward and in recompute alike. A recorded span pays its replay and its recording: per
+          op, priced as the selective modes, and per call what a scope and its session cost
+          beyond that (``spans.span_call_seconds``, measured once per process: about 0.25 ms on
+          this CPU; without it a trail's machinery went unpriced, Rule 24). The solver solves
+          the step with each subset of the spans recorded (at most four problems) and takes the
+          cheapest that fits; the floor is the lowest. A span is not offered where it draws
+          random numbers (its tape would keep an RNG state per draw, uncounted), writes in place
+          a tensor it did not make (an argument the op's schema marks as written, or batch
+          norm's running statistics in training, which it does not mark, as the scope's tape
+          counts them: a parameter, a buffer, an earlier activation), or frees nothing; nor with
+          a ``regions`` predicate. Why: that one boundary per model is what stood between the
+          plans and the compiler's FLOPs.
   Rule 23. Timed candidates (``objective="time"``, ``trials.py``). Two prices of the
           prediction are the least sure: the selective policy's per-op cost (Rule 13, one noisy
           number per profile: 8-46 us per op on W2 over profiles) and what a checkpointed region
@@ -256,30 +267,29 @@ NOTE [Planner model]
           with this rule 0.999-1.007 (RESULTS.md). The model, ``.grad`` and the RNG states are left
           as found (Rule 8); no plan stays applied, whatever a step raises. ``timing_steps=0`` takes
           the prediction as it is.
-  Rule 24. Trails. A post-norm block ends by calling its final norm on a residual sum
-          (``norm2(h + ff)``), and the next block's frame keeps the norm's output as its input;
-          a plan that keeps the sum, to skip the matmul behind it, kept that boundary twice,
-          where torch.compile's partitioner keeps the sum and remakes the norm. The profile
-          notes per block (blocks only, one call per step) the child module it calls last:
-          once, with no op after it, its output the block's; and what the block had saved, and
-          its early stop (Rule 16), when the child started (``profile.Trail``). The plan may
-          record every block's such child as a trail, all of them or none (beside the head and
-          tail subsets: at most eight problems): the block's region ends where the child
-          starts (``end_at``: its frame ends in the child's pre-hook, and its recompute there
-          too, by early stop or, where early stop is off, by that hook; NOTE [Module checkpoint
-          hooks], Rule 7), and a ``gradient_checkpoint_scope`` records the child as a span
-          (Rule 22): what it makes (the next block's input, the norm's statistics) is kept
-          nowhere, what it reads (the sum) is kept by its tape, its replay and its recording
-          are paid. The region's problem is the profile cut at the child: its ops, saves and
-          early stop as they were then. A trail none of whose storages anyone else keeps (the
-          last block's, whose output only the loss reads) is left out; so is one that draws
-          random numbers or writes what it did not make (Rule 22's conditions). Pre-norm blocks
-          (a Llama's, GPT-2's, a ViT's) end in a residual add, not a child call: no trail. On
-          W2 at the compiler's 0.2 budget a plan recomputes 1.074 GFLOP against the compiler's
-          1.107 (1.174 before), at the same bytes (RESULTS.md). With ``objective="time"`` the
+  Rule 24. Trails. A post-norm block ends by calling its final norm on a residual sum (``norm2(h
+          + ff)``), and the next block's frame keeps the norm's output as its input; a plan that
+          keeps the sum, to skip the matmul behind it, kept that boundary twice, where
+          torch.compile's partitioner keeps the sum and remakes the norm. The profile notes per
+          block (blocks only, one call per step) the child module it calls last: once, with no
+          op after it, its output the block's; and what the block had saved, and its early stop
+          (Rule 16), when the child started (``profile.Trail``). The plan may record every
+          block's such child as a trail, all of them or none (beside the head and tail subsets:
+          at most eight problems): the block's region ends where the child starts (``end_at``:
+          its frame ends in the child's pre-hook, and its recompute there too, by early stop or,
+          where early stop is off, by that hook; NOTE [Module checkpoint hooks], Rule 7), and a
+          ``gradient_checkpoint_scope`` records the child as a span (Rule 22): what it makes
+          (the next block's input, the norm's statistics) is kept nowhere, what it reads (the
+          sum) is kept by its tape, its replay and its recording are paid. The region's problem
+          is the profile cut at the child: its ops, saves and early stop as they were then. A
+          trail none of whose storages anyone else keeps (the last block's, whose output only
+          the loss reads) is left out; so is one that draws random numbers or writes what it did
+          not make (Rule 22's conditions). Pre-norm blocks (a Llama's, GPT-2's, a ViT's) end in
+          a residual add, not a child call: no trail. Why: the boundary kept twice is what kept
+          post-norm plans above the compiler's FLOPs at its bytes. With ``objective="time"`` the
           cheapest plan without trails is one more candidate of Rule 23's race where the
-          prediction chose trails (their machinery is priced per call, Rule 22, but a W2 step
-          is where a 1 % error shows). Under ``torch.compile`` the blocks are torch's regions,
+          prediction chose trails (their machinery is priced per call, Rule 22, but a W2 step is
+          where a 1 % error shows). Under ``torch.compile`` the blocks are torch's regions,
           whole: the end hook returns at once while dynamo traces.
   Rule 25. Kept spans. In a checkpointed region the ops of a ``keep(fn, *args)`` span are
           neither counted nor cached by the selective modes, nor replayed (NOTE [Kept spans],
