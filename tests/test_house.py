@@ -1,0 +1,84 @@
+"""House rules on the package's shape (issue 43, point 6): no module over 700 lines, and every
+annotation-only import that closes a circle says so where it is made. The import cycles that
+run are checked by ``test_structure.py``; both read the package with ``benchmarks/structure.py``."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MOST_LINES = 700
+_MARK = "# annotations only"
+
+
+@pytest.fixture(scope="module")
+def structure() -> ModuleType:
+    """``benchmarks/structure.py``, loaded by path (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("structure", ROOT / "benchmarks/structure.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def over_long(package: Path) -> dict[str, int]:
+    """The modules under ``package`` longer than ``MOST_LINES`` lines, with their lengths."""
+    lengths = {
+        str(p.relative_to(package.parent)): len(p.read_text().splitlines())
+        for p in sorted(package.rglob("*.py"))
+    }
+    return {name: n for name, n in lengths.items() if n > MOST_LINES}
+
+
+def undocumented(structure: ModuleType, package: Path) -> list[str]:
+    """The annotation-only imports ``a -> b`` inside an import cycle whose ``if TYPE_CHECKING:``
+    line does not say why (``# annotations only: ...``)."""
+    edges = structure.Edges(package)
+    cycles = structure.cycles(edges.merged(*structure.KINDS), sorted(edges.files))
+    found = []
+    for cycle in cycles:
+        members = set(cycle)
+        for a in cycle:
+            if not edges.by_kind["annotation"].get(a, set()) & members:
+                continue
+            source = edges.files[a].read_text()
+            lines = source.splitlines()
+            guards = [
+                lines[node.lineno - 1]
+                for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.If) and structure.is_type_checking(node.test)
+            ]
+            if not guards or not all(_MARK in line for line in guards):
+                found.append(a)
+    return sorted(found)
+
+
+def test_the_checks_can_fail(structure: ModuleType, tmp_path: Path) -> None:
+    """A long module and an unexplained annotation-only circle are found; explained, it is not."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "long.py").write_text("x = 1\n" * (MOST_LINES + 1))
+    (package / "a.py").write_text("from . import b\n")
+    guard = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:{}\n    from .a import x\n"
+    (package / "b.py").write_text(guard.format(""))
+    assert over_long(package) == {"pkg/long.py": MOST_LINES + 1}
+    assert undocumented(structure, package) == ["pkg.b"]
+    (package / "b.py").write_text(guard.format("  # annotations only: a imports b"))
+    assert undocumented(structure, package) == []
+
+
+def test_no_module_over_700_lines() -> None:
+    """One concept per module, none over 700 lines (checkpointing/)."""
+    assert over_long(ROOT / "checkpointing") == {}
+
+
+def test_annotation_only_circles_are_explained(structure: ModuleType) -> None:
+    """An import under ``TYPE_CHECKING`` that closes a circle says why, where it is made."""
+    assert undocumented(structure, ROOT / "checkpointing") == []
