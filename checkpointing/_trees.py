@@ -31,7 +31,7 @@ import torch
 
 from ._compat import tree_leaves
 
-__all__ = ["StorageKey", "storage_key", "storage_nbytes", "tensors"]
+__all__ = ["StorageKey", "storage_key", "storage_nbytes", "storage_of", "tensors"]
 
 StorageKey = tuple[torch.device, int]
 """A storage's device and data pointer (NOTE [Storage keys])."""
@@ -72,6 +72,12 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     except (RuntimeError, NotImplementedError, TypeError):  # an invalid python storage
         return None
     return storage if pointer != 0 else None
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage behind ``tensor``, a ``DTensor``'s local shard's included, or None where it
+    has no key (NOTE [Storage keys], Rules 2 and 3): for callers that watch it being freed."""
+    return _storage(tensor)
 
 
 def storage_key(tensor: torch.Tensor) -> StorageKey | None:

@@ -315,6 +315,21 @@ NOTE [Planner model]
           and not at run time; one inside a profiled region is said once, never silent), a
           span's RNG states, a span's host copies (offload policies, counted as kept) and early
           stop turned off (every span's outputs are then held).
+  Rule 26. Sharded models. Parameters are never activations, sharded or gathered: a
+          ``DTensor``'s memory is its local shard's (NOTE [Storage keys], Rule 3), so the
+          shards of FSDP2 and of tensor parallelism are leaves (Rule 2) like any parameter;
+          FSDP2's unsharded parameters are made during the forward by its own ops (``fsdp::``,
+          and ``c10d::`` collectives in place on its buffers), at addresses an earlier
+          activation may have had, so what those ops make or fill loses any id it had and the
+          ops are not the region's (the recorder passes them by; they are the sharding's, not
+          the plan's). Functional collectives (``_c10d_functional::``, tensor parallelism's)
+          make activations and are ops like any other (selective checkpointing keeps them).
+          FSDP2 gathers the parameters for a forward again only once its backward hooks have
+          run, and those run only in a backward that accumulates gradients: where a parameter
+          is a tensor subclass, a measured step runs ``loss.backward()`` and puts every
+          ``.grad`` back after it, instead of ``autograd.grad``. Every rank profiles its own
+          share: FSDP2's rank plans its own rows, a tensor-parallel rank its own shard of the
+          split activations.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

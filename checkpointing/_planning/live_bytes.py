@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .._compat import TorchDispatchMode, tree_leaves
+from .._trees import storage_of
 from .scratch import scratch_bytes
 
 __all__ = ["Peaks", "cpu_peak", "step_peaks"]
@@ -49,11 +50,7 @@ def _storage(leaf: object) -> torch.UntypedStorage | None:
         return None
     if leaf.layout != torch.strided:
         return None
-    try:
-        storage = leaf.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # a subclass or layout without one storage
-        return None
-    return storage if storage.data_ptr() != 0 else None
+    return storage_of(leaf)  # a DTensor's local shard's; None for an invalid python storage
 
 
 class _LiveBytes(TorchDispatchMode):

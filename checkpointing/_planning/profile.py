@@ -55,6 +55,11 @@ _POLICY_ROUNDS: Final = 10  # forward passes timed plainly and under a selective
 # Rule 15: the step-to-step spread of the profiled steps, clamped to this range, is the share of
 # the regions' time within which FLOPs break ties under objective "time".
 _TIE_SPREAD: Final = (0.01, 0.05)
+# Rule 26: the ops of FSDP2 (``fsdp::``) and of process groups (``c10d::``, in place on
+# buffers of the sharding's own); functional collectives (``_c10d_functional::``, tensor
+# parallelism's) make activations and are recorded as any op.
+_SHARDING_NAMESPACES: Final = frozenset({"fsdp", "c10d"})
+_PLAIN: Final = (torch.Tensor, nn.Parameter)
 
 ObjectiveName = Literal["time", "flops"]
 
@@ -314,6 +319,14 @@ class _Step:
         key = storage_key(tensor)
         return None if key is None else self.ids.get(key)
 
+    def forget(self, memory: Iterator[torch.Tensor]) -> None:
+        """Rule 26: what a sharding op made or filled is a parameter or a buffer of the
+        sharding's, never an activation, whatever id its address had."""
+        for tensor in memory:
+            key = storage_key(tensor)
+            if key is not None:
+                self.ids.pop(key, None)
+
     def enter(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.span is self.head:
             self.span = None
@@ -481,6 +494,10 @@ class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         kwargs = kwargs or {}
         if func in SAC_IGNORED_OPS:  # Rule 3: counted as selective checkpointing counts
             return func(*args, **kwargs)
+        if getattr(func, "namespace", None) in _SHARDING_NAMESPACES:  # Rule 26
+            out = func(*args, **kwargs)
+            self.step.forget(tensors((args, kwargs, out)))
+            return out
         sync = self.synchronize
         if sync is not None:
             sync()
@@ -646,7 +663,22 @@ def plain_step(
     output = model(*args, **kwargs)
     loss = default_loss(output) if loss_fn is None else loss_fn(output)
     del output
-    torch.autograd.grad(loss, wrt, allow_unused=True)
+    differentiate(loss, wrt)
+
+
+def differentiate(loss: torch.Tensor, wrt: list[torch.Tensor]) -> None:
+    """A measured step's backward; its gradients go nowhere. Plainly ``autograd.grad``; where a
+    parameter is a tensor subclass (FSDP2's and tensor parallelism's ``DTensor``s) a backward
+    that accumulates, with every ``.grad`` of ``wrt`` put back after it (Rule 26)."""
+    if all(type(t) in _PLAIN for t in wrt):
+        torch.autograd.grad(loss, wrt, allow_unused=True)
+        return
+    grads = [(t, t.grad) for t in wrt]
+    try:
+        torch.autograd.backward(loss)
+    finally:
+        for tensor, grad in grads:
+            tensor.grad = grad
 
 
 def _policy_seconds_per_op(
@@ -772,7 +804,7 @@ def _one_step(
             loss = default_loss(output) if loss_fn is None else loss_fn(output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(_MSG_LOSS.format(got=_describe(loss)))
-        torch.autograd.grad(loss, wrt, allow_unused=True)
+        differentiate(loss, wrt)
         if synchronize is not None:
             synchronize()
     finally:

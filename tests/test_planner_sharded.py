@@ -1,0 +1,258 @@
+"""``plan_checkpointing`` on sharded and parallel models (gloo, 2 CPU processes).
+
+One pair of spawned workers plans, applies and trains every case: a stack of residual blocks
+(Linear, tanh, dropout, Linear) sharded by FSDP2 (``fully_shard`` per block and at the root) or
+split by tensor parallelism (``parallelize_module``: the first Linear column-wise, the second
+row-wise, DTensor weights). Each worker writes its plans (``to_json``), their byte figures,
+and the full gradients of three optimizer steps of the planned model and of the same model
+without a plan, to a file; the tests compare them.
+
+What must hold:
+- Parameters, sharded (DTensor shards) or gathered (FSDP2's unsharded parameters, which its
+  own ops fill during the forward), are never activations: under FSDP2 a rank's plan keeps and
+  predicts exactly what the plan of the same model on one process, fed the rank's rows,
+  predicts; under tensor parallelism what that of the model with half the hidden width (each
+  rank's column shard) predicts.
+- Both ranks get one plan (``to_json`` equal).
+- The planned model trains as the plain one: gradients equal bit for bit at every step
+  (dropout included: the CPU RNG is seeded alike before each step, and the plan preserves it).
+
+The spawned pair is bounded: collectives time out after ``dist_support.TIMEOUT`` and the whole
+run after ``RUN_TIMEOUT`` seconds (the workers are then terminated and the tests fail).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from dist_support import WORLD_SIZE, free_port, gloo_group
+from torch import nn
+
+import checkpointing
+
+WIDTH = 32
+HIDDEN = 128
+DEPTH = 4
+BATCH = 16  # rows per rank
+SEED = 4321
+STEPS = 3
+BUDGET = 0.5
+RUN_TIMEOUT = 240.0  # seconds for the whole pair; a healthy run takes ~20 s on 2 busy cores
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.once,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+
+class Block(nn.Module):
+    """``x + down(dropout(tanh(up(x))))``."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, hidden)
+        self.drop = nn.Dropout(0.1)
+        self.down = nn.Linear(hidden, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.drop(torch.tanh(self.up(x))))  # type: ignore[no-any-return]
+
+
+class Net(nn.Module):
+    """``DEPTH`` blocks and a linear head, float64, the same weights on every rank."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, 1)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # type: ignore[no-any-return]
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def _batch(rank: int) -> torch.Tensor:
+    """FSDP2: each rank its own rows; TP: rank 0's rows on both (its input is replicated)."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(WORLD_SIZE * BATCH, WIDTH, generator=gen, dtype=torch.float64)
+    return rows[rank::WORLD_SIZE]
+
+
+def _plan(model: nn.Module, x: torch.Tensor) -> checkpointing.ActivationPlan:
+    return checkpointing.plan_checkpointing(
+        model, (x,), budget=BUDGET, loss_fn=_loss, timing_steps=0
+    )
+
+
+def _figures(plan: checkpointing.ActivationPlan) -> dict[str, Any]:
+    return {
+        "json": json.loads(plan.to_json()),
+        "baseline": plan.baseline_bytes,
+        "kept": plan.kept_bytes,
+        "floor": plan.floor_bytes,
+        "checkpointed": sum(1 for d in plan.regions if d.checkpoint),
+    }
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().clone()
+
+
+def _train(model: nn.Module, x: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """``STEPS`` SGD steps, each from its own seed; the full gradients of each step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(SEED + step)
+        _loss(model(x)).backward()
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+    return grads
+
+
+def _fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _tensor_parallel(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for block in model.blocks:  # type: ignore[union-attr]
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+SHARDINGS: dict[str, tuple[Callable[[nn.Module], nn.Module], int]] = {
+    # sharding -> (how, the hidden width of the one-process model it must plan like)
+    "fsdp2": (_fsdp2, HIDDEN),
+    "tp": (_tensor_parallel, HIDDEN // WORLD_SIZE),
+}
+
+
+def _case(sharding: str, rank: int) -> dict[str, Any]:
+    shard, hidden = SHARDINGS[sharding]
+    x = _batch(rank if sharding == "fsdp2" else 0)
+    torch.manual_seed(SEED)
+    single = _figures(_plan(Net(hidden), x))
+    planned_model = shard(Net())
+    torch.manual_seed(SEED)
+    plan = _plan(planned_model, x)
+    plan.apply(planned_model)
+    return {
+        "single": single,
+        "plan": _figures(plan),
+        "planned": _train(planned_model, x),
+        "plain": _train(shard(Net()), x),
+    }
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    with gloo_group(rank, port):
+        results: dict[str, Any] = {}
+        for sharding in SHARDINGS:
+            try:
+                results[sharding] = _case(sharding, rank)
+            except Exception:  # reported by the tests of that case
+                results[sharding] = {"error": traceback.format_exc()}
+            dist.barrier()
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _then_exit(rank: int, port: int, out_dir: str) -> None:
+    import os
+    import sys
+
+    _worker(rank, port, out_dir)  # see dist_support._then_exit: no interpreter teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every case's results per rank, from one pair of spawned processes, in bounded time."""
+    out_dir = tmp_path_factory.mktemp("planner_sharded")
+    context = mp.start_processes(
+        _then_exit,
+        args=(free_port(), str(out_dir)),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            pytest.fail(f"the sharded planning workers ran over {RUN_TIMEOUT:.0f} s")
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+def _got(results: list[dict[str, Any]], sharding: str, rank: int) -> dict[str, Any]:
+    got = results[rank][sharding]
+    assert "error" not in got, f"{sharding} failed on rank {rank}:\n{got['error']}"
+    return got  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_parameters_are_not_activations(sharding: str, results: list[dict[str, Any]]) -> None:
+    """A rank's plan predicts the bytes of the one-process plan of its share of the work: no
+    parameter (sharded, or gathered by FSDP2's ops during the forward) counts as kept."""
+    for rank in range(WORLD_SIZE):
+        got = _got(results, sharding, rank)
+        plan, single = got["plan"], got["single"]
+        assert plan["checkpointed"] > 0, "the budget must make the plan checkpoint something"
+        for figure in ("baseline", "floor"):
+            assert plan[figure] == single[figure], (sharding, rank, figure, plan, single)
+
+
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_ranks_get_one_plan(sharding: str, results: list[dict[str, Any]]) -> None:
+    plans = [_got(results, sharding, rank)["plan"]["json"] for rank in range(WORLD_SIZE)]
+    assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_planned_model_trains_as_plain(sharding: str, results: list[dict[str, Any]]) -> None:
+    """Gradients of every step equal the plain sharded run's, bit for bit (dropout included)."""
+    for rank in range(WORLD_SIZE):
+        got = _got(results, sharding, rank)
+        assert len(got["planned"]) == STEPS
+        for step, (planned, plain) in enumerate(zip(got["planned"], got["plain"], strict=True)):
+            assert list(planned) == list(plain)
+            assert planned, "no gradients"
+            for name, value in plain.items():
+                assert torch.equal(planned[name], value), (sharding, rank, step, name)
