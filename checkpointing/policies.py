@@ -28,13 +28,8 @@ Conventions, so that combinations are predictable:
   commutative, associative and idempotent; ``either(p, both(p, q)) == p`` and
   ``both(p, either(p, q)) == p`` (absorption); ``save_nothing()`` is the unit of ``either`` and
   ``save_everything()`` the unit of ``both``. ``tests/test_policies.py`` checks them all.
-- Functional collectives (``torch.ops._c10d_functional``: what tensor parallelism runs) are
-  kept under every policy, unless its answer for them is ``MUST_RECOMPUTE`` (NOTE [Collectives
-  under selective checkpointing]): ``PREFER_RECOMPUTE``, the answer for ops a factory does not
-  name, keeps them. ``recompute_ops(collective)`` alone recomputes it; combined by ``both``
-  with a factory that does not name it, the lower answer is ``PREFER_RECOMPUTE``, which keeps
-  it: to keep matmuls and recompute a collective, write the policy as a function (the
-  distributed page of the docs shows one).
+- Collectives stay kept unless the answer is ``MUST_RECOMPUTE`` (NOTE [Collectives under
+  selective checkpointing]): ``both(save_matmuls(), recompute_ops(c))`` keeps ``c``.
 
 Example:
     >>> import torch, checkpointing
