@@ -1,4 +1,4 @@
-"""Which kept-nothing outputs to offload to host instead of recomputing (Rule 10).
+"""Which op outputs a plan offloads to host instead of recomputing them (Rule 10).
 
 Owns ``offloads``: after ``solver.solve``, per checkpointed region, the units whose trip to host
 and back is predicted cheaper than recomputing them, within a host budget. The caller asks only
