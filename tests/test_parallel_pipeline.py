@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import releases
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
@@ -65,8 +66,10 @@ SCHEDULES: dict[str, tuple[Any, tuple[tuple[int, ...], tuple[int, ...]]]] = {
     "zbv_zero_bubble": (ScheduleZBVZeroBubble, ((0, 3), (1, 2))),
 }
 CASES = ("plain", "ours_module", "ours_sac", "torch_module", "torch_sac")
-# Torch's selective checkpoint cannot serve two backward passes (recorded, not asserted).
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")
+# torch 2.11's ZBV schedule sets up its stages on gloo with a send from rank 1 to itself (the
+# V's two middle stages share it), which gloo refuses ("Pair is not connected"); 2.13 runs it.
+ZBV_ON_GLOO = releases.TORCH >= (2, 13)
 
 
 class Block(nn.Module):
@@ -166,6 +169,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results: dict[str, Any] = {}
         for schedule_name in SCHEDULES:
             for case in CASES:
+                if schedule_name == "zbv_zero_bubble" and not ZBV_ON_GLOO:
+                    continue
                 if case.startswith("torch_") and schedule_name in ZERO_BUBBLE:
                     continue  # torch fails there, and a failed step desynchronises the ranks
                 try:
@@ -197,6 +202,8 @@ def test_gradients_equal_the_plain_pipeline_bitwise(
     """Each checkpointed pipeline's gradients equal the plain one's, bit for bit, on both
     ranks; torch's selective case on a zero-bubble schedule is skipped (it fails there)."""
     key = f"{schedule_name}/{case}"
+    if schedule_name == "zbv_zero_bubble" and not ZBV_ON_GLOO:
+        pytest.skip("torch before 2.13 cannot set up ZBV stages on gloo (see ZBV_ON_GLOO)")
     if case.startswith("torch_") and schedule_name in ZERO_BUBBLE:
         pytest.skip("torch's checkpoint fails the zero-bubble schedules (module docstring)")
     for rank in range(WORLD_SIZE):
