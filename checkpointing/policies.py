@@ -75,7 +75,6 @@ from ._selective import (
     tag,
     uncalled_factory,
 )
-from ._selective.routing import RANKING_OPS as _RANKING_OPS
 from ._selective.routing import ROUTING_OPS as _ROUTING_OPS
 
 __all__ = [
@@ -108,7 +107,6 @@ _RANK: Final[dict[CheckpointPolicy, int]] = {
     CheckpointPolicy.PREFER_SAVE: 4,
     CheckpointPolicy.MUST_SAVE: 5,
 }
-_SAVES: Final = CheckpointPolicy.PREFER_SAVE  # the lowest rank that saves on the device
 
 
 # ``torch.nn.functional.scaled_dot_product_attention`` is a composite op: it never reaches a
@@ -173,7 +171,7 @@ class _Constant(OpPolicyBase):
 class _ByOp(OpPolicyBase):
     """``hit`` for the ops in a set, ``miss`` for every other op."""
 
-    __slots__ = ("_asked_to_keep", "_hit", "_keeps_ranking", "_miss", "_ops", "_repr")
+    __slots__ = ("_asked_to_keep", "_hit", "_keeps_routing", "_miss", "_ops", "_repr")
 
     def __init__(
         self,
@@ -182,6 +180,7 @@ class _ByOp(OpPolicyBase):
         miss: CheckpointPolicy,
         description: str,
         asked: Asked = NOTHING_ASKED,
+        routing: bool = False,
     ) -> None:
         super().__init__()
         self._ops = ops
@@ -189,9 +188,9 @@ class _ByOp(OpPolicyBase):
         self._miss = miss
         self._repr = description
         self._asked_to_keep = asked  # what it names for keeping (``_selective.unkept``)
-        # Whether it may save a ranking op (NOTE [Routing ops], Rule 3, read by the forward
-        # mode: the makers of scores are then noted for a hand-over).
-        self._keeps_ranking = bool(ops & _RANKING_OPS) and _RANK[hit] >= _RANK[_SAVES]
+        # Whether its saves of routing ops keep the routing (``save_routing``: NOTE [Routing
+        # ops], read by the forward mode).
+        self._keeps_routing = routing
 
     def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         return self._hit if op in self._ops else self._miss
@@ -226,7 +225,7 @@ class _ByName:
 class _Combined:
     """The answer of highest (``either``) or lowest (``both``) rank among several policies."""
 
-    __slots__ = ("_asked_to_keep", "_pick", "_policies", "_repr")
+    __slots__ = ("_asked_to_keep", "_keeps_routing", "_pick", "_policies", "_repr")
 
     def __init__(
         self, policies: tuple[Policy, ...], pick: Callable[..., CheckpointPolicy], name: str
@@ -235,6 +234,7 @@ class _Combined:
         self._pick = pick
         self._repr = f"{name}({', '.join(map(repr, policies))})"
         self._asked_to_keep = _asked_by_all(policies, pick)
+        self._keeps_routing = _keeps_routing(policies)
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
@@ -252,7 +252,7 @@ class _Combined:
 class _CombinedByOp(OpPolicyBase):
     """``_Combined`` of policies that all answer by op alone: itself answers by op alone."""
 
-    __slots__ = ("_asked_to_keep", "_keeps_ranking", "_pick", "_policies", "_repr")
+    __slots__ = ("_asked_to_keep", "_keeps_routing", "_pick", "_policies", "_repr")
 
     def __init__(
         self, policies: tuple[OpPolicy, ...], pick: Callable[..., CheckpointPolicy], name: str
@@ -262,7 +262,7 @@ class _CombinedByOp(OpPolicyBase):
         self._pick = pick
         self._repr = f"{name}({', '.join(map(repr, policies))})"
         self._asked_to_keep = _asked_by_all(policies, pick)
-        self._keeps_ranking = any(getattr(p, "_keeps_ranking", False) for p in policies)
+        self._keeps_routing = _keeps_routing(policies)
 
     def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
         answers = [
@@ -272,6 +272,12 @@ class _CombinedByOp(OpPolicyBase):
 
     def __repr__(self) -> str:
         return self._repr
+
+
+def _keeps_routing(policies: Iterable[object]) -> bool:
+    """Whether a combination keeps routing as ``save_routing`` does (NOTE [Routing ops]): when
+    any of its policies does (its answers still decide which routing ops are saved)."""
+    return any(getattr(policy, "_keeps_routing", False) for policy in policies)
 
 
 def _asked_by_all(policies: Iterable[object], pick: Callable[..., CheckpointPolicy]) -> Asked:
@@ -442,6 +448,7 @@ def save_routing() -> Policy:
         CheckpointPolicy.MUST_SAVE,
         CheckpointPolicy.PREFER_RECOMPUTE,
         "save_routing()",
+        routing=True,
     )
 
 

@@ -162,7 +162,6 @@ def test_without_drift_save_routing_equals_the_plain_run_bitwise() -> None:
         either(save_matmuls(), save_routing()),
         both(save_everything(), save_routing()),
         either(save_only_these_names("unused"), save_routing()),  # asked per call
-        save_ops(aten.topk.default, aten.nonzero.default),
     ],
     ids=repr,
 )
@@ -174,6 +173,16 @@ def test_rule3_drifting_router_is_served_the_kept_routing(policy: Any) -> None:
     plain = _plain(model, x)
     assert _equal(_ours(model, x, context_fn=as_context_fn(policy)), plain)
     assert model.router.calls == 2  # the drift did happen: the recompute ran the router
+
+
+def test_rule2_other_policies_keep_routing_ops_as_any_op() -> None:
+    """Rule 2 applies under ``save_routing()`` only: ``save_ops(aten.topk)`` keeps an alias,
+    which the router's in-place normalisation changes: the step is refused, as torch's is."""
+    model, x = _model()
+    model.router.drifts = False
+    policy = save_ops(aten.topk.default)
+    with pytest.raises(RuntimeError, match="mutated"):
+        _ours(model, x, context_fn=as_context_fn(policy))
 
 
 def test_torch_selective_checkpoint_fails_on_the_in_place_normalisation() -> None:
@@ -270,3 +279,106 @@ def test_rule5_every_drifting_rank_raises_the_same_message(tmp_path: Path) -> No
     assert "save_routing()" in both[0]
     assert one[0] is None
     assert one[1] == both[0]
+
+
+# --- The Hugging Face integration: MoE models keep their routing by default -----------------
+
+
+def _drifting_mixtral(
+    experts: str = "grouped_mm",
+) -> tuple[nn.Module, dict[str, Any], Callable[[], list[torch.Tensor]]]:
+    """The zoo's tiny Mixtral (2 layers, 4 experts, top 2, attention dropout) whose routers
+    shift their logits on every second call, and a step giving its gradients (seeded).
+    ``experts``: transformers' experts implementation (``grouped_mm``, its default here, sorts
+    the tokens by expert and counts them with ``histc``: shapes do not depend on the routing;
+    ``eager`` loops over the experts with ``torch.where``: they do)."""
+    pytest.importorskip("transformers")
+    from hf_support import zoo_member
+    from transformers.models.mixtral import modeling_mixtral
+
+    class DriftingRouter(modeling_mixtral.MixtralTopKRouter):
+        """Mixtral's router, shifting its logits on every second call."""
+
+        calls = 0
+
+        def forward(self, hidden_states: torch.Tensor) -> Any:
+            self.calls += 1
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            shift = torch.randn(
+                hidden_states.shape[0], self.num_experts, generator=torch.Generator().manual_seed(3)
+            )
+            logits = F.linear(hidden_states, self.weight) + shift * 3 * float(self.calls % 2 == 0)
+            probs = logits.float().softmax(-1)
+            top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
+            top_value /= top_value.sum(dim=-1, keepdim=True)
+            return logits, top_value, top_index
+
+    member = zoo_member("mixtral")
+    model = member.model
+    model.config._experts_implementation = experts
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        router = DriftingRouter(model.config)
+        router.load_state_dict(layer.mlp.gate.state_dict())
+        layer.mlp.gate = router
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad()
+        for module in model.modules():
+            if isinstance(module, DriftingRouter):
+                module.calls = 0
+        torch.manual_seed(2)
+        member.loss_fn(model(*member.args, **member.kwargs)).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    return model, member.kwargs, step
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_hf_moe_model_keeps_its_routing_by_default(experts: str) -> None:
+    """``enable(mixtral)`` runs its layers under ``save_routing()``, and under
+    ``either(policy, save_routing())`` with a policy: a drifting router, exact gradients, with
+    either experts implementation."""
+    from checkpointing.integrations import transformers as hf_checkpointing
+
+    model, _, step = _drifting_mixtral(experts)
+    plain = step()
+    for policy in (None, save_matmuls(), "save_matmuls"):
+        hf_checkpointing.enable(model, policy=policy)
+        assert _equal(step(), plain)
+        hf_checkpointing.disable(model)
+
+
+def test_hf_moe_model_without_routing_raises_on_drift() -> None:
+    """The escape hatch, a ``context_fn`` of one's own, leaves the routing to be recomputed:
+    with experts looped over by ``torch.where``, the drifting router then breaks the step with
+    the line named. (Under ``grouped_mm`` the shapes do not move: see NOTE [Determinism
+    checks], Rule 5, on what a recompute of the routing cannot catch.)"""
+    from checkpointing.integrations import transformers as hf_checkpointing
+
+    model, _, step = _drifting_mixtral("eager")
+    hf_checkpointing.enable(model, context_fn=as_context_fn(save_matmuls()))
+    with pytest.raises(RuntimeError) as info:
+        step()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "modeling_mixtral.py" in notes + str(info.value)
+    assert "save_routing()" in notes + str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "routed"), [("mixtral", True), ("qwen2_moe", True), ("llama", False)]
+)
+def test_hf_enable_adds_routing_to_models_with_experts_only(name: str, routed: bool) -> None:
+    """Models with experts in their config get ``save_routing()``; a dense model's layers run
+    plain checkpointing as before (no context_fn)."""
+    pytest.importorskip("transformers")
+    from hf_support import zoo_member
+
+    from checkpointing.integrations import _hf_enable
+    from checkpointing.integrations import transformers as hf_checkpointing
+
+    model = zoo_member(name).model
+    hf_checkpointing.enable(model)
+    layer_checkpoint = _hf_enable._our_layer_checkpoint(model)  # type: ignore[arg-type]
+    assert layer_checkpoint is not None
+    assert ("save_routing()" in repr(layer_checkpoint)) is routed
+    assert ("context_fn" in layer_checkpoint.options) is routed

@@ -78,7 +78,7 @@ from .policy import (
     _Plan,
     answers_by_op,
 )
-from .routing import RANKING_IDS, ROUTING_IDS, copy_outputs
+from .routing import RANKING_IDS, ROUTING_IDS, copy_outputs, keeps_routing
 from .skip import may_skip
 from .unkept import Makers, Unkept, asked_of, cause_of, note_makers, say_random
 
@@ -154,6 +154,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         self._asked_names = asked.names
         self._makers: Makers | None = {} if asked.names else None
         self._unkept: Unkept | None = None
+        self._routing = keeps_routing(policy)  # NOTE [Routing ops]
         if answers_by_op(policy):
             self._by_op = policy
             plans: dict[int, _OpPlan] | None = getattr(policy, "_op_plans", None)
@@ -231,7 +232,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         ):
             action = _Action.RECOMPUTE  # Rule 14: a blank could be wrong here (random: below)
         if action is not _Action.RECOMPUTE and func is not TAG_OP and not random:
-            if action is _Action.SAVE and id(func) in _ROUTING_IDS:
+            if action is _Action.SAVE and self._routing and id(func) in _ROUTING_IDS:
                 self._keep_routing(func, args, out, record, index)
             else:
                 entry = _Blank(out) if action is _PLACEHOLDER else self._entry(out, action)
@@ -386,21 +387,13 @@ def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
         return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
     if func is TAG_OP or draw_rule >= 0 or action is _PLACEHOLDER or effect:
         return _Plan.CHECK, action  # Rules 8, 10, 14; collectives: agree (in _decide)
-    if action is _Action.SAVE and id(func) in _ROUTING_IDS:
+    if action is _Action.SAVE and id(func) in _ROUTING_IDS and keeps_routing(policy):
         return _Plan.CHECK, action  # NOTE [Routing ops], Rules 2 and 3
     if action is not _Action.RECOMPUTE:
         return _Plan.KEEP, action
-    if pure and (_tags_may_keep(policy, plans) or _ranking_may_keep(policy)):
+    if pure and (_tags_may_keep(policy, plans) or keeps_routing(policy)):
         return _Plan.NOTE, action  # Rule 8: its output may take a later decision
     return _Plan.COUNT, action
-
-
-def _ranking_may_keep(policy: OpPolicy) -> bool:
-    """Whether an op-only policy may save a ranking op, whose scores then take its decision
-    (NOTE [Routing ops], Rule 3): the makers of scores must be noted. Our policies say so
-    (``_keeps_ranking``); a user's op-only policy is asked about the ops its regions run only
-    (Rule 1), so under it scores are noted only where its tags need it."""
-    return bool(getattr(policy, "_keeps_ranking", False))
 
 
 def _tags_may_keep(policy: OpPolicy, plans: dict[int, _OpPlan]) -> bool:

@@ -1,9 +1,10 @@
 """Routing ops: the calls that decide where a mixture-of-experts layer sends each token.
 
 Owns ``ROUTING_OPS`` (what ``policies.save_routing()`` keeps), ``RANKING_OPS`` (the routing ops
-whose first input holds the scores they rank) and ``copy_outputs``, the private copy a kept
-routing output is made of. The forward mode (``forward``) applies the rules below when a policy
-keeps one of these ops; the recompute mode hands the copies out like any saved entry.
+whose first input holds the scores they rank), ``copy_outputs`` (the private copy a kept
+routing output is made of) and ``keeps_routing`` (whether a policy asks for the rules below).
+The forward mode (``forward``) applies them when such a policy saves one of these ops; the
+recompute mode hands the copies out like any saved entry.
 
 A mixture-of-experts router ranks scores (``topk``, ``sort``, ``argmax``, ``kthvalue``), counts
 the tokens each expert receives (``bincount``, ``histc``) and finds each expert's tokens
@@ -19,25 +20,25 @@ NOTE [Routing ops] (selective checkpointing; the numbers are cited as "NOTE [Rou
           ``save_routing()`` answers MUST_SAVE for them and PREFER_RECOMPUTE for the rest.
           ``cumsum`` is left out: recomputed from kept counts it gives the same offsets, and
           elsewhere (state-space models) it runs over whole activations.
-  Rule 2. A routing op kept by a save answer (under any policy) is kept as a private copy of
-          its outputs, not as an alias: routers normalise the top-k values in place
-          (``router_top_value /= router_top_value.sum(...)`` in Hugging Face's Mixtral and
-          Qwen2-MoE), and an alias would fail the cache's mutation check (NOTE [Selective
-          checkpoint cache], Rule 5) or, allowed, be divided twice. The copy is what the op
-          returned; the recompute runs the in-place step on it again, as the forward did.
-  Rule 3. A ranking op kept by a save answer keeps the scores it ranked too: the tensor passed
-          as its first input, when the region made it by a recomputed op (Rule 8's hand-over,
-          as for a kept tag). Backward through the routing weights (``softmax``'s backward
-          reads its output) then reads the forward's scores, so gradients equal the run
-          without checkpointing even when the router computes other scores the second time.
-          Scores made outside the region, or by an op that cannot take the hand-over (it
-          returned several tensors, drew random numbers, or they were changed in place since),
-          are not kept by this rule; the routing itself still is (Rule 2). It applies under
-          policies asked per call and under those of ``checkpointing.policies`` (which say
-          ``_keeps_ranking``, so that the forward mode notes the makers of scores); a user's
-          op-only policy (``answer_for_op``) is asked about the ops its regions run only
-          (Rule 1 of the cache NOTE), so under it scores are noted only where its tags need
-          it.
+  Rule 2. Under a policy that keeps routing (``save_routing()``, alone or in ``either`` /
+          ``both``: it says so with ``_keeps_routing``, read by ``keeps_routing``), a routing
+          op that the policy's answer saves is kept as a private copy of its outputs, not as
+          an alias: routers normalise the top-k values in place (``router_top_value /=
+          router_top_value.sum(...)`` in Hugging Face's Mixtral and Qwen2-MoE), and an alias
+          would fail the cache's mutation check (NOTE [Selective checkpoint cache], Rule 5)
+          or, allowed, be divided twice. The copy is what the op returned; the recompute runs
+          the in-place step on it again, as the forward did.
+  Rule 3. There, a saved ranking op keeps the scores it ranked too: the tensor passed as its
+          first input, when the region made it by a recomputed op (Rule 8's hand-over, as for
+          a kept tag; the forward mode notes the makers of every output for it). Backward
+          through the routing weights (``softmax``'s backward reads its output) then reads
+          the forward's scores, so gradients equal the run without checkpointing even when
+          the router computes other scores the second time. Scores made outside the region,
+          or by an op that cannot take the hand-over (it returned several tensors, drew random
+          numbers, or they were changed in place since), are not kept by this rule; the
+          routing itself still is (Rule 2). Other policies that save these ops (``save_ops``,
+          the planner's) keep them as any op, an alias and nothing more: what they keep is
+          what they priced.
   Rule 4. Offload answers for routing ops keep them as offload keeps any output (a host copy
           on an accelerator); only save answers follow Rules 2 and 3.
   Rule 5. Under a tracing compiler the partitioner decides (Rule 9 of the cache NOTE); these
@@ -59,7 +60,14 @@ import torch
 from .._compat import OpOverload
 from .unkept import is_composite
 
-__all__ = ["RANKING_IDS", "RANKING_OPS", "ROUTING_IDS", "ROUTING_OPS", "copy_outputs"]
+__all__ = [
+    "RANKING_IDS",
+    "RANKING_OPS",
+    "ROUTING_IDS",
+    "ROUTING_OPS",
+    "copy_outputs",
+    "keeps_routing",
+]
 
 
 def _functional(names: Iterable[str]) -> frozenset[OpOverload]:
@@ -98,3 +106,9 @@ def copy_outputs(out: Any) -> Any:
     if isinstance(out, tuple | list):
         return type(out)(copy_outputs(item) for item in out)
     return out
+
+
+def keeps_routing(policy: object) -> bool:
+    """Rule 2: whether ``policy`` keeps routing as ``save_routing()`` does (it, or a
+    combination including it, says so with ``_keeps_routing``)."""
+    return bool(getattr(policy, "_keeps_routing", False))

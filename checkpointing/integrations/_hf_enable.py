@@ -82,6 +82,16 @@ NOTE [transformers integration]
           configuration file or a command line can carry; the name becomes that factory's
           policy when ``enable`` checks its options (Rule 4), and an unknown name is an error
           listing the names. A policy with arguments is passed as the object.
+  Rule 13. A model with experts (its text config counts more than one in
+          ``num_local_experts``, ``num_experts``, ``n_routed_experts`` or ``moe_num_experts``)
+          keeps its routing (NOTE [Routing ops]): its layers run under ``save_routing()``, or
+          ``either(policy, save_routing())`` with a policy. A recompute whose router scores
+          the experts differently would route tokens elsewhere, and transformers' default
+          experts (``grouped_mm``: tokens sorted by expert) keep every shape, so that would
+          be wrong gradients in silence. Not added with the caller's own ``context_fn`` (the
+          way to recompute the routing), ``use_reentrant=True`` or ``debug=True`` (neither
+          runs a policy), nor with ``budget=`` (the plan decides per op). A dense model's
+          layers run plain checkpointing, as before.
 """
 
 from __future__ import annotations
@@ -105,10 +115,12 @@ from .._state import ContextFn
 from ..policies import (
     Policy,
     as_context_fn,
+    either,
     save_attention,
     save_everything,
     save_matmuls,
     save_nothing,
+    save_routing,
 )
 from ._hf_budget import check_no_plan, has_plan, install_plan, remove_plan
 
@@ -142,8 +154,10 @@ _WHY_OVERRIDE = "its hook is overridden and checkpoints some other way"
 # Rule 12: the policies ``policy=`` takes by name.
 _NAMED_POLICIES: dict[str, Callable[[], Policy]] = {
     factory.__name__: factory
-    for factory in (save_attention, save_everything, save_matmuls, save_nothing)
+    for factory in (save_attention, save_everything, save_matmuls, save_nothing, save_routing)
 }
+# Rule 13: the config attributes that count a model's experts.
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _MSG_POLICY_NAME = (
     "{api}: unknown policy name {got!r}; expected one of {names} (the policies of "
     "checkpointing.policies that take no arguments) or a policy object. Fix: pass e.g. "
@@ -406,6 +420,8 @@ def enable(
     base = unwrap(model, "enable")
     profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
     profiling["loss_fn="] = loss_fn
+    if budget is None and _has_experts(base) and _runs_a_policy(checkpoint_options):
+        policy = _with_routing(policy)  # Rule 13
     layer_options = check_options(
         _API, policy, budget, every_n_layers, profiling, checkpoint_options
     )
@@ -493,6 +509,40 @@ def check_options(
     if options["use_reentrant"] and ("context_fn" in options or options.get("debug")):
         raise ValueError(_MSG_REENTRANT_CONTEXT.format(api=api))
     return options
+
+
+def _has_experts(model: PreTrainedModel) -> bool:
+    """Rule 13: whether the model's (text) config counts more than one expert."""
+    config = model.config
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else config
+    for name in _EXPERT_COUNTS:
+        count = getattr(text_config, name, None)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 1:
+            return True
+    return False
+
+
+def _runs_a_policy(checkpoint_options: dict[str, Any]) -> bool:
+    """Rule 13: whether the layers may run a policy of ours: no ``context_fn`` of the caller's,
+    not reentrant, no debug."""
+    return not (
+        "context_fn" in checkpoint_options
+        or checkpoint_options.get("use_reentrant")
+        or checkpoint_options.get("debug")
+    )
+
+
+def _with_routing(policy: Policy | str | None) -> Policy | str:
+    """Rule 13: ``policy`` keeping the routing too (a name is left to ``check_options`` to
+    report when unknown)."""
+    if policy is None:
+        return save_routing()
+    if isinstance(policy, str):
+        if policy not in _NAMED_POLICIES:
+            return policy
+        policy = _NAMED_POLICIES[policy]()
+    return either(policy, save_routing())
 
 
 def _named_policy(api: str, name: str) -> Policy:
