@@ -24,6 +24,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import checkpointing
+from checkpointing import _offload
 from checkpointing._selective.recompute import split_backward
 from checkpointing.policies import MATMUL_OPS, offload_ops, save_matmuls
 
@@ -241,3 +242,35 @@ def test_retained_full_backwards_accumulate_as_without_checkpointing() -> None:
         assert got is not None
         assert want is not None
         assert torch.equal(got, want)
+
+
+def test_host_copies_serve_both_passes_and_go_with_the_graph() -> None:
+    """Device outputs offloaded through the offload engine (its CUDA logic on a fake backend,
+    tests/test_offload_overlap.py): under ``split_backward()`` each pass restores the host
+    copy (none is given up), both passes equal the plain run bitwise, and once the graph is
+    freed the engine holds nothing."""
+    from test_offload_overlap import FakeBackend
+
+    engine = _offload.Engine(FakeBackend(), prefetch_bytes=1 << 30, pool_bytes=1 << 20)
+    with _offload.installed(engine):
+        stats = checkpointing.OffloadStats()
+        context_fn = functools.partial(
+            checkpointing.create_selective_checkpoint_contexts,
+            offload_ops(torch.ops.aten.addmm.default),
+            offload_stats=stats,
+        )
+        net, x = _net(), _input()
+        torch.manual_seed(5)
+        with split_backward():
+            y = checkpointing.checkpoint(net, x, use_reentrant=False, context_fn=context_fn)
+        got = _by_hand(net, x, y.pow(2).sum())
+        del y
+        assert stats.offloaded_tensors == 3
+        # Two restores per pass: the last addmm's output (the region's) is saved by nothing,
+        # so early stop ends each replay before it. A host copy given up in the first pass
+        # would leave the second pass to run the op again, restoring nothing.
+        assert stats.restored_tensors == 4
+        engine.backend.run_all()  # type: ignore[attr-defined]
+        engine.poll()
+        assert engine.pending() == {"in_flight": 0, "retiring": 0, "held_bytes": 0, "timings": 0}
+    _assert_bitwise(got, _grads("plain", "by_hand", False))

@@ -86,7 +86,7 @@ class _Saved:
         self.alias = _compat.detach_sharing_version(tensor)
         self.version = tensor._version
 
-    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+    def take(self, allow_mutation: bool, stats: OffloadStats, consume: bool = True) -> torch.Tensor:
         if not allow_mutation and self.alias._version != self.version:
             raise _CacheEntryMutated
         return self.alias
@@ -104,7 +104,7 @@ class _Packed:
         packed = self.packed
         self.version = packed._version if isinstance(packed, torch.Tensor) else None
 
-    def take(self, allow_mutation: bool, stats: OffloadStats) -> Any:
+    def take(self, allow_mutation: bool, stats: OffloadStats, consume: bool = True) -> Any:
         version = self.version
         if version is not None and not allow_mutation and self.packed._version != version:
             raise _CacheEntryMutated
@@ -121,7 +121,7 @@ class _HostAlias:
         self.version = tensor._version
         self.nbytes = nbytes
 
-    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+    def take(self, allow_mutation: bool, stats: OffloadStats, consume: bool = True) -> torch.Tensor:
         if self.alias._version != self.version:
             raise _StaleHostAlias
         stats._count_restore(self.nbytes)
@@ -155,11 +155,13 @@ class _HostCopy:
             internal_error("a host copy with neither a transfer nor a plain copy")
         return plain
 
-    def take(self, allow_mutation: bool, stats: OffloadStats) -> torch.Tensor:
+    def take(self, allow_mutation: bool, stats: OffloadStats, consume: bool = True) -> torch.Tensor:
         transfer = self.transfer
         if transfer is not None:
             try:
-                return transfer.engine.take(transfer, stats, consume=True)
+                # NOTE [Selective checkpoint cache], Rule 6: under split_backward() the host
+                # copy stays for the next pass (``consume=False``), freed with the graph.
+                return transfer.engine.take(transfer, stats, consume=consume)
             except _offload.Stale:
                 raise _StaleHostAlias from None
         stats._count_restore(self.nbytes)
@@ -175,12 +177,12 @@ class _Tree:
     def __init__(self, value: Any) -> None:
         self.value = value
 
-    def take(self, allow_mutation: bool, stats: OffloadStats) -> Any:
-        return _map_leaves(self.value, _LEAVES, _take, allow_mutation, stats)
+    def take(self, allow_mutation: bool, stats: OffloadStats, consume: bool = True) -> Any:
+        return _map_leaves(self.value, _LEAVES, _take, allow_mutation, stats, consume)
 
 
-def _take(entry: _Leaf, allow_mutation: bool, stats: OffloadStats) -> Any:
-    return entry.take(allow_mutation, stats)
+def _take(entry: _Leaf, allow_mutation: bool, stats: OffloadStats, consume: bool) -> Any:
+    return entry.take(allow_mutation, stats, consume)
 
 
 def _map_leaves(

@@ -192,7 +192,7 @@ class _CachedMode(_CacheMode):
             if self.consumes:  # Rule 6
                 kept[index] = _CONSUMED
             try:
-                out = slot.take(self.allow_cache_entry_mutation, self.offload_stats)
+                out = slot.take(self.allow_cache_entry_mutation, self.offload_stats, self.consumes)
             except _CacheEntryMutated:
                 raise RuntimeError(_MSG_MUTATED.format(op=func, index=index)) from None
             except _StaleHostAlias:
