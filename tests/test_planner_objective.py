@@ -31,7 +31,6 @@ from test_planner import (
 from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
-from checkpointing._planning import plan as plan_module
 from checkpointing._planning import search as search_module
 from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.options import Fronts, region_options
@@ -110,7 +109,7 @@ def test_flops_objective_recomputes_no_more_flops_than_time() -> None:
     torch.manual_seed(0)
     model, x = TinyLlama(), torch.randint(0, 64, (2, 16))
     regions = search_module.find_regions(model, None)
-    profile = profile_step(model, regions, (x,), {}, llama_loss, plan_module._RegionContexts({}))
+    profile = profile_step(model, regions, (x,), {}, llama_loss)
     by_flops = profile.problem(profile.policy_seconds_per_op, profile.objective("flops"))
     by_time = profile.problem(profile.policy_seconds_per_op, profile.objective("time"))
     baseline = solve(by_flops, 0).baseline_bytes

@@ -121,7 +121,7 @@ def step_problem(model: nn.Module, x: torch.Tensor) -> tuple[StepProfile, Proble
     """The profile of ``model`` and its problem under the FLOP objective, as the planner poses
     it (the policy's cost measured)."""
     regions = search_module.find_regions(model, None)
-    profile = profile_step(model, regions, (x,), {}, None, plan_module._RegionContexts({}))
+    profile = profile_step(model, regions, (x,), {}, None)
     return profile, profile.problem(profile.policy_seconds_per_op, profile.objective("flops"))
 
 

@@ -18,7 +18,7 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan, _compat, plan_checkpointing
 from checkpointing._module import checkpoint_module, end_at, remove_checkpoint_module
-from checkpointing._planning import plan as plan_module
+from checkpointing._planning import search as search_module
 from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.profile import profile_step
 
@@ -148,7 +148,7 @@ def test_rule24_trails_hold_with_early_stop_off_and_after_json() -> None:
 def test_rule24_the_plan_without_trails_races_only_where_it_fits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Under ``objective="time"`` the cheapest plan without trails is timed beside the others,
+    """With ``timing_steps`` the cheapest plan without trails is timed beside the others,
     but not where the budget lies below the floor without trails: blocks ending in an expanding
     linear layer keep their narrow inputs only through the trails. Every plan the race sees fits,
     and so does the one returned."""
@@ -168,12 +168,12 @@ def test_rule24_the_plan_without_trails_races_only_where_it_fits(
         raced.extend(plans)
         return [1.0] * (len(plans) - 1) + [0.5]  # the last drawn wins: the one without trails
 
-    monkeypatch.setattr(plan_module, "time_plans", spy)
-    chosen = plan_checkpointing(model, x, budget=budget)
+    monkeypatch.setattr(search_module, "time_plans", spy)
+    chosen = plan_checkpointing(model, x, budget=budget, timing_steps=3)
     assert all(p.kept_bytes <= budget for p in raced), [p.kept_bytes for p in raced]
     assert chosen.kept_bytes <= budget
     assert any(s.kind == "trail" for s in chosen.spans)
-    above = plan_checkpointing(model, x, budget=without.floor_bytes + 2048)
+    above = plan_checkpointing(model, x, budget=without.floor_bytes + 2048, timing_steps=3)
     assert above.kept_bytes <= without.floor_bytes + 2048
 
 

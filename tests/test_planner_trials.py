@@ -1,12 +1,13 @@
-"""Candidate plans timed on the model (issue 28; NOTE [Planner model], Rule 23).
+"""Candidate plans timed on the model, opt-in (issue 28, issue 43; NOTE [Planner model], Rule 23).
 
-The solver's prediction leaves two prices uncertain: the selective policy's per-op cost and what
-a checkpointed region costs beyond its ops. ``plan_checkpointing(objective="time")`` also solves
-with those prices moved, times the distinct plans that come out on the model and keeps the
-fastest. Checked here: the charge per checkpointed region is an exact part of what the solver
-minimizes (brute force) and never of what it predicts; the timing leaves the model as found and
-no plan applied, whatever a step raises; the planner keeps the plan the timing names, and the
-plan it returns is exact (gradients bit-identical to the plain run, bytes as predicted).
+The cost model's two least sure prices are the selective policy's per-op cost and what a
+checkpointed region costs beyond its ops. With ``timing_steps > 0``, ``plan_checkpointing`` also
+solves with those prices moved, times the distinct plans that come out on the model and keeps the
+fastest; by default (``timing_steps=0``) it times nothing. Checked here: the charge per
+checkpointed region is an exact part of what the solver minimizes (brute force) and never of
+what it predicts; the timing leaves the model as found and no plan applied, whatever a step
+raises; the planner keeps the plan the timing names, and the plan it returns is exact (gradients
+bit-identical to the plain run, bytes as predicted).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def test_the_candidate_timed_fastest_is_the_plan(
 def test_no_timing_without_steps_or_under_the_flops_objective(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``timing_steps=0`` takes the prediction as it is; FLOPs need no timing."""
+    """By default (``timing_steps=0``) the prediction is taken as it is; FLOPs need no timing."""
 
     def refuse(*_: Any) -> list[float]:
         raise AssertionError("timed")
@@ -210,7 +211,7 @@ def test_no_timing_without_steps_or_under_the_flops_objective(
     monkeypatch.setattr(search_module, "time_plans", refuse)
     model, x = transformer(), torch.randn(2, 16, 32)
     for budget in (0.3, 0.5):
-        assert plan_checkpointing(model, x, budget=budget, timing_steps=0).timed == ()
+        assert plan_checkpointing(model, x, budget=budget).timed == ()
         assert plan_checkpointing(model, x, budget=budget, objective="flops").timed == ()
 
 

@@ -1,14 +1,19 @@
 """Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
 
-``plan.py`` is the front door (``plan_checkpointing``, ``ActivationPlan``); ``draws.py`` keeps a
-region's random draws (Rule 19); ``spans.py`` records the head and the tail (Rule 22) and the
-blocks' trails (Rule 24); ``profile.py`` watches real steps (``flops.py`` counts an op's FLOPs;
-``live_bytes.py`` reads the peaks of a step's memory, ``scratch.py`` the kernels' work buffers;
-``peak.py`` predicts a plan's; ``kept.py`` tells a kept span's ops and saves apart, Rule 25);
-``installed.py`` takes a plan off a model or a copy of it; ``problem.py`` states the problem and
-prices a choice, ``fronts.py`` and ``options.py`` give each region its options, ``solver.py``
-chooses across regions, ``offload_choice.py`` what to offload (Rule 10); ``trials.py`` times
-candidate plans on the model (Rule 23). The rules below are shared by all of them.
+In data-flow order: ``search.py`` is the front door (``plan_checkpointing``: arguments, regions,
+the budget, the span variants, the cheapest that fits); ``plan.py`` the result
+(``ActivationPlan``) and installing it, ``contexts.py`` a planned region's selective policy,
+``draws.py`` its kept random draws (Rule 19), ``installed.py`` taking a plan off a model or a
+copy; ``trials.py`` times candidate plans, opt-in (Rule 23); ``profile.py`` runs the model at
+plan time (Rule 9), ``recorder.py`` watches the one recorded step (``flops.py`` counts an op's
+FLOPs, ``kept.py`` tells a kept span's ops and saves apart, Rule 25; ``live_bytes.py`` reads the
+peaks of a plain step's memory, ``scratch.py`` the kernels' work buffers), ``step_profile.py``
+holds what it saw as data in the solver's terms, ``steps.py`` a step's loss and backward;
+``costs.py`` prices ops, policies, frames and spans (Rule 9); ``spans.py`` records the head, the
+tail (Rule 22) and the blocks' trails (Rule 24); ``problem.py`` states the problem and prices a
+choice, ``fronts.py`` and ``options.py`` give each region its options, ``solver.py`` chooses
+across regions, ``offload_choice.py`` what to offload (Rule 10), ``peak.py`` predicts a plan's
+peak; ``plan_json.py`` writes and reads plans. The rules below are shared by all of them.
 
 Glossary. *region*: a module the plan may checkpoint, one frame (a block; a tail module, Rule
 20). *unit*: an op of a region whose outputs the plan may keep. *storage*: the unit of bytes,
@@ -58,12 +63,19 @@ NOTE [Planner model]
           (removed), and the caller's modes (the profiled steps run with grad enabled, also
           under ``no_grad`` or ``inference_mode``). ``_untouched.untouched`` is the one
           mechanism; ``checkpoint_sequential`` measures its chain under it too.
-  Rule 9. An op's time is its fastest over the measured steps, summed over the region's calls.
-          Below ``_TRUSTED_SECONDS`` a time is mostly dispatch noise: ops whose FLOPs torch
-          counts get FLOPs / (the FLOP rate of the step's slower ops) instead. Regions of one
-          structure (type, calls, early stop, and per op its key, kind, FLOPs and output
-          sizes: the blocks of a model) then get each op's median time over them: they run
-          the same work, and one block's unlucky sample should not give it another plan.
+  Rule 9. Prices are counted, never timed. An op's seconds are the cost model's (``costs.py``):
+          a dispatch cost, its FLOPs (``flops.op_flops``) at the device class's FLOP rate, and
+          the bytes it reads and writes (its tensor arguments' elements, none for an op that
+          reads only metadata, and its outputs' in storages of their own or written in place; a
+          view moves none) at the class's bandwidth; summed over the region's calls. Why: the
+          plan must be a function of the model, the inputs, the budget and the options (two
+          calls, two ranks, one plan), and measured op times made it one of the machine's noise
+          as well; the model errs alike for every plan it compares. Identical blocks get equal
+          prices by construction (the same ops on the same shapes), so they pose one problem
+          (Rule 17). The profile records one step (and runs one forward before it, one plain
+          step after it for the peak, Rule 18): the model runs three times at plan time. The
+          constants (one set per device class) are measured by ``benchmarks/planner.py
+          --cost-model``; their values, machine and date are in RESULTS.md.
   Rule 10. Offload (``host_budget``, accelerators only) replaces recompute of an op output
           where moving it to host and back (at ``_HOST_BYTES_PER_SECOND`` each way) is predicted
           cheaper than re-running the op, best gain per host byte first, within the host budget;
@@ -83,22 +95,13 @@ NOTE [Planner model]
   Rule 13. A selective policy is not free: in a region that keeps some outputs or skips some ops
           (Rule 21), every op of the forward goes through its dispatch mode (asked per call: the
           decision depends on the occurrence, Rule 3) and every recomputed op through its replay
-          mode. The solver charges that per op of the region, so a region whose kept outputs
-          save less than it costs is checkpointed whole (Rule 11), and a few whole blocks can
-          beat many partly saved ones. The cost is measured on the model's own regions while
-          profiling: each region's forward timed plainly and inside the forward mode ``apply``
-          would install, ``_POLICY_ROUNDS`` times each in turn (the fastest counts), the
-          difference per op doubled for the replay; the median over the regions of their per-op
-          differences, so one region's unlucky rounds do not set the price (measured 8-46 us per
-          op on W2's blocks before, one number per step). The replay's half is charged for the
-          ops recompute runs (up to the early stop, Rule 16). (A chain of tiny ops, measured
-          once per process, gave half of it: the modes' per-op work grows with the variety of
-          ops and tensors of a real block, and one op type on four floats stays in cache.) It is
-          measured on the CPU side; on an accelerator it may partly overlap device work, so it
-          errs towards whole regions. Recompute's other costs (autograd nodes, the frame, cache
-          misses; on W2's CPU blocks about a fifth of a block's op time) are not charged: they
-          differ little between a whole region and a partly saved one, so they only make
-          checkpointing a region look a little cheaper than keeping it.
+          mode. The solver charges the cost model's ``policy_seconds_per_op`` for it, half per op
+          of the forward, half per op the replay runs (up to the early stop, Rule 16), per call,
+          so a region whose kept outputs save less than they cost is checkpointed whole (Rule
+          11), and a few whole blocks can beat many partly saved ones. It is a constant of the
+          device class, not a measurement of the model's regions: the modes run in Python on
+          the host, whatever the device; on an accelerator that work may partly overlap device
+          work, so the charge errs towards whole regions.
   Rule 14. A checkpointed region keeps what its frame keeps (NOTE [Nestable checkpoint], Rule
           11): its input activations, those received by keyword or inside a container included,
           and the RNG states it captures (``apply`` preserves them). Profiling captures them at
@@ -111,16 +114,16 @@ NOTE [Planner model]
           shared. A state is ~5 KB on CPU: on a model of many small regions with dropout it is
           several percent of the budget.
 
-  Rule 15. Objective. The solver minimizes ``seconds weight x recompute seconds + FLOP
-          weight x recomputed FLOPs``. FLOPs are matrix work (``flops.op_flops``: torch's
-          counter plus the CPU attention kernel and the few matrix ops it misses; elementwise
-          ops count 0, as for the compiler's partitioner). ``"time"``: a second weighs 1 and
-          FLOPs break ties within the profile's noise: recomputing all of the regions' FLOPs
-          weighs the step-to-step spread of the profiled steps (clamped to 1-5 %) times the
-          regions' op time, so plans that the measured times cannot tell apart (W2 on CPU:
-          0.067 and 1.43 GFLOP within 1.6 %) are decided by FLOPs, not by noise. ``"flops"``: a
-          FLOP weighs 1 and all the seconds any plan could recompute weigh less than half a
-          FLOP: the fewest FLOPs, then the least time.
+  Rule 15. Objective. The solver minimizes ``seconds weight x predicted recompute seconds +
+          FLOP weight x recomputed FLOPs`` (plus the frame's charge, Rule 23). FLOPs are matrix
+          work (``flops.op_flops``: torch's counter plus the CPU attention kernel and the few
+          matrix ops it misses; elementwise ops count 0, as for the compiler's partitioner).
+          ``"time"``: a second weighs 1, and recomputing all of the regions' FLOPs weighs 1 % of
+          their predicted time (``_TIE_SHARE``): plans the cost model can barely tell apart are
+          decided by FLOPs, as the compiler counts them. ``"flops"``: a FLOP weighs 1 and all the
+          seconds any plan could recompute weigh less than half a FLOP: the fewest FLOPs, then
+          the least time. Exact ties left go to the solver's first optimum, in a fixed order:
+          equal inputs give equal plans.
   Rule 16. Early stop. A checkpoint's frame has a holder for every tensor autograd saves in
           the region (parameters included) and its recompute stops once the last is filled
           (NOTE [Nestable checkpoint]); an op's inputs are saved before it runs, its outputs
@@ -233,40 +236,43 @@ NOTE [Planner model]
           model call under ``no_grad``, in a recompute or inside a checkpoint's frame (the whole
           planned model checkpointed again) records no span: that frame must see every save, in
           forward and in recompute alike. A recorded span pays its replay and its recording: per
-          op, priced as the selective modes, and per call what a scope and its session cost
-          beyond that (``spans.span_call_seconds``, measured once per process: about 0.25 ms on
-          this CPU; without it a trail's machinery went unpriced, Rule 24). The solver solves
-          the step with each subset of the spans recorded (at most four problems) and takes the
-          cheapest that fits; the floor is the lowest. A span is not offered where it draws
-          random numbers (its tape would keep an RNG state per draw, uncounted), writes in place
-          a tensor it did not make (an argument the op's schema marks as written, or batch
-          norm's running statistics in training, which it does not mark, as the scope's tape
-          counts them: a parameter, a buffer, an earlier activation), or frees nothing; nor with
-          a ``regions`` predicate. Why: that one boundary per model is what stood between the
-          plans and the compiler's FLOPs.
-  Rule 23. Timed candidates (``objective="time"``, ``trials.py``). Two prices of the
-          prediction are the least sure: the selective policy's per-op cost (Rule 13, one noisy
-          number per profile: 8-46 us per op on W2 over profiles) and what a checkpointed region
-          costs beyond its ops, which the model does not price at all (on W2 on CPU 1.0-1.6 ms per
-          block in a four-block model, 0-0.5 ms for a block alone; RESULTS.md, "the default
-          objective at 30 %"). So the planner also solves with the policy's price halved and
-          doubled, and with a quarter of each region's forward time charged for checkpointing it
-          (``RegionChoices.frame_seconds``: in the cost the solver minimizes, never in the predicted
-          seconds), and the charge with the price halved; every plan is priced as measured whatever
-          drew it. Where that gives more than one distinct plan, each is applied and timed on the
-          model (``trials.py``): every plan once a round, the order turned, a warm-up round first,
-          the garbage collector off (its youngest generation collected between rounds), each step
-          divided by its round's mean (a slow spell of a shared machine hits all alike). A plan
-          leaves the race once the one of least median so far beat it in so many of the rounds both
-          ran that a coin would have done it with a chance below 1 % (a sign test: seven rounds at
-          the least); the rounds end when one is left, or after ``timing_steps``. The fastest is
-          returned, with the timings (``ActivationPlan.timed``). On W2 at budget 0.3 (three
-          candidates, 40 rounds: medians 75.8, 83.5 and 80.5 ms), windows of 8 rounds divided by the
-          round's median named the fastest in 95 % of 400 resampled windows, 5 rounds undivided in
-          85 %; with 5 undivided rounds `planner.py --ab` still found the 30 % plan 2.8 % slower,
-          with this rule 0.999-1.007 (RESULTS.md). The model, ``.grad`` and the RNG states are left
-          as found (Rule 8); no plan stays applied, whatever a step raises. ``timing_steps=0`` takes
-          the prediction as it is.
+          op, priced as the selective modes, and per call the cost model's
+          ``span_call_seconds``, what a scope and its session cost beyond that (without it a
+          trail's machinery went unpriced, Rule 24). The solver solves the step with each subset
+          of the spans recorded (at most four problems) and takes the cheapest that fits; the
+          floor is the lowest. A span is not offered where it draws random numbers (its tape
+          would keep an RNG state per draw, uncounted), writes in place a tensor it did not make
+          (an argument the op's schema marks as written, or batch norm's running statistics in
+          training, which it does not mark, as the scope's tape counts them: a parameter, a
+          buffer, an earlier activation), or frees nothing; nor with a ``regions`` predicate.
+          Why: that one boundary per model is what stood between the plans and the compiler's
+          FLOPs.
+  Rule 23. Determinism, and what a frame costs. A checkpointed region costs more than its ops'
+          recompute (its frame, the holders, the recompute's graph): the solver charges the cost
+          model's ``frame_seconds_per_op`` per op its replay runs, per call
+          (``RegionChoices.frame_seconds``), in the cost it minimizes, never in the predicted
+          seconds (those are the ops' own, Rule 9). With counted prices (Rules 9, 13, 22) a plan
+          is a function of the model (its structure, shapes and dtypes; where ops depend on
+          values, such as a router's, the values), the example inputs, the budget, the options
+          and the device class's constants: two calls give one plan, and so do the ranks of a
+          job given the same inputs, with no collective (a rank may plan alone). Timing is
+          opt-in (``timing_steps > 0``; the default 0 times nothing): the solver then also solves
+          with the two least sure prices moved (``search._PERTURBED``: the policy's halved and
+          doubled, the frame's dropped, and doubled with the policy's halved), every plan priced
+          by the model whatever drew it; where that gives more than one distinct plan, each is
+          applied and timed on the model (``trials.py``): every plan once a round, the order
+          turned, a warm-up round first, the garbage collector off (its youngest generation
+          collected between rounds), each step divided by its round's mean; a plan leaves once
+          the one of least median so far beat it in so many rounds that a coin would have done
+          it with a chance below 1 % (a sign test: seven rounds at the least); the rounds end
+          when one is left, or after ``timing_steps``. The fastest is returned with the timings
+          (``ActivationPlan.timed``). Measured times differ between ranks, so where a default
+          process group is initialized every rank returns rank 0's choice (its JSON broadcast;
+          every rank must call). Why opt-in: the race cost up to six candidates times 7-24
+          rounds of steps (a small GPT planned in 224 s by default, 29 s without it) for a gain
+          measured at 2-3 % on CPU, and it made the plan a function of the machine's load. The
+          model, ``.grad`` and the RNG states are left as found (Rule 8); no plan stays applied,
+          whatever a step raises.
   Rule 24. Trails. A post-norm block ends by calling its final norm on a residual sum (``norm2(h
           + ff)``), and the next block's frame keeps the norm's output as its input; a plan that
           keeps the sum, to skip the matmul behind it, kept that boundary twice, where

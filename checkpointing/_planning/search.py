@@ -196,7 +196,9 @@ def plan_checkpointing(
             if not is_module_checkpointed(module)
         ]
         named += tail
-    profile = profile_step(model, named, args, kwargs, loss_fn, tail=len(tail))
+    profile = profile_step(
+        model, named, args, kwargs, loss_fn, tail=len(tail), warmed=regions is None
+    )
     costs = costs_for(profile.device)
     weights = profile.objective(objective)  # one weighing for every variant: costs compare
     trailed = profile.trailed() if regions is None else None  # Rule 24

@@ -11,13 +11,10 @@ installing the blocks to ``plan``.
 
 from __future__ import annotations
 
-import functools
-import statistics
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,7 +28,6 @@ __all__ = [
     "SpanHooks",
     "SpanKind",
     "SpanProfile",
-    "span_call_seconds",
     "span_hook_mark",
     "span_problems",
     "take_off_spans",
@@ -135,7 +131,7 @@ def span_problems(
     model's forward returned (``late``: a loss computed outside it) is kept: the spans give up
     our hook at the model's end. ``always``: spans recorded in every variant (the trails of a
     problem whose regions end at them, Rule 24); ``call_seconds``: what recording one span call
-    costs beyond its ops (``span_call_seconds``)."""
+    costs beyond its ops (the cost model's ``span_call_seconds``)."""
     offered = [s for s in spans if s.usable and s.calls <= 1 and s.until >= 0 and s.made]
     variants: list[tuple[tuple[SpanCost, ...], Problem]] = []
     if not always:
@@ -192,59 +188,6 @@ def _recorded(
         fixed_flops=problem.fixed_flops + sum(c.flops for c in costs),
     )
     return tuple(costs), variant
-
-
-@functools.cache
-def span_call_seconds() -> float:
-    """Rules 22 and 24: what recording one span call costs beyond its ops' replay and dispatch:
-    entering and leaving its scope (the tape, the hooks), the holders of what it makes, the
-    replay's walk in backward, and the session it needs; measured once per process on a small
-    step, a layer norm recorded between a product and a linear layer, against the same step
-    unrecorded (CPU, the medians of interleaved rounds). About 0.25 ms here, where the per-op
-    price alone gave a W2 trail 0.06 ms and a step with three trails measured 1.3-1.9 ms slower
-    than with the same frames unrecorded (RESULTS.md)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        norm, linear = nn.LayerNorm(64), nn.Linear(64, 64)
-        x = torch.randn(1, 32, 64, requires_grad=True)
-
-    def plain() -> None:
-        linear(norm(x * 2.0)).sum().backward()
-
-    def recorded() -> None:
-        with gradient_checkpoint_session():
-            h = x * 2.0
-            with gradient_checkpoint_scope() as scope:
-                y = norm(h)
-            loss = linear(y).sum()
-            scope.exit_saved_tensors_hooks_scope()
-        loss.backward()
-
-    differences: list[float] = []
-    # The caller's saved-tensors hooks (``save_on_cpu``) are not run on its saves: ours sit above.
-    with (
-        torch.enable_grad(),
-        torch.inference_mode(False),
-        torch.autograd.graph.saved_tensors_hooks(_same, _same),
-    ):
-        for _ in range(_SPAN_ROUNDS):
-            plain_times: list[float] = []
-            recorded_times: list[float] = []
-            for _ in range(_SPAN_STEPS):
-                for run, times in ((plain, plain_times), (recorded, recorded_times)):
-                    start = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - start)
-            differences.append(statistics.median(recorded_times) - statistics.median(plain_times))
-    return max(0.0, statistics.median(differences))
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-_SPAN_ROUNDS: Final = 3
-_SPAN_STEPS: Final = 30
 
 
 class _Open:

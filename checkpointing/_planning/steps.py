@@ -1,0 +1,85 @@
+"""A training step at plan time: its loss, what it differentiates, one plain run of it.
+
+Shared by the recorder (``recorder``), the profile (``profile``), the peak (``live_bytes``'s
+caller) and the timed candidates (``trials``): the default loss, the gradients a step asks for
+(through ``torch.autograd.grad``, so ``.grad`` stays untouched, Rule 8), and the input shapes a
+plan compares (Rule 12).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from .._trees import tensors
+
+__all__ = ["default_loss", "differentiate", "input_shapes", "plain_step", "step_setting"]
+
+_PLAIN: Final = (torch.Tensor, nn.Parameter)  # Rule 26: not a tensor subclass
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The sum of every floating-point tensor in the output that requires grad."""
+    terms = [t.float().sum() for t in tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not terms:
+        raise ValueError(_MSG_NO_GRAD)
+    return torch.stack(terms).sum()
+
+
+_MSG_NO_GRAD = (
+    "checkpointing.plan_checkpointing: the model's output has no floating-point tensor that "
+    "requires grad, so there is nothing to backward and no activation is kept. Fix: pass "
+    "inputs or parameters that require grad, or a loss_fn(output) -> scalar tensor."
+)
+
+
+def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
+    """Rule 12: the shapes a plan compares, positional inputs first, then keyword ones by name
+    (not in call order), 0-d tensors (a scalar such as a loss's token count) left out."""
+    named = tuple(kwargs[name] for name in sorted(kwargs))
+    return [list(t.shape) for t in tensors((args, named)) if t.dim() > 0]
+
+
+def step_setting(
+    model: nn.Module, inputs: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.device, Callable[[], None] | None]:
+    """What a measured step of ``model`` on ``inputs`` differentiates (the parameters and the
+    inputs that require grad), its device, and how to wait for that device (None on CPU)."""
+    wrt = [p for p in model.parameters() if p.requires_grad] + [
+        t for t in inputs if t.requires_grad
+    ]
+    device = next((t.device for t in (*model.parameters(), *inputs)), torch.device("cpu"))
+    return wrt, device, torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def plain_step(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    wrt: list[torch.Tensor],
+) -> None:
+    """One forward, loss and backward; the gradients go nowhere (``autograd.grad``) and are
+    dropped at the step's end."""
+    output = model(*args, **kwargs)
+    loss = default_loss(output) if loss_fn is None else loss_fn(output)
+    del output
+    differentiate(loss, wrt)
+
+
+def differentiate(loss: torch.Tensor, wrt: list[torch.Tensor]) -> None:
+    """A measured step's backward; its gradients go nowhere. Plainly ``autograd.grad``; where a
+    parameter is a tensor subclass (FSDP2's and tensor parallelism's ``DTensor``s) a backward
+    that accumulates, with every ``.grad`` of ``wrt`` put back after it (Rule 26)."""
+    if all(type(t) in _PLAIN for t in wrt):
+        torch.autograd.grad(loss, wrt, allow_unused=True)
+        return
+    grads = [(t, t.grad) for t in wrt]
+    try:
+        torch.autograd.backward(loss)
+    finally:
+        for tensor, grad in grads:
+            tensor.grad = grad

@@ -1,0 +1,147 @@
+"""The planner is deterministic and cheap (issue 43, points 2 and 3; NOTE [Planner model],
+Rules 9, 13, 15 and 23).
+
+A plan is a function of the model, the inputs, the budget and the options: prices come from
+counted quantities and the cost model's constants (``_planning/costs.py``), never from a clock,
+so two calls give one plan. Planning runs the model three times (one forward, one recorded
+step, one step for the peak), whatever its size. Timing candidates is opt-in
+(``timing_steps > 0``), and then every rank of a default process group gets rank 0's choice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_support import gloo_group, spawn_pair
+from test_planner import transformer
+from torch import nn
+
+from checkpointing import plan_checkpointing
+from checkpointing._planning import search as search_module
+from checkpointing._planning.costs import costs_for
+from checkpointing._planning.profile import profile_step
+from checkpointing._planning.search import find_regions
+
+
+class Decoder(nn.Module):
+    """A W2-like model with an embedding and a head around the blocks (so the head and tail
+    spans are offered too)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True)
+            for _ in range(3)
+        )
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def _models(dropout: float) -> list[tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    return [
+        (transformer().train(), torch.randn(2, 16, 32, requires_grad=True)),
+        (Decoder(dropout).train(), torch.randint(0, 64, (2, 16))),
+    ]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("objective", ["time", "flops"])
+def test_two_calls_give_one_plan(dropout: float, objective: str) -> None:
+    """Rule 23: the same model, inputs, budget and options give the same plan, to the byte of
+    its JSON (its predicted times included), with dropout and without."""
+    for model, x in _models(dropout):
+        if dropout == 0.0:
+            for module in model.modules():
+                if isinstance(module, nn.Dropout):
+                    module.p = 0.0
+        for budget in (0.3, 0.6):
+            first = plan_checkpointing(model, x, budget=budget, objective=objective)  # type: ignore[arg-type]
+            second = plan_checkpointing(model, x, budget=budget, objective=objective)  # type: ignore[arg-type]
+            assert first.to_json() == second.to_json(), f"{first}\n{second}"
+            assert first.timed == second.timed == ()
+
+
+@pytest.mark.parametrize("regions", ["default", "predicate"])
+def test_planning_runs_the_model_three_times(regions: str) -> None:
+    """Issue 43 point 3: one forward (finding the tail, or warming up), one recorded step and
+    one step for the peak; no timing, no policy rounds."""
+    model, x = _models(0.1)[1]
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    model.register_forward_pre_hook(count)
+    predicate = (
+        None if regions == "default" else (lambda m: isinstance(m, nn.TransformerEncoderLayer))
+    )
+    plan_checkpointing(model, x, budget=0.5, regions=predicate)
+    assert calls[0] == 3
+
+
+def test_op_seconds_are_the_cost_model_s() -> None:
+    """Rule 9: a profiled op's seconds are its dispatch, its FLOPs at the device class's rate
+    and its bytes read and written at its bandwidth: a linear layer's ``mm``/``addmm``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    profile = profile_step(model, find_regions(model, None), (x,), {}, None)
+    costs = costs_for("cpu")
+    (op,) = [op for op in profile.regions[0].ops if op.flops]
+    nbytes = 4 * (32 * 64 + 128 * 64 + 128 + 32 * 128)  # input, weight, bias read; output written
+    assert op.seconds == pytest.approx(costs.op(op.flops, nbytes), rel=1e-9)
+    assert op.flops == 2 * 32 * 64 * 128
+
+
+def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Planning says what it does on the ``checkpointing.planner`` logger."""
+    model, x = _models(0.1)[0]
+    with caplog.at_level(logging.INFO, logger="checkpointing.planner"):
+        plan_checkpointing(model, x, budget=0.5)
+    said = [r.getMessage() for r in caplog.records if r.name == "checkpointing.planner"]
+    assert any("planning" in m for m in said), said
+    assert any("solved" in m for m in said), said
+
+
+def _timed_worker(rank: int, port: int, out_dir: str) -> None:
+    """Each rank's timing names another candidate fastest; rank 0's choice must win."""
+    with gloo_group(rank, port):
+        search_module._PERTURBED = ((0.0, 0.0), (1000.0, 0.0), (1.0, 10.0))
+
+        def by_rank(_model: Any, plans: list[Any], *_: Any) -> list[float]:
+            favourite = rank % len(plans)
+            return [0.5 if i == favourite else 1.0 for i in range(len(plans))]
+
+        search_module.time_plans = by_rank
+        torch.manual_seed(0)
+        model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
+        plan = plan_checkpointing(model, x, budget=0.5, timing_steps=2)
+        count = len(search_module._PERTURBED)
+        (Path(out_dir) / f"{rank}.json").write_text(
+            json.dumps({"plan": plan.to_json(), "timed": list(plan.timed), "count": count})
+        )
+
+
+def test_timed_plans_agree_across_ranks(tmp_path: Path) -> None:
+    """Rule 23: with ``timing_steps``, measured times differ between ranks; every rank of the
+    default process group returns rank 0's choice (here rank 1's own timing prefers another
+    candidate, so without the broadcast the ranks would differ)."""
+    spawn_pair(_timed_worker, str(tmp_path))
+    zero = json.loads((tmp_path / "0.json").read_text())
+    one = json.loads((tmp_path / "1.json").read_text())
+    assert len(zero["timed"]) >= 2
+    assert zero["plan"] == one["plan"]
+    assert zero["timed"] == one["timed"]
