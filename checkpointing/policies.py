@@ -275,8 +275,7 @@ class _CombinedByOp(OpPolicyBase):
 
 
 def _keeps_routing(policies: Iterable[object]) -> bool:
-    """Whether a combination keeps routing as ``save_routing`` does (NOTE [Routing ops]): when
-    any of its policies does (its answers still decide which routing ops are saved)."""
+    """Whether any of ``policies`` keeps routing as ``save_routing`` does (NOTE [Routing ops])."""
     return any(getattr(policy, "_keeps_routing", False) for policy in policies)
 
 
@@ -416,32 +415,23 @@ def save_attention() -> Policy:
 def save_routing() -> Policy:
     """Keep the routing of mixture-of-experts layers, so that recompute cannot route differently.
 
-    Keeps the outputs of the ops that pick experts and dispatch tokens (``ROUTING_OPS``:
-    ``topk``, ``sort`` (which ``argsort`` runs), ``argmax``, ``kthvalue``, ``bincount``,
-    ``histc``, ``nonzero`` (which ``torch.where(mask)`` runs)) and, for the ops that rank
-    scores, the scores they ranked (the router's probabilities): a recompute that computes other
-    scores (another reduction order, a counter that moved) is served the forward's routing and
-    scores, and gradients equal the run without checkpointing. The kept outputs are copies, so
-    a router that normalises its top-k values in place (Hugging Face's Mixtral) is replayed as
-    it ran; see NOTE [Routing ops] in ``checkpointing._selective.routing``. Default: MUST_SAVE
-    for them (they are small: tokens x experts) and PREFER_RECOMPUTE for the rest; combine it
-    with any policy, e.g. ``either(save_matmuls(), save_routing())``.
+    Keeps the outputs of ``ROUTING_OPS`` (the ops that pick experts and count or find their
+    tokens: ``topk``, ``sort``, ``argmax``, ``histc``, ``nonzero``, ...) as copies, and the
+    scores the ranking ones ranked: a recompute that computes other scores is served the
+    forward's routing, and gradients equal the run without checkpointing (NOTE [Routing ops]).
+    Default: MUST_SAVE for them (small: tokens x experts), PREFER_RECOMPUTE for the rest.
 
     Example:
         >>> import torch, checkpointing
         >>> from checkpointing.policies import as_context_fn, either, save_matmuls, save_routing
         >>> def moe(x, router, experts):
-        ...     probs = (x @ router).softmax(-1)
-        ...     weight, expert = probs.topk(1)
-        ...     return sum((weight * (x @ w))[expert[:, 0] == e].sum() for e, w in
-        ...                enumerate(experts))
-        >>> x = torch.randn(6, 4)
-        >>> router = torch.randn(4, 2, requires_grad=True)
-        >>> experts = [torch.randn(4, 4, requires_grad=True) for _ in range(2)]
-        >>> policy = either(save_matmuls(), save_routing())
-        >>> loss = checkpointing.checkpoint(moe, x, router, experts, use_reentrant=False,
-        ...                                 context_fn=as_context_fn(policy))
-        >>> loss.backward()
+        ...     weight, expert = (x @ router).softmax(-1).topk(1)
+        ...     return sum((weight * (x @ w))[expert[:, 0] == e].sum() for e, w in experts)
+        >>> x, router = torch.randn(6, 4), torch.randn(4, 2, requires_grad=True)
+        >>> experts = [(e, torch.randn(4, 4, requires_grad=True)) for e in range(2)]
+        >>> ctx = as_context_fn(either(save_matmuls(), save_routing()))
+        >>> checkpointing.checkpoint(moe, x, router, experts, use_reentrant=False,
+        ...                          context_fn=ctx).backward()
     """
     return _ByOp(
         ROUTING_OPS,
