@@ -167,10 +167,11 @@ class ActivationPlan:
         peak_bytes: the predicted peak of the step's memory (forward and backward: kept
             activations, the region being recomputed, gradients), above what the model and
             inputs hold; 0 where the device's allocator cannot be read.
-        step_ms: the profiled step's time (forward and backward, without checkpointing).
-        timed: where ``plan_checkpointing`` timed candidate plans on the model (Rule 23), their
-            step times relative to each other (per round over the round's mean, the median
-            of the rounds), this plan's first; else empty (also after JSON).
+        step_ms: the step's time (forward and backward, without checkpointing) as the cost
+            model predicts it: the forward's ops, thrice (Rule 9); no clock.
+        timed: where ``plan_checkpointing`` timed candidate plans on the model (``timing_steps``,
+            Rule 23), their step times relative to each other (per round over the round's mean,
+            the median of the rounds), this plan's first; else empty (also after JSON).
         objective: what the plan minimizes, ``"time"`` or ``"flops"``.
         solver: ``"exact"``, or ``"grid"``: solved on a byte grid of ``grid_bytes``, as if
             each region's bytes were rounded up to it.
@@ -460,8 +461,8 @@ class ActivationPlan:
         lines.append(
             f"predicted: {format_bytes(self.kept_bytes)} of activations kept (each storage once: "
             f"a report's activation_bytes) <= budget {format_bytes(self.budget_bytes)}; recompute "
-            f"{self.recompute_ms:.3f} ms and "
-            f"{self.recompute_flops / 1e9:.3f} GFLOP per step (profiled step {self.step_ms:.3f} ms)"
+            f"{self.recompute_ms:.3f} ms and {self.recompute_flops / 1e9:.3f} GFLOP per step "
+            f"(predicted step {self.step_ms:.3f} ms)"
         )
         if self.peak_bytes:
             lines.append(f"predicted peak of the step: {format_bytes(self.peak_bytes)}")
