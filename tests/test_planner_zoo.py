@@ -57,37 +57,74 @@ def plan_of(member: ZooMember, budget: float) -> checkpointing.ActivationPlan:
     )
 
 
-def held_bytes(member: ZooMember) -> int:
-    """What the allocator holds between the member's forward and backward (the loss aside)."""
+def held_bytes(member: ZooMember, model: nn.Module) -> int:
+    """What the allocator holds between ``model``'s forward and backward (the loss aside)."""
     torch.manual_seed(99)
-    return allocator_step(lambda: member.loss_fn(member.model(*member.args, **member.kwargs))).held
+    return allocator_step(lambda: member.loss_fn(model(*member.args, **member.kwargs))).held
+
+
+def unsaved_bytes(member: ZooMember, model: nn.Module) -> int:
+    """The slack: what the allocator holds after a plain forward beyond every storage autograd
+    saves (each once; parameters and inputs are not the step's). A few bytes per model held
+    outside the saved tensors (GPT-2 and Phi 24 per block, BART and OPT 16, T5 8; 0 on the
+    Llamas): held alike with and without a plan, invisible to a profile that counts saves."""
+    leaves = [*model.parameters(), *model.buffers(), *member.args, *member.kwargs.values()]
+    outside = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in outside:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def forward() -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            return member.loss_fn(model(*member.args, **member.kwargs))
+
+    torch.manual_seed(99)
+    held = allocator_step(forward).held
+    return held - sum(saved.values())
 
 
 @pytest.mark.usefixtures("gc_disabled")
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("family", sorted(ZOO))
-def test_zoo_plan_trains_as_the_plain_run_within_its_budget(family: str, budget: float) -> None:
+def test_zoo_plan_trains_as_the_plain_run_within_its_budget(
+    family: str, budget: float, subtests: Any
+) -> None:
     """Planned and applied with transformers' defaults (use_cache on): three steps' gradients
     bitwise the plain run's, the allocator's held bytes within the plan's budget, and a second
-    call gives the same plan."""
+    call gives the same plan (each checked on its own)."""
     member = zoo_member(family)
-    plain = train(member, copy.deepcopy(member.model))
+    twin = copy.deepcopy(member.model)
+    slack = unsaved_bytes(member, twin)
+    plain = train(member, twin)
     plan = plan_of(member, budget)
     again = plan_of(member, budget)
     plan.apply(member.model)
     try:
-        held = held_bytes(member)
+        held = held_bytes(member, member.model)
         planned = train(member, member.model)
     finally:
         plan.remove(member.model)
-    for step, (expected, got) in enumerate(zip(plain, planned, strict=True)):
-        for (name, _), a, b in zip(member.model.named_parameters(), expected, got, strict=True):
-            assert (a is None) == (b is None), f"step {step}, {name}\n{plan}"
-            assert a is None or b is None or torch.equal(a, b), f"step {step}, {name}\n{plan}"
-    assert held <= plan.budget_bytes, f"held {held} > budget {plan.budget_bytes}\n{plan}"
-    # Two calls, one plan (issue 43 point 2, helper H1's determinism: this line fails while the
-    # measured race still decides the plan).
-    assert plan.to_json() == again.to_json(), f"{plan}\n{again}"
+    print(
+        f"ZOO {family} {budget} held={held} budget={plan.budget_bytes} kept={plan.kept_bytes} "
+        f"slack={slack}"
+    )
+    with subtests.test("gradients"):
+        names = [name for name, _ in member.model.named_parameters()]
+        for step, (expected, got) in enumerate(zip(plain, planned, strict=True)):
+            for name, a, b in zip(names, expected, got, strict=True):
+                assert (a is None) == (b is None), f"step {step}, {name}\n{plan}"
+                assert a is None or b is None or torch.equal(a, b), f"step {step}, {name}\n{plan}"
+    with subtests.test("bytes"):
+        assert 0 <= slack <= 64 * len(plan.regions), slack
+        assert held <= plan.budget_bytes + slack, f"held {held}, budget {plan.budget_bytes}\n{plan}"
+    # Two calls, one plan: issue 43 point 2 (helper H1's deterministic plans); this check alone
+    # fails while measured times still decide the plan.
+    with subtests.test("two calls give one plan"):
+        assert plan.to_json() == again.to_json(), f"{plan}\n{again}"
 
 
 # -- NOTE [Key/value caches] ---------------------------------------------------------------------
