@@ -34,6 +34,7 @@ from ._selective import (
     OffloadStats,
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
+    split_backward,
 )
 from ._sequential import checkpoint_sequential, sequential_schedule
 from ._state import (
@@ -103,4 +104,5 @@ __all__ = [
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",
+    "split_backward",
 ]

@@ -53,6 +53,7 @@ OWN_NAMES = {
     "report_on_oom",
     "saved_tensors_report",
     "sequential_schedule",
+    "split_backward",
 }
 # Our keyword-only option on torch's generator signatures (user state restored for recompute).
 STATE_HOOKS = ("recompute_state_hooks", inspect.Parameter.KEYWORD_ONLY, None)

@@ -80,6 +80,7 @@ from .policy import (
     tag,
     uncalled_factory,
 )
+from .recompute import split_backward
 from .skip import may_skip, reads_values, replay_taint
 from .unkept import NOTHING_ASKED, Asked, asked_of, is_composite, never_dispatched, say_composite
 
@@ -110,6 +111,7 @@ __all__ = [
     "reads_values",
     "replay_taint",
     "say_composite",
+    "split_backward",
     "tag",
     "uncalled_factory",
 ]

@@ -100,12 +100,11 @@ def split_backward() -> Iterator[None]:
 
     Example:
         >>> import functools, torch, checkpointing
-        >>> from checkpointing._selective.recompute import split_backward
         >>> ctx = functools.partial(checkpointing.create_selective_checkpoint_contexts,
         ...                         [torch.ops.aten.mm.default])
         >>> w = torch.randn(4, 4, requires_grad=True)
         >>> x = torch.randn(4, 4, requires_grad=True)
-        >>> with split_backward():
+        >>> with checkpointing.split_backward():
         ...     y = checkpointing.checkpoint(lambda a: (a @ w).sin(), x, use_reentrant=False,
         ...                                  context_fn=ctx)
         >>> (gx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
