@@ -44,7 +44,8 @@ them (the numbers are unchanged, so "See NOTE [Selective checkpoint cache], Rule
   Rule 3 (``cache``): entries are keyed by op and call index; only kept calls have one.
   Rule 4 (``ops``): ``SAC_IGNORED_OPS`` are neither counted nor cached.
   Rule 5 (``cache``): a saved entry is version-checked when handed out.
-  Rule 6 (``recompute``): an entry is handed out once; a second backward raises.
+  Rule 6 (``recompute``): an entry is handed out once; a second backward raises, except for
+  regions whose forward ran under ``split_backward()`` (every pass over the graph is served).
   Rule 7 (``cache``): offload keeps a host copy (a host tensor as an alias).
   Rule 8 (``forward``): a kept tag hands its decision to the op that produced the tensor.
   Rule 9 (``forward``): under a tracing compiler every output is cached and the nodes tagged.
