@@ -163,10 +163,11 @@ def plan_checkpointing(
 
     Example:
         >>> import torch, checkpointing
-        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8),
-        ...                               torch.nn.Tanh()) for _ in range(4)])
+        >>> blocks = [torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
+        ...                               torch.nn.Linear(64, 8)) for _ in range(4)]
+        >>> model = torch.nn.Sequential(*blocks)
         >>> x = torch.randn(16, 8, requires_grad=True)
-        >>> plan = checkpointing.plan_checkpointing(model, x, budget=0.75)
+        >>> plan = checkpointing.plan_checkpointing(model, x, budget=0.5)
         >>> _ = plan.apply(model)
         >>> model(x).sum().backward()
         >>> _ = plan.remove(model)
