@@ -5,6 +5,8 @@ Usage (from the repository root)::
     python benchmarks/planner.py            # W1 and W2 (reduced sizes), plot in docs/
     python benchmarks/planner.py --compile  # instead: torch.compile's activation_memory_budget
     python benchmarks/planner.py --solve-time          # the solver on 32 tiny-Llama layers
+    python benchmarks/planner.py --planning-time       # planning / a plain step, W2 and GPT-2
+    python benchmarks/planner.py --cost-model          # the cost model's constants, this CPU
     python benchmarks/planner.py --from-results  # only the plot, from RESULTS.md's W1/W2 tables
     PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
     python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
