@@ -37,6 +37,7 @@ StorageKey = tuple[torch.device, int]
 """A storage's device and data pointer (NOTE [Storage keys])."""
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 
 
 def tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -82,6 +83,15 @@ def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
 
 def storage_key(tensor: torch.Tensor) -> StorageKey | None:
     """Where ``tensor``'s memory lives, or None if it has none of its own (NOTE [Storage keys])."""
+    if type(tensor) in _PLAIN and tensor.layout is _STRIDED:  # the common case, inline
+        device = tensor.device
+        if device.type == "meta":
+            return None
+        try:
+            pointer = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # an invalid python storage
+            return None
+        return None if pointer == 0 else (device, pointer)
     storage = _storage(tensor)
     return None if storage is None else (storage.device, storage.data_ptr())
 
