@@ -261,9 +261,8 @@ class _Walk:
         if isinstance(packed, _Delegated):
             packed = packed.packed
         self.tally.note(_NOTE_FOREIGN_HOOKS)
-        for tensor in _compat.tree_leaves(packed):
-            if isinstance(tensor, torch.Tensor):
-                self.tensor(tensor, key, _HOOKS, "saved", saver, producer)
+        for tensor in tensors(packed):
+            self.tensor(tensor, key, _HOOKS, "saved", saver, producer)
 
     def holder(self, frame: Frame, holder: Holder, key: _Key, op: str) -> None:
         rows = self.frame_of(frame)

@@ -167,9 +167,8 @@ class _ProducerMode(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         name = str(func.overloadpacket.__name__)
         if is_collective(func):  # records.COLLECTIVE_NAMESPACES
             name = f"{func.namespace}::{name}"
-        for tensor in _compat.tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                self.watcher.producers[tensor] = name
+        for tensor in tensors(out):
+            self.watcher.producers[tensor] = name
         if is_recomputing():
             report = self.watcher.report
             report.recompute_ops += 1
