@@ -86,31 +86,22 @@ CHAINS = {
 
 
 @pytest.mark.parametrize("chain", list(CHAINS))
-def test_every_region_checkpointed_keeps_its_inputs_and_the_states_predicted(chain: str) -> None:
-    """At the floor (every region checkpointed whole) the plan keeps the regions' inputs, the
-    loss's input and the chain's distinct RNG states; the allocator holds exactly that."""
+def test_predicted_kept_bytes_equal_the_allocators(chain: str) -> None:
+    """At budget 0.5 and at the floor (every region checkpointed whole) the plan's predicted
+    kept bytes are the allocator's. At the floor they are the regions' inputs, the loss's input
+    and the chain's distinct RNG states."""
     drops, states = CHAINS[chain]
     torch.manual_seed(1)
     model, x = Net(drops), torch.randn(ROWS, WIDTH)
-    floor = _plan(model, x, 1.0).floor_bytes
-    plan = _plan(model, x, floor)
-    assert all(region.checkpoint for region in plan.regions), str(plan)
+    plan = _plan(model, x, 0.5)
+    assert _held(plan, model, x) == plan.kept_bytes, str(plan)
+    floor = _plan(model, x, plan.floor_bytes)
+    assert all(region.checkpoint for region in floor.regions), str(floor)
     # Inputs of every region but the first (an example input is no activation), and the
     # output that the loss saves.
     activations = len(drops) * ACTIVATION_BYTES
-    assert plan.kept_bytes == activations + states * STATE_BYTES, str(plan)
-    assert _held(plan, model, x) == plan.kept_bytes
-
-
-@pytest.mark.parametrize("chain", list(CHAINS))
-@pytest.mark.parametrize("budget", [0.5])
-def test_predicted_kept_bytes_equal_the_allocators(chain: str, budget: float) -> None:
-    """Whatever the plan keeps or checkpoints, its predicted kept bytes are the allocator's."""
-    drops, _states = CHAINS[chain]
-    torch.manual_seed(1)
-    model, x = Net(drops), torch.randn(ROWS, WIDTH)
-    plan = _plan(model, x, budget)
-    assert _held(plan, model, x) == plan.kept_bytes, str(plan)
+    assert floor.kept_bytes == activations + states * STATE_BYTES, str(floor)
+    assert _held(floor, model, x) == floor.kept_bytes
 
 
 def test_peak_errs_high_within_six_percent() -> None:
