@@ -261,7 +261,7 @@ ZOO: dict[str, Callable[[], ZooMember]] = {
     "qwen2_moe": _zoo_qwen2_moe,
     "torch_encoder": _zoo_torch_encoder,
 }
-if hasattr(transformers, "Qwen3ForCausalLM"):
+if hasattr(transformers, "Qwen3Config"):  # the config alone: no modeling import here
     ZOO["qwen3"] = lambda: _llama_like(
         transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=8
     )

@@ -31,12 +31,14 @@ BUDGETS = (0.3, 0.5, 0.7)
 STEPS = 3
 
 
-def train(member: ZooMember, model: nn.Module) -> list[list[torch.Tensor | None]]:
-    """``STEPS`` SGD steps of ``model`` on the member's inputs, each seeded alike; per step,
+def train(
+    member: ZooMember, model: nn.Module, steps: int = STEPS
+) -> list[list[torch.Tensor | None]]:
+    """``steps`` SGD steps of ``model`` on the member's inputs, each seeded alike; per step,
     every parameter's gradient."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
-    for step in range(STEPS):
+    for step in range(steps):
         torch.manual_seed(100 + step)
         optimizer.zero_grad(set_to_none=True)
         member.loss_fn(model(*member.args, **member.kwargs)).backward()
@@ -125,6 +127,39 @@ def test_zoo_plan_trains_as_the_plain_run_within_its_budget(
     # fails while measured times still decide the plan.
     with subtests.test("two calls give one plan"):
         assert plan.to_json() == again.to_json(), f"{plan}\n{again}"
+
+
+@pytest.mark.usefixtures("gc_disabled")
+@pytest.mark.parametrize("family", sorted(ZOO))
+def test_zoo_fewest_flops_plan_with_saves_skips_and_spans_trains_as_the_plain_run(
+    family: str,
+) -> None:
+    """``objective="flops"`` at 0.3 (plans that keep op outputs, skip ops in replay and record
+    spans where the default prefers whole regions): one step's gradients bitwise the plain
+    run's, the bytes within the budget and the slack."""
+    member = zoo_member(family)
+    twin = copy.deepcopy(member.model)
+    slack = unsaved_bytes(member, twin)
+    plain = train(member, twin, 1)
+    plan = plan_checkpointing(
+        member.model,
+        member.args,
+        budget=0.3,
+        regions=member.regions,
+        example_kwargs=member.kwargs,
+        loss_fn=member.loss_fn,
+        objective="flops",
+    )
+    assert any("save" in r.describe() or "skips" in r.describe() for r in plan.regions), str(plan)
+    plan.apply(member.model)
+    try:
+        held = held_bytes(member, member.model)
+        planned = train(member, member.model, 1)
+    finally:
+        plan.remove(member.model)
+    for expected, got in zip(plain[0], planned[0], strict=True):
+        assert expected is None or got is None or torch.equal(expected, got), str(plan)
+    assert held <= plan.budget_bytes + slack, f"held {held}\n{plan}"
 
 
 # -- NOTE [Key/value caches] ---------------------------------------------------------------------
