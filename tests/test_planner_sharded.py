@@ -1,7 +1,8 @@
 """``plan_checkpointing`` on sharded and parallel models (gloo, 2 CPU processes).
 
 One pair of spawned workers plans, applies and trains every case: a stack of residual blocks
-(Linear, tanh, dropout, Linear) sharded by FSDP2 (``fully_shard`` per block and at the root) or
+(Linear, tanh, dropout, Linear) sharded by FSDP2 (``fully_shard`` per block and at the root, and
+also per Linear, so that FSDP2's own ops run inside the planned regions) or
 split by tensor parallelism (``parallelize_module``: the first Linear column-wise, the second
 row-wise, DTensor weights). Each worker writes its plans (``to_json``), their byte figures,
 and the full gradients of three optimizer steps of the planned model and of the same model
@@ -140,6 +141,21 @@ def _fsdp2(model: nn.Module) -> nn.Module:
     return model
 
 
+def _fsdp2_nested(model: nn.Module) -> nn.Module:
+    """FSDP2 on each Linear too: its gathers and frees run inside the planned regions (and
+    again in their recompute)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block.up, mesh=mesh)
+        fully_shard(block.down, mesh=mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _tensor_parallel(model: nn.Module) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -157,13 +173,14 @@ def _tensor_parallel(model: nn.Module) -> nn.Module:
 SHARDINGS: dict[str, tuple[Callable[[nn.Module], nn.Module], int]] = {
     # sharding -> (how, the hidden width of the one-process model it must plan like)
     "fsdp2": (_fsdp2, HIDDEN),
+    "fsdp2_nested": (_fsdp2_nested, HIDDEN),
     "tp": (_tensor_parallel, HIDDEN // WORLD_SIZE),
 }
 
 
 def _case(sharding: str, rank: int) -> dict[str, Any]:
     shard, hidden = SHARDINGS[sharding]
-    x = _batch(rank if sharding == "fsdp2" else 0)
+    x = _batch(rank if sharding.startswith("fsdp2") else 0)
     torch.manual_seed(SEED)
     single = _figures(_plan(Net(hidden), x))
     planned_model = shard(Net())
