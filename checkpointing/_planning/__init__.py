@@ -292,10 +292,10 @@ NOTE [Planner model]
           the loss reads) is left out; so is one that draws random numbers or writes what it did
           not make (Rule 22's conditions). Pre-norm blocks (a Llama's, GPT-2's, a ViT's) end in
           a residual add, not a child call: no trail. Why: the boundary kept twice is what kept
-          post-norm plans above the compiler's FLOPs at its bytes. With ``objective="time"`` the
-          cheapest plan without trails is one more candidate of Rule 23's race where the
-          prediction chose trails (their machinery is priced per call, Rule 22, but a W2 step is
-          where a 1 % error shows). Under ``torch.compile`` the blocks are torch's regions,
+          post-norm plans above the compiler's FLOPs at its bytes. Where the race runs
+          (``timing_steps > 0``, Rule 23), the cheapest plan without trails is one more
+          candidate of it when the prediction chose trails: their machinery is priced per call
+          (Rule 22) by a constant, and a timed step is where such a constant's error shows. Under ``torch.compile`` the blocks are torch's regions,
           whole: the end hook returns at once while dynamo traces.
   Rule 25. Kept spans. In a checkpointed region the ops of a ``keep(fn, *args)`` span are
           neither counted nor cached by the selective modes, nor replayed (NOTE [Kept spans],
