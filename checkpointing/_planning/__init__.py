@@ -295,8 +295,9 @@ NOTE [Planner model]
           post-norm plans above the compiler's FLOPs at its bytes. Where the race runs
           (``timing_steps > 0``, Rule 23), the cheapest plan without trails is one more
           candidate of it when the prediction chose trails: their machinery is priced per call
-          (Rule 22) by a constant, and a timed step is where such a constant's error shows. Under ``torch.compile`` the blocks are torch's regions,
-          whole: the end hook returns at once while dynamo traces.
+          (Rule 22) by a constant, and a timed step is where such a constant's error shows.
+          Under ``torch.compile`` the blocks are torch's regions, whole: the end hook returns at
+          once while dynamo traces.
   Rule 25. Kept spans. In a checkpointed region the ops of a ``keep(fn, *args)`` span are
           neither counted nor cached by the selective modes, nor replayed (NOTE [Kept spans],
           Rule 6): they are the span's, not the policy's. The profile runs the model without
