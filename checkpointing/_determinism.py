@@ -27,12 +27,21 @@ NOTE [Determinism checks]
           of ours: its backward finishes and it waits at its next collective for the ranks that
           raised, until their processes end (the collective then fails) or the group times out.
           Both name the fix for mixture-of-experts layers: keep the routing
-          (``policies.save_routing()``). Not caught: a drift that leaves every saved shape as
-          it was, since values are never compared (as in torch): the same token counts per
-          expert, or a layer whose shapes never depend on the routing (tokens sorted by expert
-          and multiplied by grouped matmuls, as transformers' ``grouped_mm`` experts do).
-          Comparing values would cost a kernel per saved tensor; keeping the routing costs
-          tokens x experts and removes the cause.
+          (``policies.save_routing()``). Not caught without debug: a drift that leaves every
+          saved shape as it was, since values are never compared (as in torch): the same token
+          counts per expert, or a layer whose shapes never depend on the routing (tokens sorted
+          by expert and multiplied by grouped matmuls, as transformers' ``grouped_mm`` experts
+          do). Comparing values would cost a kernel per saved tensor and, on an accelerator, a
+          synchronization; keeping the routing costs tokens x experts and removes the cause.
+  Rule 6. With debug on, the values of the integer and boolean tensors saved in forward
+          (indices, counts, masks: what routing makes) are compared with the recomputed ones,
+          and a difference is a ``CheckpointError`` naming the first such tensor's position and
+          source, with the op logs of Rule 4: the way to find a drift that keeps every shape.
+          The forward's tensors are held by reference, not copied (a copy would be an op in the
+          forward's log), and compared once the recompute has ended (outside the loggers'
+          modes); a tensor written in place since it was saved (its version moved) is skipped.
+          Floating-point tensors are never compared: a kernel may round differently in
+          recompute and still be right.
 """
 
 from __future__ import annotations
@@ -58,7 +67,9 @@ __all__ = [
     "OpLogger",
     "check_counts",
     "check_metadata",
+    "check_values",
     "debug_enabled",
+    "holds_value",
     "metadata_fn_for",
     "note_recompute_error",
     "recompute_site",
@@ -96,6 +107,14 @@ _MSG_METADATA_MISMATCH = (
     "Likely cause: the checkpointed function computes something different in recompute (shapes "
     "or dtypes depending on global state, autocast or RNG changed between forward and "
     "backward).\n{hint}{tip}"
+)
+_MSG_VALUE_MISMATCH = (
+    "checkpointing: Recomputed values of the following integer or boolean tensors differ from "
+    "the forward's (debug mode compares them): positions {positions}.\n{site}"
+    "Likely cause: the checkpointed function computes other indices, counts or masks in "
+    "recompute than in forward, with the same shapes (data-dependent routing, a counter or "
+    "noise that moved, a nondeterministic kernel); the gradients would silently be wrong.\n"
+    "{hint}"
 )
 _MSG_DRIFT_SITE = "First differing tensor: position {idx}, saved during recomputation at {site}\n"
 _DRIFT_FIX = (
@@ -225,6 +244,36 @@ def check_metadata(
         raise CheckpointError(
             _MSG_METADATA_MISMATCH.format(
                 details="".join(details), site=where, hint=_hint(site), tip=_MSG_DEBUG_TIP
+            )
+        )
+
+
+def holds_value(tensor: torch.Tensor) -> bool:
+    """Rule 6: whether debug mode compares this saved tensor's values (integer or boolean)."""
+    return not (tensor.is_floating_point() or tensor.is_complex())
+
+
+def check_values(
+    forward: dict[int, tuple[torch.Tensor, int]],
+    recomputed: Sequence[tuple[int, torch.Tensor, str]],
+) -> None:
+    """Rule 6: ``forward`` maps a position to the tensor saved there and its version then;
+    ``recomputed`` lists (position, recomputed tensor, where it was saved). Call it after the
+    recompute, outside the loggers' modes."""
+    differing = []
+    for idx, tensor, site in recomputed:
+        kept = forward.get(idx)
+        if kept is None or kept[0]._version != kept[1] or kept[0].shape != tensor.shape:
+            continue  # written since it was saved, or a shape mismatch (Rule 2 says it)
+        if kept[0].dtype == tensor.dtype and not torch.equal(kept[0], tensor):
+            differing.append((idx, site))
+    if differing:
+        idx, site = differing[0]
+        raise CheckpointError(
+            _MSG_VALUE_MISMATCH.format(
+                positions=", ".join(str(i) for i, _ in differing),
+                site=_MSG_DRIFT_SITE.format(idx=idx, site=site),
+                hint=_MSG_DRIFT_HINT,
             )
         )
 

@@ -79,8 +79,10 @@ from ._determinism import (
     OpLogger,
     check_counts,
     check_metadata,
+    check_values,
     debug_enabled,
     debug_error,
+    holds_value,
     metadata_fn_for,
     note_recompute_error,
     recompute_site,
@@ -276,6 +278,7 @@ class Frame:
         "state",
         "state_entry",
         "state_hooks",
+        "values",
         "weak_holders",
     )
 
@@ -299,6 +302,8 @@ class Frame:
         self.loggers = loggers
         self.weak_holders: list[weakref.ref[Holder]] = []
         self.metadata: list[Metadata] | None = [] if record_metadata else None
+        # NOTE [Determinism checks], Rule 6: with debug, integer and boolean saves by position.
+        self.values: dict[int, tuple[torch.Tensor, int]] | None = None if loggers is None else {}
         self.forward_completed = False
         self.ignore_count_mismatch = False
         self.spans: list[Span] | None = None  # NOTE [Kept spans]
@@ -324,6 +329,9 @@ class Frame:
         metadata = self.metadata
         if metadata is not None:
             metadata.append((x.shape, x.dtype, x.device))
+        values = self.values
+        if values is not None and holds_value(x):  # NOTE [Determinism checks], Rule 6
+            values[len(self.weak_holders) - 1] = (x, x._version)
         if self.observed:
             announce(x, self.region(), "recomputed")
         return holder
@@ -382,6 +390,8 @@ class Frame:
         quiet_detach = declared(self.recompute_context).passes_detach_through
         mismatches: list[tuple[int, Metadata, torch.Tensor]] = []
         sites: list[str] = []  # where the first mismatch was saved
+        values = self.values
+        recomputed: list[tuple[int, torch.Tensor, str]] = []  # NOTE [Determinism checks], Rule 6
         count = 0
 
         def pack(x: torch.Tensor) -> torch.Tensor:
@@ -421,6 +431,8 @@ class Frame:
                         if not mismatches:  # NOTE [Determinism checks], Rule 5
                             sites.append(recompute_site(made))
                         mismatches.append((idx, saved, x))
+                if values is not None and idx in values:  # debug only: the stack read is fine
+                    recomputed.append((idx, x, recompute_site(made)))
             if early_stop and idx + 1 == n_saved:
                 raise _StopRecompute
             return x  # Rule 6: a backward inside the re-run can use it
@@ -463,6 +475,8 @@ class Frame:
         check_counts(len(holders), count)
         if mismatches:
             check_metadata(mismatches, sites[0])
+        if recomputed and values is not None:
+            check_values(values, recomputed)
 
 
 def _announce_kept(

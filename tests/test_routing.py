@@ -382,3 +382,72 @@ def test_hf_enable_adds_routing_to_models_with_experts_only(name: str, routed: b
     assert layer_checkpoint is not None
     assert ("save_routing()" in repr(layer_checkpoint)) is routed
     assert ("context_fn" in layer_checkpoint.options) is routed
+
+
+class GroupedMoE(nn.Module):
+    """Top-1 routing whose shapes never depend on the routing: each token is multiplied by its
+    expert's weight, gathered by index (as grouped-matmul experts do), so a recompute that
+    routes differently saves tensors of the same shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = ShiftingRouter()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).argmax(-1)
+        return torch.bmm(x.unsqueeze(1), self.weight[chosen]).squeeze(1)
+
+
+def _grouped_grads(debug: bool | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = GroupedMoE()
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    if debug is None:
+        loss = model(x).square().sum()
+    else:
+        loss = checkpointing.checkpoint(model, x, use_reentrant=False, debug=debug)
+        loss = loss.square().sum()
+    loss.backward()
+    return [model.weight.grad.clone(), x.grad.clone()]  # type: ignore[union-attr]
+
+
+def test_rule6_shape_keeping_drift_is_silent_without_debug_as_in_torch() -> None:
+    """NOTE [Determinism checks], Rule 5's limit, shown: a drift that keeps every shape gives
+    other gradients and no error, in torch's checkpoint as in ours (values are not compared)."""
+    plain = _grouped_grads(None)
+    assert not _equal(_grouped_grads(False), plain)
+    torch.manual_seed(0)
+    model = GroupedMoE()
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    torch_checkpoint(model, x, use_reentrant=False).square().sum().backward()
+    assert model.weight.grad is not None
+    assert not torch.equal(model.weight.grad, plain[0])
+
+
+def test_rule6_debug_compares_integer_saves_and_names_the_line() -> None:
+    """Rule 6: with debug on, the recomputed routing indices are compared with the forward's;
+    the error names the position, the line that saved them and the fix, with the op logs."""
+    with pytest.raises(CheckpointError) as info:
+        _grouped_grads(True)
+    message = str(info.value)
+    assert "integer or boolean tensors differ from the forward's" in message
+    assert f"{__file__}:" in message
+    assert "self.weight[chosen]" in message
+    assert "save_routing()" in message
+    assert "Operations executed during the original forward" in message  # Rule 4's op logs
+    assert "aten::argmax" in message or "aten.argmax" in message
+
+
+def test_rule6_debug_passes_where_the_routing_does_not_drift() -> None:
+    """Rule 6: no false alarm: the same routing in recompute, gradients equal to the plain run."""
+    torch.manual_seed(0)
+    model = GroupedMoE()
+    model.router.drifts = False
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    model(x).square().sum().backward()
+    plain = [model.weight.grad.clone(), x.grad.clone()]  # type: ignore[union-attr]
+    model.zero_grad()
+    x.grad = None
+    checkpointing.checkpoint(model, x, use_reentrant=False, debug=True).square().sum().backward()
+    assert _equal([model.weight.grad, x.grad], plain)  # type: ignore[list-item]
