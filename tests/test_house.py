@@ -5,26 +5,20 @@ run are checked by ``test_structure.py``; both read the package with ``benchmark
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from structure_support import ROOT, load_structure
 
-ROOT = Path(__file__).resolve().parent.parent
 MOST_LINES = 700
 _MARK = "# annotations only"
 
 
 @pytest.fixture(scope="module")
 def structure() -> ModuleType:
-    """``benchmarks/structure.py``, loaded by path (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("structure", ROOT / "benchmarks/structure.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/structure.py``."""
+    return load_structure()
 
 
 def over_long(package: Path) -> dict[str, int]:

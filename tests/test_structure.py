@@ -3,24 +3,17 @@ and the circles issue 43 opened stay open, annotation-only imports included."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from structure_support import ROOT, load_structure
 
 
 @pytest.fixture(scope="module")
 def structure() -> ModuleType:
-    """``benchmarks/structure.py``, loaded by path (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("structure", ROOT / "benchmarks/structure.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/structure.py``."""
+    return load_structure()
 
 
 def test_the_script_finds_a_cycle(structure: ModuleType, tmp_path: Path) -> None:
