@@ -329,7 +329,7 @@ def test_allocator_holds_what_the_plan_predicts_rng_states_included(budget: floa
 @pytest.mark.usefixtures("free_policies")
 def test_tensors_received_by_keyword_are_counted() -> None:
     """Rule 14: a tensor a checkpointed region receives by keyword is kept by its frame, and
-    regions that draw nothing share one RNG state: the plan, the report ("keyword input" rows)
+    regions that draw nothing keep no RNG state: the plan, the report ("keyword input" rows)
     and the allocator count both alike."""
     torch.manual_seed(0)
     model, x = KeywordStack(), torch.randn(64, 16, requires_grad=True)
@@ -339,7 +339,7 @@ def test_tensors_received_by_keyword_are_counted() -> None:
     checkpointed = sum(r.checkpoint for r in plan.regions)
     assert checkpointed >= 2, str(plan)
     assert sum(r.op == "keyword input" for r in report.records) == checkpointed
-    assert sum(r.op == "rng state" for r in report.records) == checkpointed
+    assert not any(r.op == "rng state" for r in report.records)
     assert held <= plan.budget_bytes, (held, str(plan))
     assert held == plan.kept_bytes == report.activation_bytes, str(plan)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))

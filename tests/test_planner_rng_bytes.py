@@ -1,15 +1,20 @@
 """The RNG states in a plan's bytes: what the planner charges is what the frame keeps.
 
-The frame captures the CPU RNG state when a checkpointed region starts, whether or not the
-region draws (it cannot know in advance), and shares a capture byte-identical to the previous
-one (NOTE [RNG state shared when identical]): a chain of regions that draw nothing keeps one
-state in all, a chain of regions that each draw keeps one per region. The planner charges those
-states by identity (NOTE [Planner model], Rule 14). These tests hold its predicted kept bytes to
-the CPU allocator's account of the applied plan (``allocator_support``), exactly, for regions
-with and without dropout, and pin how many states each kind of chain is charged.
+The frame captures the CPU RNG state when a checkpointed region starts, and shares a capture
+byte-identical to the previous one (NOTE [RNG state shared when identical]). A planned region
+that drew nothing when profiled is checkpointed without preserving RNG state, keeps none, and is
+charged none (NOTE [Planner model], Rule 14): a guard raises if it draws after all. A chain of
+regions that draw nothing keeps no state, a chain of regions that each draw keeps one per region.
+These tests hold the planner's predicted kept bytes to the CPU allocator's account of the applied
+plan (``allocator_support``), exactly, for regions with and without dropout, pin how many states
+each kind of chain is charged, and check the guard and the gradients.
 """
 
 from __future__ import annotations
+
+import io
+import json
+from copy import deepcopy
 
 import pytest
 import torch
@@ -38,7 +43,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
         if self.p:
-            h = nn.functional.dropout(h, self.p)
+            h = nn.functional.dropout(h, self.p, self.training)
         return x + self.b(h)  # type: ignore[no-any-return]
 
 
@@ -64,6 +69,11 @@ def _plan(model: nn.Module, x: torch.Tensor, budget: float) -> checkpointing.Act
     )
 
 
+def _floor(model: nn.Module, x: torch.Tensor) -> checkpointing.ActivationPlan:
+    """The plan at the fewest bytes any plan keeps: every region checkpointed whole."""
+    return _plan(model, x, _plan(model, x, 0.5).floor_bytes)
+
+
 def _held(plan: checkpointing.ActivationPlan, model: nn.Module, x: torch.Tensor) -> int:
     """The allocator's bytes held from forward to backward with ``plan`` applied."""
     plan.apply(model)
@@ -75,13 +85,13 @@ def _held(plan: checkpointing.ActivationPlan, model: nn.Module, x: torch.Tensor)
 
 # Chains: (dropout per region, CPU states the plan keeps with every region checkpointed).
 CHAINS = {
-    "one region, no draws": ((0.0,), 1),
+    "one region, no draws": ((0.0,), 0),
     "one region, dropout": ((0.1,), 1),
-    "three regions, no draws": ((0.0, 0.0, 0.0), 1),  # one capture, shared by all three
+    "three regions, no draws": ((0.0, 0.0, 0.0), 0),  # no region keeps a state
     "three regions, dropout": ((0.1, 0.1, 0.1), 3),  # each region moves the stream on
-    # The second region draws nothing, so the third starts from the state the second captured
-    # and shares it: three states for four regions.
-    "dropout, then none, alternating": ((0.1, 0.0, 0.1, 0.0), 3),
+    # Only the drawing regions capture; the first one's dropout moves the stream on, so the
+    # third starts from another state: two states for four regions.
+    "dropout, then none, alternating": ((0.1, 0.0, 0.1, 0.0), 2),
 }
 
 
@@ -115,3 +125,119 @@ def test_peak_errs_high_within_six_percent() -> None:
     finally:
         plan.remove(model)
     assert peak <= plan.peak_bytes <= 1.06 * peak, (peak, plan.peak_bytes)
+
+
+def test_draw_free_chain_keeps_no_rng_state() -> None:
+    """A chain without dropout, every region checkpointed: the plan says no region draws, the
+    predicted kept bytes are the activations alone, and the allocator agrees; with one RNG
+    state charged (the old model) the prediction would be 5,056 bytes over."""
+    torch.manual_seed(1)
+    model, x = Net((0.0, 0.0, 0.0)), torch.randn(ROWS, WIDTH)
+    floor = _floor(model, x)
+    assert all(r.checkpoint and not r.draws for r in floor.regions), str(floor)
+    assert floor.kept_bytes == 3 * ACTIVATION_BYTES, str(floor)
+    assert _held(floor, model, x) == floor.kept_bytes
+
+
+def test_draws_field_in_json() -> None:
+    """The field travels through JSON; a plan written before it loads as drawing (the state
+    kept: conservative)."""
+    torch.manual_seed(1)
+    model, x = Net((0.1, 0.0)), torch.randn(ROWS, WIDTH)
+    plan = _floor(model, x)
+    assert [r.draws for r in plan.regions] == [True, False]
+    again = checkpointing.ActivationPlan.from_json(plan.to_json())
+    assert [r.draws for r in again.regions] == [True, False]
+    old = json.loads(plan.to_json())
+    for region in old["regions"]:
+        del region["draws"]
+    assert all(r.draws for r in checkpointing.ActivationPlan.from_json(old).regions)
+
+
+def _grads(model: nn.Module, x: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    model.zero_grad()
+    torch.manual_seed(seed)
+    _loss(model(x)).backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_gradients_bitwise_equal_to_the_plain_run() -> None:
+    """Regions with dropout keep their RNG state, those without keep none: the gradients of
+    the planned model are those of the plain run, bit for bit, also against torch's
+    checkpoint of every region."""
+    torch.manual_seed(1)
+    model, x = Net((0.1, 0.0, 0.1, 0.0)), torch.randn(ROWS, WIDTH)
+    plain = _grads(model, x, 7)
+    floor = _floor(model, x)
+    assert [r.draws for r in floor.regions] == [True, False, True, False]
+    floor.apply(model)
+    try:
+        planned = _grads(model, x, 7)
+    finally:
+        floor.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+
+    def torch_checkpointed(x: torch.Tensor) -> torch.Tensor:
+        for block in model.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+    model.zero_grad()
+    torch.manual_seed(7)
+    _loss(torch_checkpointed(x)).backward()
+    reference = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(reference, planned, strict=True))
+
+
+def _guards(model: nn.Module) -> list[object]:
+    return [
+        hook
+        for module in model.modules()
+        for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        if "DrawGuard" in type(getattr(hook, "__self__", None)).__name__
+    ]
+
+
+def test_guard_raises_where_a_region_planned_without_draws_draws() -> None:
+    """Planned in eval mode (dropout off, nothing drawn), trained in train mode: the region
+    would keep no RNG state and recompute other masks, so its forward raises, naming the
+    region and the fix; the plan still comes off completely."""
+    torch.manual_seed(1)
+    model, x = Net((0.1, 0.0)), torch.randn(ROWS, WIDTH)
+    model.eval()
+    plan = _floor(model, x)
+    assert not any(r.draws for r in plan.regions)
+    assert all(r.checkpoint for r in plan.regions)
+    model.train()
+    plan.apply(model)
+    assert len(_guards(model)) == 4  # a pre-hook and a hook per region
+    with pytest.raises(checkpointing.CheckpointError, match=r"'blocks\.0'.*train"):
+        model(x)
+    with torch.no_grad():  # evaluation keeps nothing: nothing to guard
+        model(x)
+    model.eval()
+    _loss(model(x)).backward()  # the mode it was planned in trains
+    plan.remove(model)
+    assert not _guards(model)
+    _loss(model.train()(x)).backward()  # plain again: dropout draws freely
+
+
+def test_guard_removed_from_a_copy() -> None:
+    """A deep copy of the applied model carries the guards; ``remove`` takes them off it, and
+    the applied model pickles (``torch.save``) with them."""
+    torch.manual_seed(1)
+    model, x = Net((0.0, 0.0)), torch.randn(ROWS, WIDTH)
+    plan = _floor(model, x)
+    plan.apply(model)
+    copy = deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    plan.remove(model)
+    assert not _guards(model)
+    for other in (copy, loaded):
+        assert len(_guards(other)) == 4
+        _loss(other(x)).backward()
+        plan.remove(other)
+        assert not _guards(other)

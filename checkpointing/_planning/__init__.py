@@ -104,15 +104,24 @@ NOTE [Planner model]
           work, so the charge errs towards whole regions.
   Rule 14. A checkpointed region keeps what its frame keeps (NOTE [Nestable checkpoint], Rule
           11): its input activations, those received by keyword or inside a container included,
-          and the RNG states it captures (``apply`` preserves them). Profiling captures them at
-          each region call as the frame does (``ForwardState``), so a CPU state identical to the
-          previous call's is one storage, kept if any region sharing it is checkpointed: the
-          frame shares it with the previous capture, and draws only move the stream on, so the
-          regions between two sharing ones share it too. (A region that moves the stream back,
-          e.g. by reseeding, is counted apart where the frame would share: over, never under.)
+          and, if it draws, the RNG states it captures. A region draws where a call of it ran a
+          random op (a kept span's included) or moved the CPU generator; ``RegionDecision.draws``
+          records it (unknown, from older JSON or pickles: drawing). ``apply`` preserves RNG
+          state only for drawing regions: one that draws nothing keeps no state and is charged
+          none, since its recompute draws nothing either. That is safe only while it really
+          draws nothing (a draw under ``fork_rng`` moves nothing, so the frame cannot drop a
+          state at forward end by itself), hence for planned regions only, each with a
+          ``DrawGuard`` that raises if its forward under grad moves the CPU generator or an
+          input device's: a model planned in eval mode and trained in train mode. Profiling
+          captures the states at each call as the frame does (``ForwardState``) and keeps only
+          the drawing regions' ones, so a CPU state identical to the previous capture is one
+          storage, kept if any drawing region sharing it is checkpointed: the frame shares it
+          with its previous capture, and draws only move the stream on. The real run captures
+          fewer states than the profile (draw-free and unplanned regions capture none), so it
+          shares at least where the profile does. (A region that moves the stream back, e.g.
+          by reseeding, is counted apart where the frame would share: over, never under.)
           Device states (one per accelerator tensor among the positional inputs) are never
-          shared. A state is ~5 KB on CPU: on a model of many small regions with dropout it is
-          several percent of the budget.
+          shared.
 
   Rule 15. Objective. The solver minimizes ``seconds weight x predicted recompute seconds +
           FLOP weight x recomputed FLOPs`` (plus the frame's charge, Rule 23). FLOPs are matrix

@@ -2,7 +2,8 @@
 copy of it (``copy.deepcopy``, ``torch.save``/``torch.load``), which carries every hook.
 
 Owns ``Installed`` (what ``apply`` put on the model it was given), ``ShapeCheck`` (the model's
-pre-hook that warns on other input shapes, NOTE [Planner model], Rule 12), ``carries`` and
+pre-hook that warns on other input shapes, NOTE [Planner model], Rule 12), ``DrawGuard`` (the
+hooks that stop a region planned without draws from drawing, Rule 14), ``carries`` and
 ``take_off`` (a plan's hooks found on any model through the hooks themselves). Choosing what to
 install belongs to ``plan``, the spans' hooks to ``spans``.
 
@@ -13,6 +14,8 @@ NOTE [Installed plan]
           ``checkpoint_module``'s, and a trail's end hook is bound to its region's checkpoint.
           So ``remove`` takes a plan off a copy of the planned model as completely as off the
           model: afterwards no hook of the plan is left on any module.
+          A region planned without draws carries a ``DrawGuard`` (NOTE [Planner model], Rule
+          14), marked the same way.
   Rule 2. ``plan_checkpointing`` refuses a model that carries a plan's hooks: profiling it
           would record that plan's spans and end its trails' frames, and measure another step
           than the fresh model's.
@@ -20,6 +23,7 @@ NOTE [Installed plan]
 
 from __future__ import annotations
 
+import threading
 import uuid
 import warnings
 import weakref
@@ -32,17 +36,37 @@ from torch import nn
 
 from .. import _compat
 from .._caches import drop_caches
+from .._errors import CheckpointError
 from .._module import is_module_checkpointed, remove_checkpoint_module
+from .._state import get_device_states, is_recomputing
+from .._trees import tensors
 from .profile import input_shapes
 from .spans import SpanHooks, span_hook_mark, take_off_spans
 
-__all__ = ["Installed", "ShapeCheck", "carries", "new_mark", "take_off", "take_off_found"]
+__all__ = [
+    "DrawGuard",
+    "Installed",
+    "ShapeCheck",
+    "carries",
+    "new_mark",
+    "take_off",
+    "take_off_found",
+]
 
 _MSG_RESHAPED = (
     "checkpointing.ActivationPlan: the model was called with input shapes {observed}, but the "
     "plan was profiled with {expected}; its bytes and times do not describe these inputs, so "
     "the budget may not hold. Fix: re-plan with plan_checkpointing(model, inputs_of_this_shape, "
     "budget=...). (Warned once per apply.)"
+)
+
+
+_MSG_DREW = (
+    "checkpointing.ActivationPlan: region {name!r} moved the random number generator ({which}) "
+    "in forward, but the plan was profiled with the region drawing no random numbers, so it "
+    "keeps no RNG state and its recompute would draw other numbers (a wrong gradient). "
+    "Typically: the model was planned in eval mode (dropout off) and trains in train mode. "
+    "Fix: plan_checkpointing in the mode you train in (model.train()), then apply that plan."
 )
 
 
@@ -77,6 +101,59 @@ class ShapeCheck:
             )
 
 
+class DrawGuard:
+    """NOTE [Planner model], Rule 14: the hooks on a checkpointed region whose plan says it
+    draws nothing (so its frame keeps no RNG state): they compare the CPU generator's state,
+    and each accelerator's among the region's inputs, before and after each forward under
+    grad (not in recompute), and raise ``CheckpointError`` where it moved. A region drawing
+    inside ``torch.random.fork_rng`` moves nothing and goes unseen: the profile sees its draws
+    (they are ops), so only a model that starts drawing after planning can do that. A plain
+    object holding the region's name and the plan's mark, so that an applied model pickles."""
+
+    __slots__ = ("entered", "mark", "name")
+
+    def __init__(self, name: str, mark: str) -> None:
+        self.name = name
+        self.mark = mark
+        # Per thread, per running call: the generators' states at its start (None: unchecked).
+        self.entered: dict[int, list[list[bytes] | None]] = {}
+
+    @classmethod
+    def install(cls, module: nn.Module, name: str, mark: str) -> DrawGuard:
+        guard = cls(name, mark)
+        module.register_forward_pre_hook(guard.before, with_kwargs=True)
+        module.register_forward_hook(guard.after, always_call=True)
+        return guard
+
+    def remove(self, module: nn.Module) -> None:
+        _compat.remove_forward_hooks(module, self.before, self.after)
+
+    def before(self, _module: nn.Module, args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
+        checked = torch.is_grad_enabled() and not is_recomputing()
+        states = _generator_states(args) if checked else None
+        self.entered.setdefault(threading.get_ident(), []).append(states)
+
+    def after(self, _module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
+        running = self.entered.get(threading.get_ident())
+        states = running.pop() if running else None
+        if states is None:
+            return
+        now = _generator_states(args)
+        for index, (was, is_) in enumerate(zip(states, now, strict=False)):
+            if was != is_:
+                which = "the CPU generator" if index == 0 else "an accelerator's generator"
+                raise CheckpointError(_MSG_DREW.format(name=self.name, which=which))
+
+
+def _generator_states(args: tuple[Any, ...]) -> list[bytes]:
+    """The CPU generator's state, then those of the accelerators the inputs live on, as bytes
+    (no op runs, so no dispatch mode of the caller's sees the guard)."""
+    states = [_compat.storage_bytes(torch.get_rng_state())]
+    if any(t.device.type not in ("cpu", "meta") for t in tensors(args)):
+        states.extend(_compat.storage_bytes(s) for s in get_device_states(*args)[1])
+    return states
+
+
 @dataclass
 class Installed:
     """Where a plan is installed: the model, its checkpointed regions, the shape-check hook."""
@@ -89,6 +166,8 @@ class Installed:
     """Rule 24: the hooks that end a region's frame at its trail."""
     caches: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     """NOTE [Key/value caches], Rule 2: every region's ``drop_caches`` pre-hook."""
+    guards: list[tuple[nn.Module, DrawGuard]] = field(default_factory=list)
+    """NOTE [Planner model], Rule 14: the regions planned without draws, and their guards."""
 
     def remove(self) -> None:
         """Every hook off; a region whose removal raises (during the model's forward) stays
@@ -97,6 +176,9 @@ class Installed:
             self.ends.pop().remove()
         while self.caches:
             self.caches.pop().remove()
+        while self.guards:
+            module, guard = self.guards.pop()
+            guard.remove(module)
         while self.modules:
             remove_checkpoint_module(self.modules[-1])
             self.modules.pop()
@@ -147,6 +229,10 @@ def take_off(
     take_off_spans(model, mark)
     for module in modules.values():  # NOTE [Key/value caches], Rule 2: on every region
         _compat.remove_forward_hooks(module, drop_caches, drop_caches)
+        for hook in _compat.forward_pre_hooks(module):  # NOTE [Planner model], Rule 14
+            guard = getattr(hook, "__self__", None)
+            if isinstance(guard, DrawGuard) and guard.mark == mark:
+                guard.remove(module)
 
 
 def take_off_found(model: nn.Module, regions: Iterable[str]) -> None:

@@ -26,7 +26,7 @@ from .._units import format_bytes
 from . import plan_json
 from .contexts import Answer, _RegionContexts, resolve_op
 from .contexts import _region_contexts_by_name as _region_contexts_by_name
-from .installed import Installed, ShapeCheck, carries, new_mark, take_off
+from .installed import DrawGuard, Installed, ShapeCheck, carries, new_mark, take_off
 from .peak import predicted_peak
 from .problem import Choice, Problem, Solution, kept_storages, region_recompute, skipped
 from .profile import StepProfile
@@ -58,6 +58,10 @@ class RegionDecision:
     skip: tuple[Key, ...] = ()
     """Ops the replay skips, handing out blanks: nothing backward needs reads their outputs
     (Rule 21)."""
+    draws: bool = True
+    """Whether the region drew random numbers when profiled. A checkpointed region that drew
+    none keeps no RNG state, and a guard raises if it draws after all (Rule 14). True where
+    unknown (a plan from before the field): the state is kept."""
 
     def describe(self) -> str:
         """The decision in words, for the table."""
@@ -260,6 +264,7 @@ class ActivationPlan:
                     recompute_flops=flops,
                     keep_draws=choice.draws,
                     skip=skipped(problem, index, served),
+                    draws=region.draws,
                 )
             )
         names = [r.name for r in profile.regions]
@@ -325,6 +330,7 @@ class ActivationPlan:
         chosen = self._regions_in(model)
         head, tail, trails = self._spans_in(model)
         installed: list[nn.Module] = []
+        guards: list[tuple[nn.Module, DrawGuard]] = []
         ends: list[torch.utils.hooks.RemovableHandle] = []
         modules = dict(model.named_modules())  # NOTE [Key/value caches], Rule 2: every region
         caches = [
@@ -332,9 +338,12 @@ class ActivationPlan:
             for r in self.regions
         ]
         try:  # all or nothing: what was installed goes again if a later step raises
-            for module, context_fn in chosen:
-                checkpoint_module(module, context_fn=context_fn)
+            for module, context_fn, decision in chosen:
+                draws = getattr(decision, "draws", True)  # a decision pickled before the field
+                checkpoint_module(module, context_fn=context_fn, preserve_rng_state=draws)
                 installed.append(module)
+                if not draws:  # Rule 14: it keeps no RNG state, so it must draw nothing
+                    guards.append((module, DrawGuard.install(module, decision.name, self._mark)))
             for region, child in trails:  # Rule 24: before the trail's scope starts
                 if is_module_checkpointed(region):
                     ends.append(end_at(region, child))
@@ -344,15 +353,18 @@ class ActivationPlan:
         except BaseException:
             for handle in [*ends, *caches]:
                 handle.remove()
+            for module, guard in guards:
+                guard.remove(module)
             for module in installed:
                 remove_checkpoint_module(module)
             raise
-        self._applied = Installed(weakref.ref(model), installed, hook, spans, ends, caches)
+        self._applied = Installed(weakref.ref(model), installed, hook, spans, ends, caches, guards)
         self._model = weakref.ref(model)
         return model
 
-    def _regions_in(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
-        """The modules to checkpoint and their ``context_fn``s; every region is checked here,
+    def _regions_in(self, model: nn.Module) -> list[tuple[nn.Module, Any, RegionDecision]]:
+        """The modules to checkpoint, their ``context_fn``s and decisions; every region is
+        checked here,
         before ``apply`` installs anything."""
         modules = dict(model.named_modules())
         seen: dict[int, int] = {}
@@ -376,7 +388,7 @@ class ActivationPlan:
             if region.checkpoint:
                 if is_module_checkpointed(module):
                     raise ValueError(_MSG_REGION_TAKEN.format(name=region.name))
-                chosen.append((module, _context_fn(region)))
+                chosen.append((module, _context_fn(region), region))
         return chosen
 
     def _spans_in(

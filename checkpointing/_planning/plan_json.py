@@ -170,6 +170,7 @@ _REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "recompute_flops": (_count, 0),
     "keep_draws": (_flag, False),
     "skip": (_keys, ()),
+    "draws": (_flag, True),  # unknown: drawing, so the RNG state is kept (Rule 14)
 }
 _SPAN: Final[dict[str, _Check]] = {
     "kind": _text,

@@ -75,6 +75,8 @@ class _Step:
         self.outside: set[int] = set()
         # Rule 14: the captured RNG states, alive for the step (no address reused), by identity.
         self.rng_states: dict[int, tuple[torch.Tensor, int]] = {}
+        # Per running region call: the CPU state at its start, as bytes (no op runs: Rule 1).
+        self.entered_rng: list[bytes] = []
         # Rule 22: the head records until the first region call; the tail from the first call
         # of a tail region (the last ``tail`` regions) to the end of the last one's.
         self.head = SpanProfile("head")
@@ -121,6 +123,7 @@ class _Step:
         if torch.is_grad_enabled():  # a frame captures nothing under no_grad
             profile.states.update(self.capture_rng(args))
         self.stack.append((profile, {}, [], [0]))
+        self.entered_rng.append(_compat.storage_bytes(torch.get_rng_state()))
         self.children.append([])
 
     def capture_rng(self, args: tuple[Any, ...]) -> Iterator[int]:
@@ -139,10 +142,20 @@ class _Step:
                 self.storage_bytes[known[1]] = tensor.untyped_storage().nbytes()
             yield known[1]
 
+    def settle_states(self) -> None:
+        """Rule 14: a region that drew nothing in any call keeps no RNG state (``apply``
+        checkpoints it without preserving one); the others keep theirs, each shared as the
+        frame shares it with its previous capture."""
+        for profile in self.profiles:
+            if not profile.draws:
+                profile.states.clear()
+
     def leave(self, index: int, output: Any = None) -> None:
         if index == self.tail_last and self.span is self.tail:
             self.span = None
-        _profile, _counts, ops, stop = self.stack.pop()
+        profile, _counts, ops, stop = self.stack.pop()
+        if self.entered_rng.pop() != _compat.storage_bytes(torch.get_rng_state()):
+            profile.draws = True  # Rule 14: moved by something no op shows (a draw's seed)
         calls = self.children.pop()
         trail = None
         if calls and output is not None:  # Rule 24: its last child, called once, ends it
@@ -208,6 +221,9 @@ class _Step:
             self.span.record(
                 seconds, flops, fresh, activations, random, [self.activation(t) for t in written]
             )
+        if random:  # Rule 14: every running region draws, a kept span's draws included
+            for running in self.stack:
+                running[0].draws = True
         if not self.stack or self.in_kept_span:  # Rule 25: numbered as the selective modes do
             return
         _profile, counts, ops, _stop = self.stack[-1]
@@ -347,6 +363,7 @@ def record_step(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(_MSG_LOSS.format(got=_describe(loss)))
         differentiate(loss, wrt)
+        step.settle_states()
     finally:
         for handle in handles:
             handle.remove()
