@@ -1,43 +1,75 @@
-"""Gloo groups of any size on localhost, for the parallelism tests (``tests/test_parallel_*``).
-
-``dist_support`` spawns pairs; a 2x2 mesh (FSDP2 x TP) needs four processes. Same contract: the
-worker runs as ``worker(rank, port, *args)`` in spawned processes, one thread each, writes its
-results to files, and a failure in any process reaches the parent.
-"""
+"""What the parallelism tests (``tests/test_parallel_*``, ``test_fsdp2.py``,
+``test_planner_sharded.py``) share: the selective policies of both sides, a module that
+checkpoints its inner module with a checkpoint function, a seeded stack of blocks, and the
+comparisons of two runs' gradients. Processes, groups and results: ``dist_support``."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_support import TIMEOUT, _then_exit, free_port
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import checkpointing
+from checkpointing.policies import MATMUL_OPS, save_matmuls
 
 
-@contextmanager
-def gloo_world(rank: int, port: int, world_size: int) -> Iterator[None]:
-    """This process as ``rank`` of a ``world_size``-process gloo group on 127.0.0.1."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def ours_sac_context() -> Any:
+    """Our selective checkpointing that saves the matmuls."""
+    return checkpointing.create_selective_checkpoint_contexts(save_matmuls())
 
 
-def spawn_world(world_size: int, worker: Callable[..., None], *args: Any) -> None:
-    """Run ``worker(rank, port, *args)`` in ``world_size`` spawned processes; raise if any
-    fails (each ends without Python's teardown once it succeeded, as ``spawn_pair``'s)."""
-    mp.start_processes(
-        _then_exit,
-        args=(worker, free_port(), *args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
+def torch_sac_context() -> Any:
+    """torch's selective checkpointing that saves the same matmuls."""
+    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+        sorted(MATMUL_OPS, key=str)
     )
+
+
+class ByFunction(nn.Module):
+    """Checkpoints ``inner`` with ``checkpoint`` (ours or torch's function) in its forward."""
+
+    def __init__(self, inner: nn.Module, checkpoint: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.checkpoint(self.inner, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+def assert_grads_equal(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, strip: str = ""
+) -> None:
+    """``got`` has ``want``'s names in order (once ``strip`` is taken out of each of its
+    names) and bitwise its values."""
+    assert [name.replace(strip, "") if strip else name for name in got] == list(want)
+    for (name, value), mine in zip(want.items(), got.values(), strict=True):
+        assert torch.equal(mine, value), f"{what}: {name}"
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """``got`` has ``want``'s names in order and its values up to the reduction order."""
+    assert list(got) == list(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12, msg=name)
+
+
+class BlockStack(nn.Module):
+    """``depth`` blocks from ``block()`` and a linear head from ``width`` to one output, in
+    float64, the weights drawn right after ``torch.manual_seed(0)``: the same on every rank and
+    for every case."""
+
+    def __init__(self, block: Callable[[], nn.Module], depth: int, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # type: ignore[no-any-return]

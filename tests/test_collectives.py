@@ -21,7 +21,6 @@ here for a rank that never answers, and the parent kills the pair past ``LIMIT``
 from __future__ import annotations
 
 import functools
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -31,8 +30,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_support import WORLD_SIZE, _then_exit, free_port, gloo_group
+from dist_support import WORLD_SIZE, case_result, gloo_group, spawned_results
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import (
@@ -275,34 +273,9 @@ def _report(rank: int, group: Any) -> dict[str, Any]:
     }
 
 
-def _spawn_bounded(out_dir: str) -> None:
-    """``spawn_pair``, with the pair killed past ``LIMIT`` seconds."""
-    context = mp.start_processes(
-        _then_exit,
-        args=(_worker, free_port(), out_dir),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + LIMIT
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the collective workers ran past {LIMIT:.0f} s")
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("collectives")
-    _spawn_bounded(str(out_dir))
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
-
-
-def _case(results: list[dict[str, Any]], key: str, rank: int) -> dict[str, Any]:
-    got = results[rank][key]
-    assert "error" not in got, f"{key} failed on rank {rank}:\n{got['error']}"
-    return got  # type: ignore[no-any-return]
+    return spawned_results(tmp_path_factory, "collectives", _worker, limit=LIMIT)
 
 
 REGIONS = ("tp", "variants")
@@ -321,8 +294,8 @@ KEPT = (
 def test_kept_by_default_none_re_run(
     results: list[dict[str, Any]], region: str, case: str, rank: int
 ) -> None:
-    plain = _case(results, f"{region}/plain", rank)
-    got = _case(results, f"{region}/{case}", rank)
+    plain = case_result(results, f"{region}/plain", rank)
+    got = case_result(results, f"{region}/{case}", rank)
     assert got["launched"] == plain["launched"]  # backward's own collectives, nothing more
     for ours, reference in zip(got["grads"], plain["grads"], strict=True):
         assert torch.equal(ours, reference)
@@ -334,8 +307,8 @@ def test_kept_by_default_none_re_run(
 def test_torch_re_runs_what_its_policy_does_not_keep(
     results: list[dict[str, Any]], region: str, case: str, rank: int
 ) -> None:
-    plain = _case(results, f"{region}/plain", rank)
-    got = _case(results, f"{region}/{case}", rank)
+    plain = case_result(results, f"{region}/plain", rank)
+    got = case_result(results, f"{region}/{case}", rank)
     assert len(got["launched"]) > len(plain["launched"])
     for theirs, reference in zip(got["grads"], plain["grads"], strict=True):
         assert torch.equal(theirs, reference)
@@ -346,10 +319,10 @@ def test_torch_re_runs_what_its_policy_does_not_keep(
 def test_must_recompute_re_runs_them_as_torch_does(
     results: list[dict[str, Any]], region: str, rank: int
 ) -> None:
-    plain = _case(results, f"{region}/plain", rank)
-    ours = _case(results, f"{region}/ours_must_recompute", rank)
-    theirs = _case(results, f"{region}/torch_must_recompute", rank)
-    compiled = _case(results, f"{region}/ours_compiled_must_recompute", rank)
+    plain = case_result(results, f"{region}/plain", rank)
+    ours = case_result(results, f"{region}/ours_must_recompute", rank)
+    theirs = case_result(results, f"{region}/torch_must_recompute", rank)
+    compiled = case_result(results, f"{region}/ours_compiled_must_recompute", rank)
     assert len(ours["launched"]) > len(plain["launched"])
     assert sorted(ours["launched"]) == sorted(theirs["launched"])
     assert len(compiled["launched"]) > len(plain["launched"])
@@ -381,7 +354,7 @@ def test_a_rank_without_a_region_is_named(results: list[dict[str, Any]]) -> None
 def test_report_shows_the_kept_collectives(
     results: list[dict[str, Any]], form: str, rank: int
 ) -> None:
-    got = _case(results, "report", rank)[form]
+    got = case_result(results, "report", rank)[form]
     rows = got["rows"]
     collective = [row for row in rows if row[3]]
     # all_reduce, all_gather, reduce_scatter, all_to_all: each output kept once

@@ -34,7 +34,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_support import WORLD_SIZE, gloo_group, spawn_pair
+from dist_support import WORLD_SIZE, gloo_group, spawned_results
+from parallel_support import BlockStack
 from torch import nn
 from torch.distributed._composable import checkpoint as torch_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -102,20 +103,11 @@ class Block(nn.Module):
         return x + self.down(hidden)  # type: ignore[no-any-return]
 
 
-class Net(nn.Module):
+class Net(BlockStack):
     """``DEPTH`` blocks and a linear head, float64, the same weights for every case."""
 
     def __init__(self, noise: str = "none") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(noise) for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-        self.double()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)  # type: ignore[no-any-return]
+        super().__init__(functools.partial(Block, noise), DEPTH, WIDTH)
 
 
 def _global_batch() -> torch.Tensor:
@@ -258,9 +250,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every case's results per rank, from one pair of spawned processes."""
-    out_dir = tmp_path_factory.mktemp("fsdp2")
-    spawn_pair(_worker, str(out_dir))
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return spawned_results(tmp_path_factory, "fsdp2", _worker)
 
 
 @functools.cache

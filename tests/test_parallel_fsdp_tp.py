@@ -14,15 +14,17 @@ Compared bitwise: every checkpointed case with the plain 2x2 run and with torch'
 from __future__ import annotations
 
 import functools
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.utils.checkpoint as torch_checkpoint
-from parallel_support import gloo_world, spawn_world
+from dist_support import SPAWNED_ONCE, case_result, run_cases, spawned_results
+from parallel_support import (
+    assert_grads_close,
+    assert_grads_equal,
+    ours_sac_context,
+    torch_sac_context,
+)
 from torch import nn
 from torch.distributed._composable import checkpoint as torch_composable_checkpoint
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,13 +32,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import checkpointing
-from checkpointing.policies import MATMUL_OPS, save_matmuls
 
-pytestmark = [
-    pytest.mark.once,
-    pytest.mark.slow,
-    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-]
+pytestmark = SPAWNED_ONCE
 
 DP, TP = 2, 2
 WORLD = DP * TP
@@ -66,21 +63,11 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))  # type: ignore[no-any-return]
 
 
-def _ours_sac_context() -> Any:
-    return checkpointing.create_selective_checkpoint_contexts(save_matmuls())
-
-
-def _torch_sac_context() -> Any:
-    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-        sorted(MATMUL_OPS, key=str)
-    )
-
-
 CHECKPOINT_BLOCK: dict[str, Any] = {
     "torch_module": torch_composable_checkpoint,
     "ours_module": checkpointing.checkpoint_module,
-    "torch_sac": functools.partial(torch_composable_checkpoint, context_fn=_torch_sac_context),
-    "ours_sac": functools.partial(checkpointing.checkpoint_module, context_fn=_ours_sac_context),
+    "torch_sac": functools.partial(torch_composable_checkpoint, context_fn=torch_sac_context),
+    "ours_sac": functools.partial(checkpointing.checkpoint_module, context_fn=ours_sac_context),
 }
 
 
@@ -111,34 +98,18 @@ def _run(case: str) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    with gloo_world(rank, port, WORLD):
-        results: dict[str, Any] = {}
-        for case in CASES:
-            try:
-                results[case] = _run(case)
-            except Exception:
-                results[case] = {"error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    cases = {case: functools.partial(_run, case) for case in CASES}
+    run_cases(rank, port, out_dir, cases, WORLD)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("fsdp_tp")
-    spawn_world(WORLD, _worker, str(out_dir))
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD)]
-
-
-def _grads(results: list[dict[str, Any]], case: str, rank: int) -> dict[str, torch.Tensor]:
-    got = results[rank][case]
-    assert "error" not in got, f"{case} failed on rank {rank}:\n{got['error']}"
-    return got  # type: ignore[no-any-return]
+    return spawned_results(tmp_path_factory, "fsdp_tp", _worker, WORLD)
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert [n.replace("_checkpoint_wrapped_module.", "") for n in got] == list(want)
-    for (name, value), mine in zip(want.items(), got.values(), strict=True):
-        assert torch.equal(mine, value), f"{what}: {name}"
+    """Bitwise equal, torch's module checkpoint naming its wrapped module in the names."""
+    assert_grads_equal(got, want, what, strip="_checkpoint_wrapped_module.")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "plain"])
@@ -147,7 +118,7 @@ def test_gradients_equal_the_plain_2x2_run_bitwise(
 ) -> None:
     """Full gradients equal the plain FSDP2 x TP run's, bit for bit, on all four ranks."""
     for rank in range(WORLD):
-        _assert_equal(_grads(results, case, rank), _grads(results, "plain", rank), case)
+        _assert_equal(case_result(results, case, rank), case_result(results, "plain", rank), case)
 
 
 @pytest.mark.parametrize("case", [c for c, twin in CASES.items() if twin])
@@ -156,7 +127,9 @@ def test_gradients_equal_torchs_bitwise(case: str, results: list[dict[str, Any]]
     twin = CASES[case]
     assert twin is not None
     for rank in range(WORLD):
-        _assert_equal(_grads(results, case, rank), _grads(results, twin, rank), f"{case} vs {twin}")
+        _assert_equal(
+            case_result(results, case, rank), case_result(results, twin, rank), f"{case} vs {twin}"
+        )
 
 
 def test_plain_2x2_run_matches_one_process(results: list[dict[str, Any]]) -> None:
@@ -168,7 +141,4 @@ def test_plain_2x2_run_matches_one_process(results: list[dict[str, Any]]) -> Non
         for dp_rank in range(DP):
             net(_global_batch(step)[dp_rank::DP]).pow(2).mean().backward()
     want = {name: p.grad / DP for name, p in net.named_parameters()}  # type: ignore[operator]
-    got = _grads(results, "plain", 0)
-    assert list(got) == list(want)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12, msg=name)
+    assert_grads_close(case_result(results, "plain", 0), want)

@@ -17,8 +17,6 @@ dropout replayed from the preserved RNG state) and with torch's equivalent.
 from __future__ import annotations
 
 import functools
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,18 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.utils.checkpoint as torch_checkpoint
-from dist_support import WORLD_SIZE, gloo_group, spawn_pair
+from dist_support import SPAWNED_ONCE, WORLD_SIZE, case_result, run_cases, spawned_results
+from parallel_support import ByFunction, assert_grads_equal, ours_sac_context, torch_sac_context
 from torch import nn
 from torch.distributed._composable import checkpoint as torch_composable_checkpoint
 
 import checkpointing
-from checkpointing.policies import MATMUL_OPS, save_matmuls
 
-pytestmark = [
-    pytest.mark.once,
-    pytest.mark.slow,
-    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-]
+pytestmark = SPAWNED_ONCE
 
 WIDTH = 8
 HIDDEN = 12
@@ -103,35 +97,13 @@ class MoE(nn.Module):
         return torch.tanh(self.drop(tokens @ self.w1[e])) @ self.w2[e]
 
 
-class ByFunction(nn.Module):
-    """Checkpoints ``layer`` with a checkpoint function in its forward."""
-
-    def __init__(self, layer: nn.Module, checkpoint: Any) -> None:
-        super().__init__()
-        self.layer = layer
-        self.checkpoint = checkpoint
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.checkpoint(self.layer, x, use_reentrant=False)  # type: ignore[no-any-return]
-
-
-def _ours_sac_context() -> Any:
-    return checkpointing.create_selective_checkpoint_contexts(save_matmuls())
-
-
-def _torch_sac_context() -> Any:
-    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-        sorted(MATMUL_OPS, key=str)
-    )
-
-
 CHECKPOINT_LAYER: dict[str, Any] = {
     "torch_function": functools.partial(ByFunction, checkpoint=torch_checkpoint.checkpoint),
     "ours_function": functools.partial(ByFunction, checkpoint=checkpointing.checkpoint),
     "torch_module": torch_composable_checkpoint,
     "ours_module": checkpointing.checkpoint_module,
-    "torch_sac": functools.partial(torch_composable_checkpoint, context_fn=_torch_sac_context),
-    "ours_sac": functools.partial(checkpointing.checkpoint_module, context_fn=_ours_sac_context),
+    "torch_sac": functools.partial(torch_composable_checkpoint, context_fn=torch_sac_context),
+    "ours_sac": functools.partial(checkpointing.checkpoint_module, context_fn=ours_sac_context),
 }
 
 
@@ -153,34 +125,12 @@ def _run(rank: int, case: str) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    with gloo_group(rank, port):
-        results: dict[str, Any] = {}
-        for case in CASES:
-            try:
-                results[case] = _run(rank, case)
-            except Exception:
-                results[case] = {"error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    run_cases(rank, port, out_dir, {case: functools.partial(_run, rank, case) for case in CASES})
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("moe")
-    spawn_pair(_worker, str(out_dir))
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
-
-
-def _grads(results: list[dict[str, Any]], case: str, rank: int) -> dict[str, torch.Tensor]:
-    got = results[rank][case]
-    assert "error" not in got, f"{case} failed on rank {rank}:\n{got['error']}"
-    return got  # type: ignore[no-any-return]
-
-
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert list(got) == list(want)
-    for name, value in want.items():
-        assert torch.equal(got[name], value), f"{what}: {name}"
+    return spawned_results(tmp_path_factory, "moe", _worker)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "plain"])
@@ -189,7 +139,9 @@ def test_gradients_equal_the_plain_expert_parallel_run_bitwise(
 ) -> None:
     """Router and expert gradients equal the plain run's, bit for bit, on both ranks."""
     for rank in range(WORLD_SIZE):
-        _assert_equal(_grads(results, case, rank), _grads(results, "plain", rank), case)
+        assert_grads_equal(
+            case_result(results, case, rank), case_result(results, "plain", rank), case
+        )
 
 
 @pytest.mark.parametrize("case", [c for c, twin in CASES.items() if twin])
@@ -198,15 +150,17 @@ def test_gradients_equal_torchs_bitwise(case: str, results: list[dict[str, Any]]
     twin = CASES[case]
     assert twin is not None
     for rank in range(WORLD_SIZE):
-        _assert_equal(_grads(results, case, rank), _grads(results, twin, rank), f"{case} vs {twin}")
+        assert_grads_equal(
+            case_result(results, case, rank), case_result(results, twin, rank), f"{case} vs {twin}"
+        )
 
 
 def test_the_experts_and_the_router_learn(results: list[dict[str, Any]]) -> None:
     """The harness can fail: every expert of each rank got tokens (nonzero gradients), and the
     ranks' router gradients differ (each routes its own tokens)."""
     for rank in range(WORLD_SIZE):
-        grads = _grads(results, "plain", rank)
+        grads = case_result(results, "plain", rank)
         for e in range(LOCAL_EXPERTS):
             assert grads["w1"][e].abs().sum() > 0, (rank, e)
-    routers = [_grads(results, "plain", rank)["router.weight"] for rank in range(WORLD_SIZE)]
+    routers = [case_result(results, "plain", rank)["router.weight"] for rank in range(WORLD_SIZE)]
     assert not torch.equal(routers[0], routers[1])

@@ -20,16 +20,15 @@ its selective failure without processes.
 
 from __future__ import annotations
 
-import traceback
-from pathlib import Path
+import functools
 from typing import Any
 
 import pytest
 import releases
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint as torch_checkpoint
-from dist_support import WORLD_SIZE, gloo_group, spawn_pair
+from dist_support import SPAWNED_ONCE, WORLD_SIZE, case_result, run_cases, spawned_results
+from parallel_support import assert_grads_equal, ours_sac_context, torch_sac_context
 from torch import nn
 from torch.distributed._composable import checkpoint as torch_composable_checkpoint
 from torch.distributed.pipelining import (
@@ -43,13 +42,8 @@ from torch.distributed.pipelining import (
 
 import checkpointing
 from checkpointing._selective.recompute import split_backward
-from checkpointing.policies import MATMUL_OPS, save_matmuls
 
-pytestmark = [
-    pytest.mark.once,
-    pytest.mark.slow,
-    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-]
+pytestmark = SPAWNED_ONCE
 
 WIDTH = 8
 HIDDEN = 16
@@ -91,26 +85,16 @@ def _blocks(n_stages: int) -> list[nn.Module]:
     return [Block().double() for _ in range(n_stages)]
 
 
-def _ours_sac_context() -> Any:
-    return checkpointing.create_selective_checkpoint_contexts(save_matmuls())
-
-
-def _torch_sac_context() -> Any:
-    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-        sorted(MATMUL_OPS, key=str)
-    )
-
-
 def _checkpointed(block: nn.Module, case: str) -> nn.Module:
     if case == "ours_module":
         return checkpointing.checkpoint_module(block)
     if case == "ours_sac":
-        return checkpointing.checkpoint_module(block, context_fn=_ours_sac_context)
+        return checkpointing.checkpoint_module(block, context_fn=ours_sac_context)
     if case == "torch_module":
         return torch_composable_checkpoint(block)  # type: ignore[no-any-return]
     if case == "torch_sac":
         return torch_composable_checkpoint(  # type: ignore[no-any-return]
-            block, context_fn=_torch_sac_context
+            block, context_fn=torch_sac_context
         )
     return block
 
@@ -165,33 +149,20 @@ def _run(rank: int, schedule_name: str, case: str) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    with gloo_group(rank, port):
-        results: dict[str, Any] = {}
-        for schedule_name in SCHEDULES:
-            for case in CASES:
-                if schedule_name == "zbv_zero_bubble" and not ZBV_ON_GLOO:
-                    continue
-                if case.startswith("torch_") and schedule_name in ZERO_BUBBLE:
-                    continue  # torch fails there, and a failed step desynchronises the ranks
-                try:
-                    results[f"{schedule_name}/{case}"] = _run(rank, schedule_name, case)
-                except Exception:
-                    results[f"{schedule_name}/{case}"] = {"error": traceback.format_exc()}
-                dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    runs = {
+        f"{schedule_name}/{case}": functools.partial(_run, rank, schedule_name, case)
+        for schedule_name in SCHEDULES
+        for case in CASES
+        if schedule_name != "zbv_zero_bubble" or ZBV_ON_GLOO
+        # torch fails the zero-bubble schedules, and a failed step desynchronises the ranks
+        if not (case.startswith("torch_") and schedule_name in ZERO_BUBBLE)
+    }
+    run_cases(rank, port, out_dir, runs)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("pipeline")
-    spawn_pair(_worker, str(out_dir))
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
-
-
-def _grads(results: list[dict[str, Any]], key: str, rank: int) -> dict[str, torch.Tensor]:
-    got = results[rank][key]
-    assert "error" not in got, f"{key} failed on rank {rank}:\n{got['error']}"
-    return got  # type: ignore[no-any-return]
+    return spawned_results(tmp_path_factory, "pipeline", _worker)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "plain"])
@@ -207,8 +178,6 @@ def test_gradients_equal_the_plain_pipeline_bitwise(
     if case.startswith("torch_") and schedule_name in ZERO_BUBBLE:
         pytest.skip("torch's checkpoint fails the zero-bubble schedules (module docstring)")
     for rank in range(WORLD_SIZE):
-        got = _grads(results, key, rank)
-        want = _grads(results, f"{schedule_name}/plain", rank)
-        assert list(got) == list(want)
-        for name, value in want.items():
-            assert torch.equal(got[name], value), f"{key}: {name} on rank {rank}"
+        got = case_result(results, key, rank)
+        want = case_result(results, f"{schedule_name}/plain", rank)
+        assert_grads_equal(got, want, f"{key} on rank {rank}")

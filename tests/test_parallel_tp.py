@@ -19,15 +19,19 @@ equivalent (same ops, same collectives, same reduction order).
 from __future__ import annotations
 
 import functools
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
-from dist_support import WORLD_SIZE, gloo_group, spawn_pair
+from dist_support import SPAWNED_ONCE, WORLD_SIZE, case_result, run_cases, spawned_results
+from parallel_support import (
+    ByFunction,
+    assert_grads_close,
+    assert_grads_equal,
+    ours_sac_context,
+    torch_sac_context,
+)
 from torch import nn
 from torch.distributed._composable import checkpoint as torch_composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -43,13 +47,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 import checkpointing
-from checkpointing.policies import MATMUL_OPS, save_matmuls
 
-pytestmark = [
-    pytest.mark.once,
-    pytest.mark.slow,
-    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-]
+pytestmark = SPAWNED_ONCE
 
 WIDTH = 8
 HIDDEN = 16
@@ -85,18 +84,6 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(self.norm(x))))  # type: ignore[no-any-return]
 
 
-class ByFunction(nn.Module):
-    """Checkpoints ``block`` with a checkpoint function in its forward."""
-
-    def __init__(self, block: nn.Module, checkpoint: Any) -> None:
-        super().__init__()
-        self.block = block
-        self.checkpoint = checkpoint
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.checkpoint(self.block, x, use_reentrant=False)  # type: ignore[no-any-return]
-
-
 def _plan(layout: str) -> dict[str, Any]:
     if layout == "tp":
         return {"up": ColwiseParallel(), "down": RowwiseParallel()}
@@ -107,16 +94,6 @@ def _plan(layout: str) -> dict[str, Any]:
     }
 
 
-def _ours_sac_context() -> Any:
-    return checkpointing.create_selective_checkpoint_contexts(save_matmuls())
-
-
-def _torch_sac_context() -> Any:
-    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-        sorted(MATMUL_OPS, key=str)
-    )
-
-
 CHECKPOINT_BLOCK: dict[str, Any] = {
     "torch_function": functools.partial(ByFunction, checkpoint=torch_checkpoint.checkpoint),
     "ours_function": functools.partial(ByFunction, checkpoint=checkpointing.checkpoint),
@@ -124,8 +101,8 @@ CHECKPOINT_BLOCK: dict[str, Any] = {
     "ours_wrapper": checkpointing.checkpoint_wrapper,
     "torch_module": torch_composable_checkpoint,
     "ours_module": checkpointing.checkpoint_module,
-    "torch_sac": functools.partial(torch_composable_checkpoint, context_fn=_torch_sac_context),
-    "ours_sac": functools.partial(checkpointing.checkpoint_module, context_fn=_ours_sac_context),
+    "torch_sac": functools.partial(torch_composable_checkpoint, context_fn=torch_sac_context),
+    "ours_sac": functools.partial(checkpointing.checkpoint_module, context_fn=ours_sac_context),
 }
 
 
@@ -159,35 +136,17 @@ def _run(rank: int, layout: str, case: str) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    with gloo_group(rank, port):
-        results: dict[str, Any] = {}
-        for layout in LAYOUTS:
-            for case in CASES:
-                try:
-                    results[f"{layout}/{case}"] = _run(rank, layout, case)
-                except Exception:
-                    results[f"{layout}/{case}"] = {"error": traceback.format_exc()}
-                dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    runs = {
+        f"{layout}/{case}": functools.partial(_run, rank, layout, case)
+        for layout in LAYOUTS
+        for case in CASES
+    }
+    run_cases(rank, port, out_dir, runs)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir = tmp_path_factory.mktemp("tp")
-    spawn_pair(_worker, str(out_dir))
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
-
-
-def _grads(results: list[dict[str, Any]], key: str, rank: int) -> dict[str, torch.Tensor]:
-    got = results[rank][key]
-    assert "error" not in got, f"{key} failed on rank {rank}:\n{got['error']}"
-    return got  # type: ignore[no-any-return]
-
-
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert list(got) == list(want)
-    for name, value in want.items():
-        assert torch.equal(got[name], value), f"{what}: {name}"
+    return spawned_results(tmp_path_factory, "tp", _worker)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "plain"])
@@ -197,8 +156,8 @@ def test_gradients_equal_the_plain_tp_run_bitwise(
 ) -> None:
     """Every checkpointed TP model's full gradients equal the plain TP run's, on both ranks."""
     for rank in range(WORLD_SIZE):
-        got = _grads(results, f"{layout}/{case}", rank)
-        _assert_equal(got, _grads(results, f"{layout}/plain", rank), f"{layout}/{case}")
+        got = case_result(results, f"{layout}/{case}", rank)
+        assert_grads_equal(got, case_result(results, f"{layout}/plain", rank), f"{layout}/{case}")
 
 
 @pytest.mark.parametrize("case", [c for c, twin in CASES.items() if twin])
@@ -210,8 +169,8 @@ def test_gradients_equal_torchs_bitwise(
     twin = CASES[case]
     assert twin is not None
     for rank in range(WORLD_SIZE):
-        got = _grads(results, f"{layout}/{case}", rank)
-        _assert_equal(got, _grads(results, f"{layout}/{twin}", rank), f"{case} vs {twin}")
+        got = case_result(results, f"{layout}/{case}", rank)
+        assert_grads_equal(got, case_result(results, f"{layout}/{twin}", rank), f"{case} vs {twin}")
 
 
 def test_plain_tp_run_matches_one_process(results: list[dict[str, Any]]) -> None:
@@ -230,7 +189,5 @@ def test_plain_tp_run_matches_one_process(results: list[dict[str, Any]]) -> None
             for i, block in enumerate(blocks)
             for name, p in block.named_parameters()
         }
-        got = _grads(results, f"{layout}/plain", 0)
-        assert list(got) == list(want)
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12, msg=name)
+        got = case_result(results, f"{layout}/plain", 0)
+        assert_grads_close(got, want)

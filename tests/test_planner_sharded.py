@@ -19,23 +19,20 @@ What must hold:
   (dropout included: the CPU RNG is seeded alike before each step, and the plan preserves it).
 
 The spawned pair is bounded: collectives time out after ``dist_support.TIMEOUT`` and the whole
-run after ``RUN_TIMEOUT`` seconds (the workers are then terminated and the tests fail).
+run after ``RUN_TIMEOUT`` seconds (the workers are then killed and the tests fail).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import time
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_support import WORLD_SIZE, free_port, gloo_group
+from dist_support import SPAWNED_ONCE, WORLD_SIZE, case_result, run_cases, spawned_results
+from parallel_support import BlockStack
 from torch import nn
 
 import checkpointing
@@ -49,11 +46,7 @@ STEPS = 3
 BUDGET = 0.5
 RUN_TIMEOUT = 240.0  # seconds for the whole pair; a healthy run takes ~20 s on 2 busy cores
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.once,
-    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-]
+pytestmark = SPAWNED_ONCE
 
 
 class Block(nn.Module):
@@ -69,20 +62,11 @@ class Block(nn.Module):
         return x + self.down(self.drop(torch.tanh(self.up(x))))  # type: ignore[no-any-return]
 
 
-class Net(nn.Module):
+class Net(BlockStack):
     """``DEPTH`` blocks and a linear head, float64, the same weights on every rank."""
 
     def __init__(self, hidden: int = HIDDEN) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-        self.double()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)  # type: ignore[no-any-return]
+        super().__init__(functools.partial(Block, hidden), DEPTH, WIDTH)
 
 
 def _loss(output: torch.Tensor) -> torch.Tensor:
@@ -196,52 +180,14 @@ def _case(sharding: str, rank: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    with gloo_group(rank, port):
-        results: dict[str, Any] = {}
-        for sharding in SHARDINGS:
-            try:
-                results[sharding] = _case(sharding, rank)
-            except Exception:  # reported by the tests of that case
-                results[sharding] = {"error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-
-
-def _then_exit(rank: int, port: int, out_dir: str) -> None:
-    import os
-    import sys
-
-    _worker(rank, port, out_dir)  # see dist_support._then_exit: no interpreter teardown
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    cases = {sharding: functools.partial(_case, sharding, rank) for sharding in SHARDINGS}
+    run_cases(rank, port, out_dir, cases)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every case's results per rank, from one pair of spawned processes, in bounded time."""
-    out_dir = tmp_path_factory.mktemp("planner_sharded")
-    context = mp.start_processes(
-        _then_exit,
-        args=(free_port(), str(out_dir)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-            pytest.fail(f"the sharded planning workers ran over {RUN_TIMEOUT:.0f} s")
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
-
-
-def _got(results: list[dict[str, Any]], sharding: str, rank: int) -> dict[str, Any]:
-    got = results[rank][sharding]
-    assert "error" not in got, f"{sharding} failed on rank {rank}:\n{got['error']}"
-    return got  # type: ignore[no-any-return]
+    return spawned_results(tmp_path_factory, "planner_sharded", _worker, limit=RUN_TIMEOUT)
 
 
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
@@ -249,7 +195,7 @@ def test_parameters_are_not_activations(sharding: str, results: list[dict[str, A
     """A rank's plan predicts the bytes of the one-process plan of its share of the work: no
     parameter (sharded, or gathered by FSDP2's ops during the forward) counts as kept."""
     for rank in range(WORLD_SIZE):
-        got = _got(results, sharding, rank)
+        got = case_result(results, sharding, rank)
         plan, single = got["plan"], got["single"]
         assert plan["checkpointed"] > 0, "the budget must make the plan checkpoint something"
         for figure in ("baseline", "floor"):
@@ -258,7 +204,7 @@ def test_parameters_are_not_activations(sharding: str, results: list[dict[str, A
 
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
 def test_ranks_get_one_plan(sharding: str, results: list[dict[str, Any]]) -> None:
-    plans = [_got(results, sharding, rank)["plan"]["json"] for rank in range(WORLD_SIZE)]
+    plans = [case_result(results, sharding, rank)["plan"]["json"] for rank in range(WORLD_SIZE)]
     assert plans[0] == plans[1]
 
 
@@ -266,7 +212,7 @@ def test_ranks_get_one_plan(sharding: str, results: list[dict[str, Any]]) -> Non
 def test_planned_model_trains_as_plain(sharding: str, results: list[dict[str, Any]]) -> None:
     """Gradients of every step equal the plain sharded run's, bit for bit (dropout included)."""
     for rank in range(WORLD_SIZE):
-        got = _got(results, sharding, rank)
+        got = case_result(results, sharding, rank)
         assert len(got["planned"]) == STEPS
         for step, (planned, plain) in enumerate(zip(got["planned"], got["plain"], strict=True)):
             assert list(planned) == list(plain)
