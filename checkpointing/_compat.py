@@ -562,7 +562,10 @@ def raw_saves(node: Any) -> list[tuple[str, Any, Any]]:
         names = _raw_attributes[kind] = tuple(n for n in dir(node) if n.startswith(_RAW_PREFIX))
     saves: list[tuple[str, Any, Any]] = []
     for name in names:
-        value = getattr(node, name)
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # a custom Function's saves, freed by backward: nothing to read
+            continue
         what = name.removeprefix(_RAW_PREFIX)
         if isinstance(value, SavedTensor):
             saves.append((what, *_packed(value)))

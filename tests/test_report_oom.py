@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import threading
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -188,3 +189,36 @@ def test_an_error_printed_inside_and_raised_again_outside_prints_once() -> None:
         _failing_step([])
     assert inner.getvalue().count("report_on_oom:") == 1
     assert outer.getvalue() == ""
+
+
+class _Double(torch.autograd.Function):
+    """A custom Function: after backward, reading its saved tensors raises in torch."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors
+        return grad * 2 + a * 0
+
+
+def test_a_live_graph_already_backwarded_through_a_custom_function_is_passed_by() -> None:
+    """A graph kept alive after its backward (last step's loss, kept for logging) whose custom
+    Function's saves were freed: the report reads past it instead of failing."""
+    out = io.StringIO()
+    x = torch.randn(4, 8, requires_grad=True)
+    last_loss = _Double.apply(x).sum()
+    last_loss.backward()
+    with (  # noqa: PT012  # the block that raises is what is tested
+        pytest.raises(torch.OutOfMemoryError),
+        checkpointing.report_on_oom(file=out),
+    ):
+        y = _forward(x)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    text = out.getvalue()
+    assert "the saved-tensor report failed" not in text
+    assert f"checkpoint({_region.__qualname__})" in text
+    del y, last_loss
