@@ -138,20 +138,35 @@ class DrawGuard:
         states = running.pop() if running else None
         if states is None:
             return
-        now = _generator_states(args)
+        now = _generator_states(args, devices=len(states) > 1)
         for index, (was, is_) in enumerate(zip(states, now, strict=False)):
             if was != is_:
                 which = "the CPU generator" if index == 0 else "an accelerator's generator"
                 raise CheckpointError(_MSG_DREW.format(name=self.name, which=which))
 
 
-def _generator_states(args: tuple[Any, ...]) -> list[bytes]:
-    """The CPU generator's state, then those of the accelerators the inputs live on, as bytes
-    (no op runs, so no dispatch mode of the caller's sees the guard)."""
+def _generator_states(args: tuple[Any, ...], devices: bool | None = None) -> list[bytes]:
+    """The CPU generator's state, then (where ``devices``; None: where any input is on an
+    accelerator) those of the accelerators the inputs live on, as bytes: no op runs, so no
+    dispatch mode of the caller's sees the guard."""
     states = [_compat.storage_bytes(torch.get_rng_state())]
-    if any(t.device.type not in ("cpu", "meta") for t in tensors(args)):
+    if devices is None:
+        devices = _on_accelerator(args)
+    if devices:
         states.extend(_compat.storage_bytes(s) for s in get_device_states(*args)[1])
     return states
+
+
+def _on_accelerator(args: tuple[Any, ...]) -> bool:
+    """Whether a tensor among the positional inputs is on an accelerator; the containers'
+    tensors are looked for only where there are containers (the common call has none)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if not arg.is_cpu and not arg.is_meta:
+                return True
+        elif isinstance(arg, (tuple, list, dict)):
+            return any(not t.is_cpu and not t.is_meta for t in tensors(args))
+    return False
 
 
 @dataclass
