@@ -58,91 +58,14 @@ def _ids(*shape: int) -> torch.Tensor:
     return torch.randint(0, _VOCAB, shape, generator=torch.Generator().manual_seed(1))
 
 
-def _causal(model: transformers.PreTrainedModel) -> ZooMember:
-    """A causal LM's step: token ids as the input and the labels (the model shifts them)."""
+def _tokens(model: nn.Module) -> ZooMember:
+    """A language model's step: token ids as the input and the labels (a causal LM shifts them,
+    a masked LM predicts them back)."""
     ids = _ids(_BATCH, _SEQ)
     return ZooMember(model.train(), (ids,), {"labels": ids.clone()}, _hf_loss)
 
 
-def _zoo_gpt2() -> ZooMember:
-    config = transformers.GPT2Config(
-        vocab_size=_VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, **_TOKENS
-    )
-    return _causal(transformers.GPT2LMHeadModel(config))
-
-
-def _zoo_gpt_neox() -> ZooMember:
-    config = transformers.GPTNeoXConfig(
-        vocab_size=_VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout=0.1,
-        attention_dropout=0.1,
-    )
-    return _causal(transformers.GPTNeoXForCausalLM(config))
-
-
-def _llama_like(config_type: Any, model_type: Any, **extra: Any) -> ZooMember:
-    config = config_type(
-        vocab_size=_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-        **extra,
-    )
-    return _causal(model_type(config))
-
-
-def _zoo_phi() -> ZooMember:
-    config = transformers.PhiConfig(
-        vocab_size=_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attention_dropout=0.1,
-    )
-    return _causal(transformers.PhiForCausalLM(config))
-
-
-def _zoo_opt() -> ZooMember:
-    config = transformers.OPTConfig(
-        vocab_size=_VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        ffn_dim=64,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        word_embed_proj_dim=32,
-    )
-    return _causal(transformers.OPTForCausalLM(config))
-
-
-def _zoo_bert() -> ZooMember:
-    config = transformers.BertConfig(
-        vocab_size=_VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    ids = _ids(_BATCH, _SEQ)
-    model = transformers.BertForMaskedLM(config).train()
-    return ZooMember(model, (ids,), {"labels": ids.clone()}, _hf_loss)
-
-
-def _seq2seq(model: transformers.PreTrainedModel) -> ZooMember:
+def _seq2seq(model: nn.Module) -> ZooMember:
     """An encoder-decoder's step with its decoder's layers among the regions: decoder inputs
     given and no ``labels`` (with labels the model turns its cache off itself), so each decoder
     layer gets the EncoderDecoderCache; the loss on the logits against the inputs shifted."""
@@ -162,80 +85,73 @@ def _seq2seq(model: transformers.PreTrainedModel) -> ZooMember:
     )
 
 
-def _zoo_bart() -> ZooMember:
-    config = transformers.BartConfig(
-        vocab_size=_VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        **_TOKENS,
-    )
-    return _seq2seq(transformers.BartForConditionalGeneration(config))
-
-
-def _zoo_t5() -> ZooMember:
-    config = transformers.T5Config(
-        vocab_size=_VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        decoder_start_token_id=0,
-        **_TOKENS,
-    )
-    return _seq2seq(transformers.T5ForConditionalGeneration(config))
-
-
-def _zoo_vit() -> ZooMember:
-    config = transformers.ViTConfig(
-        image_size=16,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-        num_labels=5,
-    )
+def _image(model: nn.Module) -> ZooMember:
+    """An image classifier's step: 16x16 RGB pixels and one label per image."""
     pixels = torch.randn(_BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-    labels = torch.tensor([1, 3])
-    model = transformers.ViTForImageClassification(config).train()
-    return ZooMember(model, (pixels,), {"labels": labels}, _hf_loss)
+    return ZooMember(model.train(), (pixels,), {"labels": torch.tensor([1, 3])}, _hf_loss)
 
 
-def _zoo_mixtral() -> ZooMember:
-    return _llama_like(
-        transformers.MixtralConfig,
-        transformers.MixtralForCausalLM,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
+def _family(
+    config: str, model: str, *, step: Callable[[nn.Module], ZooMember] = _tokens, **fields: Any
+) -> Callable[[], ZooMember]:
+    """The builder of a family: ``transformers.<model>(transformers.<config>(**fields))`` handed
+    to ``step``. The classes are looked up by name when the member is built, so that listing the
+    zoo imports no modeling code."""
+
+    def build() -> ZooMember:
+        config_type = getattr(transformers, config)
+        return step(getattr(transformers, model)(config_type(**fields)))
+
+    return build
 
 
-def _zoo_qwen2_moe() -> ZooMember:
-    config = transformers.Qwen2MoeConfig(
-        vocab_size=_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return _causal(transformers.Qwen2MoeForCausalLM(config))
+# The sizes of the families that use Llama's field names; each adds its own MLP and dropouts.
+_SIZES: dict[str, Any] = {
+    "vocab_size": _VOCAB,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+}
+_LLAMA: dict[str, Any] = {
+    **_SIZES,
+    "intermediate_size": 64,
+    "num_key_value_heads": 2,
+    "attention_dropout": 0.1,
+}
+# Encoder-decoders: two layers of width 32 on each side.
+_BART: dict[str, Any] = {
+    "d_model": 32,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "max_position_embeddings": 64,
+}
+_T5: dict[str, Any] = {
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 4,
+    "decoder_start_token_id": 0,
+}
+_VIT: dict[str, Any] = {
+    "image_size": 16,
+    "patch_size": 4,
+    "num_channels": 3,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "hidden_dropout_prob": 0.1,
+    "attention_probs_dropout_prob": 0.1,
+    "num_labels": 5,
+}
+_MOE: dict[str, Any] = {"num_experts_per_tok": 2}
 
 
 def _zoo_torch_encoder() -> ZooMember:
@@ -246,25 +162,73 @@ def _zoo_torch_encoder() -> ZooMember:
 
 
 ZOO: dict[str, Callable[[], ZooMember]] = {
-    "gpt2": _zoo_gpt2,
-    "gpt_neox": _zoo_gpt_neox,
-    "llama": lambda: _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "mistral": lambda: _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM),
-    "qwen2": lambda: _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "phi": _zoo_phi,
-    "opt": _zoo_opt,
-    "bert": _zoo_bert,
-    "bart": _zoo_bart,
-    "t5": _zoo_t5,
-    "vit": _zoo_vit,
-    "mixtral": _zoo_mixtral,
-    "qwen2_moe": _zoo_qwen2_moe,
+    "gpt2": _family(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        vocab_size=_VOCAB,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        **_TOKENS,
+    ),
+    "gpt_neox": _family(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        **_SIZES,
+        intermediate_size=64,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    ),
+    "llama": _family("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
+    "mistral": _family("MistralConfig", "MistralForCausalLM", **_LLAMA),
+    "qwen2": _family("Qwen2Config", "Qwen2ForCausalLM", **_LLAMA),
+    "phi": _family(
+        "PhiConfig",
+        "PhiForCausalLM",
+        **_SIZES,
+        intermediate_size=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attention_dropout=0.1,
+    ),
+    "opt": _family("OPTConfig", "OPTForCausalLM", **_SIZES, ffn_dim=64, word_embed_proj_dim=32),
+    "bert": _family("BertConfig", "BertForMaskedLM", **_SIZES, intermediate_size=64),
+    "bart": _family(
+        "BartConfig",
+        "BartForConditionalGeneration",
+        step=_seq2seq,
+        vocab_size=_VOCAB,
+        **_BART,
+        **_TOKENS,
+    ),
+    "t5": _family(
+        "T5Config",
+        "T5ForConditionalGeneration",
+        step=_seq2seq,
+        vocab_size=_VOCAB,
+        **_T5,
+        **_TOKENS,
+    ),
+    "vit": _family("ViTConfig", "ViTForImageClassification", step=_image, **_VIT),
+    "mixtral": _family(
+        "MixtralConfig", "MixtralForCausalLM", **_LLAMA, **_MOE, num_local_experts=4
+    ),
+    "qwen2_moe": _family(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        **_SIZES,
+        **_MOE,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_key_value_heads=2,
+    ),
     "torch_encoder": _zoo_torch_encoder,
 }
 if hasattr(transformers, "Qwen3Config"):  # the config alone: no modeling import here
-    ZOO["qwen3"] = lambda: _llama_like(
-        transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=8
-    )
+    ZOO["qwen3"] = _family("Qwen3Config", "Qwen3ForCausalLM", **_LLAMA, head_dim=8)
 
 
 def zoo_member(name: str) -> ZooMember:
