@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _compat
+from .. import _compat, _compiled
 from .._caches import drop_caches
 from .._errors import CheckpointError
 from .._module import is_module_checkpointed, remove_checkpoint_module
@@ -129,11 +129,15 @@ class DrawGuard:
         _compat.remove_forward_hooks(module, self.before, self.after)
 
     def before(self, _module: nn.Module, args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
+        if _compiled.compiling():
+            return  # a compiled region is torch's: its partitioner keeps random ops' outputs
         checked = torch.is_grad_enabled() and not is_recomputing()
         states = _generator_states(args) if checked else None
         self.entered.setdefault(threading.get_ident(), []).append(states)
 
     def after(self, _module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
+        if _compiled.compiling():
+            return  # as ``before``: nothing was entered
         running = self.entered.get(threading.get_ident())
         states = running.pop() if running else None
         if states is None:
