@@ -5,7 +5,7 @@ seconds from what the profile counts (FLOPs, bytes read and written), never from
 a plan is a function of the model, the inputs, the budget and the options (NOTE [Planner
 model], Rules 9 and 23). The constants were measured by ``benchmarks/planner.py --cost-model``
 (the numbers, machine and date in ``benchmarks/RESULTS.md``, "the planner's cost model");
-profiling belongs to ``profile``, weighing to ``solver``.
+profiling belongs to ``profile``, weighing seconds against FLOPs to ``problem`` (``Objective``).
 """
 
 from __future__ import annotations
