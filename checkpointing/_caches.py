@@ -48,7 +48,7 @@ _MSG_FILLED = (
     "checkpointing: the planned region {region} was handed a transformers {cache} that already "
     "holds {length} positions while autograd records (argument {where}). A checkpointed region "
     "would keep it alive until backward and update it a second time when recomputed; dropping "
-    "it would change the layer's output. (NOTE [Key/value caches], Rule 3.) Fix: train without "
+    "it would change the layer's output. Fix: train without "
     "a prefix cache (past_key_values=None, use_cache=False), or run the cached calls under "
     "torch.no_grad() (generation)."
 )
