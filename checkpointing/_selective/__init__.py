@@ -7,8 +7,9 @@ dispatch modes (the forward one asks the policy and fills the cache, the recompu
 from it), the cache entries (a saved alias, a host copy) and, for the memory planner only, the
 private answer ``SKIP_IN_REPLAY`` with the taint that makes a wrong skip an error. Entering the
 modes around forward and recompute is the frame's job (``_frame``, through ``context_fn``);
-ready-made policies live in ``policies``. This front door only re-exports: what the rest of
-``checkpointing`` and the tests import from ``checkpointing._selective``.
+ready-made policies live in ``policies`` (the objects they return in ``readable``). This front
+door only re-exports: what the rest of ``checkpointing`` and the tests import from
+``checkpointing._selective``.
 
 One concept per module; each imports only from the ones listed before it:
 
@@ -23,6 +24,8 @@ One concept per module; each imports only from the ones listed before it:
   ``SKIP_IN_REPLAY`` included), the list form, the tag op.
 - ``cache``: what a region keeps: ``OffloadStats``, the entries and host copies, the records.
 - ``unkept``: what a policy names to keep and could not keep: ``Asked``, the once-only warning.
+- ``readable``: the objects behind ``checkpointing.policies``' sentences: a constant answer,
+  an answer by op set or by tensor name, and combinations in the keep order.
 - ``skip``: skipping ops in the replay: when a call may be skipped, and the replay's taint.
 - ``forward``: the forward (caching) mode.
 - ``recompute``: the recompute (cached) mode.
