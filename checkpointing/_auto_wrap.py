@@ -15,12 +15,17 @@ NOTE [Applied wrappers]
           Children are visited before their parents, so a match inside a match gives nested
           checkpoints. The root is never wrapped.
   Rule 2. A submodule that already checkpoints (a ``CheckpointWrapper``, ours or torch's, or a
-          module hooked by ``checkpoint_module``) is left as it is, inside too: applying twice
-          wraps nothing new.
-  Rule 3. The call's own options go to every ``checkpoint_wrapper_fn`` call. For our wrapper
-          they are checked once, up front, and errors name this function;
-          ``recompute_state_hooks`` are read once, so a generator serves every wrapper
-          (NOTE [Module wrapper], Rule 8).
+          module hooked by ``checkpoint_module``) is left as it is, inside too, and a callable
+          policy counts its parameters as wrapped: applying twice wraps nothing new (counted as
+          unwrapped, a size-based policy would wrap the parent around them, and their modules
+          would be recomputed twice per backward).
+  Rule 3. The call's own options go to every ``checkpoint_wrapper_fn`` call as the caller gave
+          them (no defaults filled in), and the options a policy object gives one module win
+          over them, as in torch's FSDP policies: ``checkpoint_impl`` or ``use_reentrant`` from
+          the policy replaces both of the call's (they name one choice, NOTE [Module wrapper],
+          Rule 6). For our wrapper the call's options are checked once, up front, and errors
+          name this function; ``recompute_state_hooks`` are read once, so a generator serves
+          every wrapper (NOTE [Module wrapper], Rule 8).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from torch import nn
 from . import _compat
 from ._checkpoint import hooks_read_once
 from ._module import is_module_checkpointed
-from ._wrappers import CheckpointWrapper, checked_options, checkpoint_wrapper
+from ._wrappers import CheckpointImpl, CheckpointWrapper, checked_options, checkpoint_wrapper
 
 __all__ = ["apply_activation_checkpointing"]
 
@@ -92,7 +97,7 @@ def apply_activation_checkpointing(
     options = _checked(checkpoint_wrapper_fn, checkpoint_options)
 
     def wrap(module: nn.Module, **extra: Any) -> nn.Module:
-        return checkpoint_wrapper_fn(module, **options, **extra)
+        return checkpoint_wrapper_fn(module, **_merged(options, extra))
 
     if auto_wrap_policy is None:
         _wrap_by_policy(model, _check_fn_policy(check_fn), wrap, is_root=True)
@@ -108,21 +113,29 @@ def apply_activation_checkpointing(
 
 
 def _checked(wrapper_fn: Wrap, options: dict[str, Any]) -> dict[str, Any]:
-    """Rule 3: the options every wrapper call gets, checked once where they are ours."""
-    if wrapper_fn is checkpoint_wrapper or wrapper_fn is CheckpointWrapper:
-        impl = options.pop(
-            "checkpoint_impl", _compat.checkpoint_wrapper.CheckpointImpl.NO_REENTRANT
-        )
-        hooks_during_recompute = options.pop("hooks_during_recompute", False)
-        checked = checked_options(_API, impl, options)
-        return {**checked, "hooks_during_recompute": hooks_during_recompute}
+    """Rule 3: the options every wrapper call gets, as given, checked once where they are ours."""
     hooks = options.get("recompute_state_hooks")
     if hooks is not None:
-        return {
-            **options,
-            "recompute_state_hooks": hooks_read_once(hooks, f"checkpointing.{_API}"),
-        }
+        hooks = hooks_read_once(hooks, f"checkpointing.{_API}")
+        options = {**options, "recompute_state_hooks": hooks}
+    if wrapper_fn is checkpoint_wrapper or wrapper_fn is CheckpointWrapper:
+        own = {"checkpoint_impl", "hooks_during_recompute"}
+        impl = options.get("checkpoint_impl", CheckpointImpl.NO_REENTRANT)
+        checked_options(_API, impl, {k: v for k, v in options.items() if k not in own})
     return options
+
+
+def _merged(options: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Rule 3: the call's options with a policy's per-module ``extra`` over them; a variant
+    named in ``extra`` (either spelling) replaces the call's."""
+    merged = {**options, **extra}
+    for spelling, other in (
+        ("checkpoint_impl", "use_reentrant"),
+        ("use_reentrant", "checkpoint_impl"),
+    ):
+        if spelling in extra and other not in extra:
+            merged.pop(other, None)
+    return merged
 
 
 def _check_fn_policy(check_fn: Callable[[nn.Module], bool]) -> Callable[..., bool]:
@@ -150,7 +163,8 @@ def _wrap_by_policy(
         return module, 0
     wrapped = 0
     for name, child in list(module.named_children()):
-        if _already_checkpointed(child):
+        if _already_checkpointed(child):  # Rule 2: its parameters count as wrapped
+            wrapped += sum(p.numel() for p in child.parameters())
             continue
         replacement, count = _wrap_by_policy(child, policy, wrap, is_root=False)
         if replacement is not child:
