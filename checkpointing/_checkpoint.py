@@ -15,7 +15,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, TypeVar, overload
 
+import torch
+
 from . import _compat, _compiled
+from ._errors import describe_value
 from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
 from ._reentrant import CheckpointFunction
 from ._state import (
@@ -29,6 +32,7 @@ from ._state import (
 __all__ = [
     "CHECKPOINT_OPTIONS",
     "CheckpointedFunction",
+    "check_use_reentrant",
     "checkpoint",
     "checkpoint_call",
     "hooks_read_once",
@@ -80,6 +84,15 @@ _MSG_HOOKS_USED_UP = (
     "{api}: recompute_state_hooks is an iterator with no hooks left (a generator already "
     "used, e.g. given to another wrapper first), so no state would be restored. Fix: pass a "
     "list, e.g. recompute_state_hooks=[counter], which every call can read."
+)
+_MSG_USE_REENTRANT_NOT_BOOL = (
+    "{api}: use_reentrant must be True or False (or omitted), got {observed}. Torch reads any "
+    "other value for its truth, so use_reentrant='false' would run the reentrant variant.{hint} "
+    "Fix: pass the bool, use_reentrant=False (recommended) or use_reentrant=True."
+)
+_HINT_TENSOR = (
+    " A tensor there is usually a second input given by position: pass it before the options, "
+    "and use_reentrant by keyword."
 )
 _MSG_NOT_CALLABLE = (
     "checkpointing.checkpoint: expected a callable as the first argument (the function to "
@@ -172,6 +185,7 @@ def checkpoint(
         ...     return t.sin().cos()
         >>> block(x).sum().backward()
     """
+    check_use_reentrant(use_reentrant, _API)
     if function is None and not args:
         if kwargs:
             raise ValueError(_MSG_DECORATOR_KWARGS.format(names=",".join(kwargs)))
@@ -263,6 +277,18 @@ def checkpoint_call(
         recompute_state_hooks=recompute_state_hooks,
     )
     return run_generator(gen, function, *args, **kwargs)
+
+
+def check_use_reentrant(value: object, api: str, tensor_hint: str = "") -> None:
+    """Refuse a ``use_reentrant`` that is neither a bool nor ``None`` (torch would read its truth:
+    ``"false"`` is true); ``tensor_hint`` says what a tensor there usually is, where ``api``
+    takes it by position."""
+    if value is not None and value.__class__ is not bool:
+        hint = (tensor_hint or _HINT_TENSOR) if isinstance(value, torch.Tensor) else ""
+        message = _MSG_USE_REENTRANT_NOT_BOOL.format(
+            api=api, observed=describe_value(value), hint=hint
+        )
+        raise TypeError(message)
 
 
 def hooks_read_once(value: object, api: str) -> tuple[RecomputeStateHook, ...]:

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from . import _compat, _compiled
+from ._checkpoint import check_use_reentrant
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
 from ._frame import checkpoint_without_reentrant_generator_impl, stop_recompute
@@ -293,6 +294,7 @@ def checkpoint_module(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(_MSG_NOT_MODULE.format(api="checkpoint_module", type_name=type(module)))
+    check_use_reentrant(use_reentrant, "checkpointing.checkpoint_module")
     if use_reentrant:
         raise NotImplementedError(_MSG_REENTRANT)
     if unexpected:

@@ -15,14 +15,13 @@ input over as ``*input`` (and each function's tuple result to the next).
 
 NOTE [Torch's path]
 
-Rule 1. With ``strategy="torch"`` and none of our keywords, no argument is read before torch
-        reads it: ``use_reentrant`` is compared with ``None`` (for the warning) and otherwise
-        only each checkpointed segment's ``checkpoint`` asks for its truth value, so with
-        ``segments=1`` nothing does. A second input given by position lands there: torch then
-        fails (or runs) in the layer or in ``checkpoint``, and so must we, with the same type.
-Rule 2. Our strategies and keywords read ``use_reentrant`` themselves (nesting, the
-        ``context_fn``/``debug`` check), so they first check that it is a bool: a TypeError
-        naming the fix, never torch's "Boolean value of Tensor ... is ambiguous".
+Rule 1. ``use_reentrant`` is checked first: a bool or ``None``, else a TypeError naming the fix
+        before anything runs (torch reads any other value for its truth in each checkpointed
+        segment: ``"false"`` runs the reentrant variant, and a tensor there, usually a second
+        input given by position, fails or runs depending on its value and the segments).
+Rule 2. With ``strategy="torch"`` and none of our keywords, no other argument is read before
+        torch reads it: a bad ``segments`` or layer fails where torch's fails, with the same
+        type.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import _compat, _compiled
-from ._checkpoint import checkpoint
+from ._checkpoint import check_use_reentrant, checkpoint
 from ._errors import describe_value
 from ._schedule import (
     STRATEGIES,
@@ -57,6 +56,7 @@ from ._untouched import untouched
 
 __all__ = ["checkpoint_sequential", "measure_costs", "segment_bounds", "sequential_schedule"]
 
+_API_SEQUENTIAL: Final = "checkpointing.checkpoint_sequential"
 _NO_INPUT: Final = object()
 _MSG_NO_INPUT = (
     "checkpointing.checkpoint_sequential() missing required argument: 'input'. Fix: "
@@ -141,12 +141,10 @@ _MSG_SCHEDULE_MISMATCH = (
     "None (got segments={segments!r}). Fix: build the schedule for these functions with "
     "sequential_schedule() and pass it alone."
 )
-_MSG_USE_REENTRANT_TYPE = (
-    "checkpointing.checkpoint_sequential: use_reentrant must be True or False with "
-    "{extension}, got {observed}. A tensor there is usually a second input given by position "
-    "(the fourth positional argument is use_reentrant). Fix: pass the inputs as one tuple, "
-    "input=(a, b) (every strategy but 'torch' hands it over as *input), and "
-    "use_reentrant=False by keyword."
+_HINT_SECOND_INPUT = (
+    " A tensor there is usually a second input given by position (the fourth positional "
+    "argument is use_reentrant): pass the inputs as one tuple, input=(a, b) (every strategy but "
+    "'torch' hands it over as *input), and use_reentrant by keyword."
 )
 _MSG_REENTRANT_OPTIONS = (
     "checkpointing.checkpoint_sequential: {what} is only supported with use_reentrant=False "
@@ -212,6 +210,7 @@ def checkpoint_sequential(
     """
     if input is _NO_INPUT:
         raise TypeError(_MSG_NO_INPUT)
+    check_use_reentrant(use_reentrant, _API_SEQUENTIAL, _HINT_SECOND_INPUT)  # NOTE [Torch's path]
     if use_reentrant is None:
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
@@ -221,8 +220,8 @@ def checkpoint_sequential(
     extension = _extension_in_use(strategy, context_fn, determinism_check, debug, early_stop)
     if extension is None and recompute_state_hooks is not None:
         extension = "recompute_state_hooks"
-    if extension is not None:  # See NOTE [Torch's path], Rules 1 and 2
-        _check_use_reentrant(extension, use_reentrant, context_fn, debug)
+    if extension is not None:
+        _check_use_reentrant(use_reentrant, context_fn, debug)
     chain = _as_list("checkpoint_sequential", functions)
     if isinstance(strategy, SequentialSchedule):
         if strategy.n_layers != len(chain) or (segments, budget, costs) != (None, None, None):
@@ -336,13 +335,8 @@ def _extension_in_use(
     return None
 
 
-def _check_use_reentrant(
-    extension: str, use_reentrant: object, context_fn: ContextFn, debug: bool
-) -> None:
-    """See NOTE [Torch's path], Rule 2: a bool, and False where our options need it."""
-    if not isinstance(use_reentrant, bool):
-        observed = describe_value(use_reentrant)
-        raise TypeError(_MSG_USE_REENTRANT_TYPE.format(extension=extension, observed=observed))
+def _check_use_reentrant(use_reentrant: bool, context_fn: ContextFn, debug: bool) -> None:
+    """``use_reentrant`` False where our options need it."""
     if use_reentrant and (not is_noop_context_fn(context_fn) or debug is not False):
         what = "context_fn" if not is_noop_context_fn(context_fn) else "debug=True"
         raise ValueError(_MSG_REENTRANT_OPTIONS.format(what=what))
@@ -634,7 +628,7 @@ class _Runner:
     def _checkpoints(self, nested: bool) -> bool:
         # A reentrant checkpoint's forward runs under no_grad, where a nested one has nothing
         # to save (and would warn that no input requires grad): run it plainly there. Nesting
-        # comes only from our strategies, so use_reentrant is a bool (NOTE [Torch's path], Rule 2).
+        # comes only from our strategies, so use_reentrant is a bool (NOTE [Torch's path], Rule 1).
         return not nested or not self.options["use_reentrant"] or torch.is_grad_enabled()
 
     def _segment_function(self, segment: Segment) -> Callable[..., Any]:

@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from ._checkpoint import CHECKPOINT_OPTIONS, checkpoint, hooks_read_once
+from ._checkpoint import CHECKPOINT_OPTIONS, check_use_reentrant, checkpoint, hooks_read_once
 from ._host_saves import SavingOnHost
 from ._state import is_recomputing
 
@@ -117,7 +117,7 @@ _MSG_BAD_CHECKPOINT_FN = (
 def checked_options(api: str, checkpoint_impl: object, options: dict[str, Any]) -> dict[str, Any]:
     """The options a wrapper passes to ``checkpoint`` (Rules 3, 6 and 8), or a clear error
     naming ``api``: unknown names, a ``checkpoint_impl`` that is not a ``CheckpointImpl``, a
-    conflict between it and ``use_reentrant``."""
+    ``use_reentrant`` that is not a bool, a conflict between the two."""
     if not isinstance(checkpoint_impl, CheckpointImpl):
         got = f"{checkpoint_impl!r} of type {type(checkpoint_impl).__name__}"
         raise TypeError(_MSG_BAD_IMPL.format(api=api, got=got))
@@ -130,6 +130,7 @@ def checked_options(api: str, checkpoint_impl: object, options: dict[str, Any]) 
         raise TypeError(message)
     reentrant = checkpoint_impl is CheckpointImpl.REENTRANT
     use_reentrant = options.get("use_reentrant")
+    check_use_reentrant(use_reentrant, f"checkpointing.{api}")
     if use_reentrant is None:
         use_reentrant = reentrant
     elif reentrant and not use_reentrant:

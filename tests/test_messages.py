@@ -365,10 +365,25 @@ MISTAKES: dict[str, Mistake] = {
         TypeError,
         (
             "checkpoint_sequential",
-            "use_reentrant must be True or False with strategy='sqrt'",
+            "use_reentrant must be True or False",
             "got a Tensor of shape (3, 3)",
             "input=(a, b)",
         ),
+    ),
+    "use_reentrant given as a string": Mistake(
+        lambda m: m.checkpoint(torch.sin, _x(), use_reentrant="false"),
+        TypeError,
+        (
+            "checkpointing.checkpoint: use_reentrant must be True or False (or omitted)",
+            "got 'false' of type str",
+            "would run the reentrant variant",
+            "Fix: pass the bool, use_reentrant=False",
+        ),
+    ),
+    "checkpoint_wrapper: use_reentrant given as a string": Mistake(
+        lambda m: checkpoint_wrapper(torch.nn.Linear(3, 3), use_reentrant="False"),
+        TypeError,
+        ("checkpointing.checkpoint_wrapper: use_reentrant must be True or False", "Fix"),
     ),
     "unknown kwargs, reentrant": Mistake(
         lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=True, scale=2),
@@ -852,6 +867,15 @@ HF_MISTAKES: dict[str, Mistake] = {
         ValueError,
         ("use_reentrant=True cannot run a policy", "Fix"),
     ),
+    "transformers: use_reentrant given as a string": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), use_reentrant="false"),
+        TypeError,
+        (
+            "integrations.transformers.enable: use_reentrant must be True or False",
+            "got 'false' of type str",
+            "Fix: pass the bool, use_reentrant=False",
+        ),
+    ),
     "transformers: every_n_layers of 0": Mistake(
         lambda hf: hf.enable(_tiny_llama(), every_n_layers=0),
         ValueError,
@@ -891,7 +915,12 @@ HF_MISTAKES: dict[str, Mistake] = {
     "transformers: budget without example inputs": Mistake(
         lambda hf: hf.enable(_tiny_llama(), budget=0.5),
         ValueError,
-        ("budget= needs example_inputs= or example_kwargs=", "got neither", "Fix"),
+        (
+            "budget= needs example_inputs= or example_kwargs=",
+            "example_kwargs={'input_ids': ids, 'labels': ids})",
+            "got neither",
+            "Fix",
+        ),
     ),
     "transformers: example inputs without budget": Mistake(
         lambda hf: hf.enable(_tiny_llama(), example_kwargs=_hf_batch()),

@@ -356,7 +356,7 @@ def test_one_segment_checkpoints_nothing(spec: StackSpec) -> None:
     got.assert_equal(expected)
 
 
-# --- an extra positional input lands in use_reentrant (NOTE [Torch's path], Rules 1 and 2) ----
+# --- an extra positional input lands in use_reentrant (NOTE [Torch's path], Rule 1) -----------
 
 
 class TwoInputs(nn.Module):
@@ -385,86 +385,36 @@ class Truthy:
         return f"Truthy({self.value})"
 
 
-Ran = tuple[object, list[type[Warning]], list[torch.Tensor | None]]
-
-
-def _side_by_side(
-    build: Callable[[], nn.Sequential], segments: int, use_reentrant: Callable[[], object]
-) -> list[Ran]:
-    """Run ours and torch's as ``(model, segments, x, use_reentrant())`` on equal fresh models;
-    assert the same outcome (exception type, or output and gradients) and warning categories."""
-    results = []
-    for run in IMPLEMENTATIONS.values():
-        torch.manual_seed(15)
-        model = build()
-        x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
-        flag = use_reentrant()
-        result, caught = outcome(
-            lambda run=run, model=model, x=x, flag=flag: run(model, segments, x, flag)
-        )
-        grads: list[torch.Tensor | None] = []
-        if isinstance(result, torch.Tensor):
-            result.sum().backward()
-            grads = [x.grad, *(p.grad for p in model.parameters())]
-            result = result.detach()
-        results.append((result, [category for category, _ in caught], grads))
-    (mine, my_warnings, my_grads), (theirs, their_warnings, their_grads) = results
-    assert my_warnings == their_warnings
-    if isinstance(theirs, torch.Tensor):
-        assert isinstance(mine, torch.Tensor), mine
-        assert torch.equal(mine, theirs)
-        for a, b in zip(my_grads, their_grads, strict=True):
-            assert a is not None
-            assert b is not None
-            assert torch.equal(a, b)
-    else:
-        assert error_of((mine, []))[0] is error_of((theirs, []))[0]
-    return results
-
-
 def _one_input_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 3, dtype=torch.float64), nn.Tanh())
 
 
-def _deeper_one_input_model() -> nn.Sequential:
-    return nn.Sequential(*_one_input_model(), *_one_input_model())
-
-
-def test_two_input_first_layer_with_second_input_in_use_reentrant_like_torch() -> None:
-    """(model, 1, a, b) with a two-input first layer: the layer's TypeError, as torch."""
-    b = torch.randn(2, 3, dtype=torch.float64)
-    results = _side_by_side(lambda: nn.Sequential(TwoInputs(), nn.Tanh()), 1, lambda: b)
-    assert all(error_of((result, []))[0] is TypeError for result, _, _ in results)
-
-
-def test_extra_positional_tensor_with_one_segment_runs_like_torch() -> None:
-    """An extra tensor, one segment: nothing checkpointed, so both run with equal outputs."""
-    extra = torch.randn(2, 3)
-    results = _side_by_side(_one_input_model, 1, lambda: extra)
-    assert all(isinstance(result, torch.Tensor) for result, _, _ in results)
-
-
+@pytest.mark.parametrize("segments", [1, 2])
 @pytest.mark.parametrize(
-    "extra", [torch.randn(2, 3), torch.tensor(0.0), torch.tensor(1.0)], ids=["many", "0", "1"]
+    ("build", "flag"),
+    [
+        (lambda: nn.Sequential(TwoInputs(), nn.Tanh()), lambda: torch.randn(2, 3)),
+        (_one_input_model, lambda: torch.randn(2, 3)),
+        (_one_input_model, lambda: torch.tensor(1.0)),
+        (_one_input_model, lambda: Truthy(False)),
+    ],
+    ids=["second input", "extra tensor", "extra scalar tensor", "truthy object"],
 )
-def test_extra_positional_tensor_with_two_segments_like_torch(extra: torch.Tensor) -> None:
-    """An extra tensor, two segments: the checkpoint reads it as use_reentrant, as torch's."""
-    _side_by_side(_one_input_model, 2, lambda: extra)
-
-
-@pytest.mark.parametrize("segments", [1, 2, 3])
-@pytest.mark.parametrize("value", [True, False])
-def test_non_bool_use_reentrant_by_position_like_torch(segments: int, value: bool) -> None:
-    """A non-bool use_reentrant by position is asked for its truth only where torch asks."""
-    flags: list[Truthy] = []
-
-    def fresh() -> Truthy:
-        flags.append(Truthy(value))
-        return flags[-1]
-
-    _side_by_side(_deeper_one_input_model, segments, fresh)
-    mine, theirs = flags
-    assert mine.asked == theirs.asked == segments - 1  # once per checkpointed segment
+def test_non_bool_use_reentrant_by_position_is_refused_before_anything_runs(
+    build: Callable[[], nn.Sequential], flag: Callable[[], object], segments: int
+) -> None:
+    """A non-bool ``use_reentrant`` (often a second input given by position) is a TypeError
+    naming the fix before any layer runs or the value is read for its truth; torch reads its
+    truth in each checkpointed segment instead, and runs or fails inside."""
+    model, value = build(), flag()
+    calls: list[nn.Module] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(module))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match="use_reentrant must be True or False") as info:
+        checkpointing.checkpoint_sequential(model, segments, x, value)
+    assert "use_reentrant=False" in str(info.value)
+    assert not calls
+    assert not isinstance(value, Truthy) or value.asked == 0
 
 
 @pytest.mark.parametrize(
@@ -489,5 +439,5 @@ def test_non_bool_use_reentrant_with_our_options_is_a_clear_type_error(
     with pytest.raises(TypeError, match="checkpoint_sequential") as info:
         checkpointing.checkpoint_sequential(layers, segments, x, flag, **options)
     assert type(flag).__name__ in str(info.value)
-    assert "input=(" in str(info.value)
+    assert ("input=(" in str(info.value)) is isinstance(flag, torch.Tensor)
     assert all(layer.calls == 0 for layer in layers)

@@ -108,7 +108,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers.modeling_utils import PreTrainedModel
 
-from .._checkpoint import CHECKPOINT_OPTIONS, checkpoint
+from .._checkpoint import CHECKPOINT_OPTIONS, check_use_reentrant, checkpoint
 from .._errors import internal_error
 from .._planning import ActivationPlan
 from .._state import ContextFn
@@ -195,8 +195,8 @@ _MSG_BUDGET_WITH = (
 )
 _MSG_BUDGET_NEEDS_EXAMPLE = (
     "checkpointing.integrations.transformers.enable: budget= needs example_inputs= or "
-    "example_kwargs= (one training step's inputs, e.g. example_kwargs={{'input_ids': ids, "
-    "'labels': ids}}) to profile the step it plans for; got neither. Fix: pass a batch of the "
+    "example_kwargs= (one training step's inputs, e.g. example_kwargs={'input_ids': ids, "
+    "'labels': ids}) to profile the step it plans for; got neither. Fix: pass a batch of the "
     "shapes you train with."
 )
 _MSG_EXAMPLE_WITHOUT_BUDGET = (
@@ -500,6 +500,7 @@ def check_options(
         raise ValueError(_MSG_EXAMPLE_WITHOUT_BUDGET.format(api=api, names=", ".join(given)))
     if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
         raise ValueError(_MSG_EVERY_N_LAYERS.format(api=api, got=every_n))
+    check_use_reentrant(checkpoint_options.get("use_reentrant"), api)
     options = {"use_reentrant": False, **checkpoint_options}
     if policy is not None:
         if "context_fn" in options:
