@@ -23,7 +23,7 @@ from torch import nn
 
 import checkpointing
 from checkpointing import plan_checkpointing
-from checkpointing._caches import drop_caches, dropping_caches, is_cache
+from checkpointing._kv_caches import drop_caches, dropping_caches, is_cache
 
 pytestmark = pytest.mark.once
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .. import _compat, _compiled
-from .._caches import drop_caches
+from .._kv_caches import drop_caches
 from .._errors import CheckpointError
 from .._module import is_module_checkpointed, remove_checkpoint_module
 from .._state import get_device_states, is_recomputing

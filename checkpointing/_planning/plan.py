@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._caches import drop_caches
+from .._kv_caches import drop_caches
 from .._errors import describe_value
 from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
 from .._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._caches import dropping_caches
+from .._kv_caches import dropping_caches
 from .._trees import storage_key, tensors
 from .._untouched import untouched
 from .costs import DeviceCosts, costs_for

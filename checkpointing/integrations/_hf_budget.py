@@ -22,7 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import PreTrainedModel
 
 from .. import _compat
-from .._caches import drop_caches
+from .._kv_caches import drop_caches
 from .._planning import ActivationPlan, plan_checkpointing
 from .._planning.installed import take_off_found
 from .._planning.profile import default_loss
