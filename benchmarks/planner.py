@@ -80,9 +80,9 @@ from checkpointing import _compat, policies
 from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.plan import _RegionContexts
 from checkpointing._planning.profile import profile_step, tail_regions
+from checkpointing._planning.recorded_spans import span_problems
 from checkpointing._planning.search import _cheapest, find_regions
 from checkpointing._planning.solver import solve
-from checkpointing._planning.spans import span_problems
 from checkpointing._selective import SAC_IGNORED_OPS, CheckpointPolicy
 
 try:

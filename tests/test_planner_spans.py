@@ -22,8 +22,8 @@ from checkpointing import ActivationPlan, _compat, plan_checkpointing
 from checkpointing._planning import search as search_module
 from checkpointing._planning.problem import recompute_cost
 from checkpointing._planning.profile import profile_step, tail_regions
+from checkpointing._planning.recorded_spans import span_problems
 from checkpointing._planning.solver import solve
-from checkpointing._planning.spans import span_problems
 
 
 def tokens() -> torch.Tensor:

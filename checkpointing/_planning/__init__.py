@@ -1,32 +1,33 @@
 """Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
 
-In data-flow order: ``search.py`` is the front door (``plan_checkpointing``: arguments, regions,
-the budget, the span variants, the cheapest that fits); ``plan.py`` the result
-(``ActivationPlan``) and installing it, ``contexts.py`` a planned region's selective policy,
-``draws.py`` its kept random draws (Rule 19), ``installed.py`` taking a plan off a model or a
-copy; ``trials.py`` times candidate plans, opt-in (Rule 23); ``profile.py`` runs the model at
-plan time (Rule 9), ``recorder.py`` watches the one recorded step (``flops.py`` counts an op's
-FLOPs, ``kept.py`` tells a kept span's ops and saves apart, Rule 25; ``live_bytes.py`` reads the
-peaks of a plain step's memory, ``scratch.py`` the kernels' work buffers), ``step_profile.py``
-holds what it saw as data in the solver's terms, ``steps.py`` a step's loss and backward;
-``costs.py`` prices ops, policies, frames and spans (Rule 9); ``spans.py`` records the head, the
-tail (Rule 22) and the blocks' trails (Rule 24); ``problem.py`` states the problem and prices a
-choice, ``fronts.py`` and ``options.py`` give each region its options, ``solver.py`` chooses
-across regions, ``offload_choice.py`` what to offload (Rule 10), ``peak.py`` predicts a plan's
-peak; ``plan_json.py`` writes and reads plans. The rules below are shared by all of them.
+In data-flow order: ``search.py`` is the front door (``plan_checkpointing``: arguments, regions, the
+budget, the span variants, the cheapest that fits); ``plan.py`` the result (``ActivationPlan``) and
+installing it, ``contexts.py`` a planned region's selective policy, ``draws.py`` its kept random
+draws (Rule 19), ``installed.py`` taking a plan off a model or a copy; ``trials.py`` times candidate
+plans, opt-in (Rule 23); ``profile.py`` runs the model at plan time (Rule 9), ``recorder.py``
+watches the one recorded step (``flops.py`` counts an op's FLOPs, ``kept_span_watch.py`` tells a
+kept span's ops and saves apart, Rule 25; ``live_bytes.py`` reads the peaks of a plain step's
+memory, ``scratch.py`` the kernels' work buffers), ``step_profile.py`` holds what it saw as data in
+the solver's terms, ``steps.py`` a step's loss and backward; ``costs.py`` prices ops, policies,
+frames and recorded spans (Rule 9); ``recorded_spans.py`` records the head, the tail (Rule 22) and
+the blocks' trails (Rule 24); ``problem.py`` states the problem and prices a choice, ``fronts.py``
+and ``options.py`` give each region its options, ``solver.py`` chooses across regions,
+``offload_choice.py`` what to offload (Rule 10), ``peak.py`` predicts a plan's peak;
+``plan_json.py`` writes and reads plans. The rules below are shared by all of them.
 
-Glossary. *region*: a module the plan may checkpoint, one frame (a block; a tail module, Rule
-20). *unit*: an op of a region whose outputs the plan may keep. *storage*: the unit of bytes,
-numbered per step (Rule 1); *outside*: kept whatever the plan; *charged*: counted once, up front
-(Rule 7). *draws*: a region's random ops, kept all or none (Rule 19). *early stop*: where a
-region's recompute ends (Rule 16). *replay*: what recompute runs; *skip*: an op nothing needs is
-not run; *useless*: a kept unit the replay would skip anyway; *settle*: drop those and price a
-set exactly (Rule 21). *front*, *options*: a region's Pareto sets of units and of choices (Rule
-17). *span*: a stretch a ``gradient_checkpoint_scope`` records: the *head*, the *tail* (Rule
+Glossary. *region*: a module the plan may checkpoint, one frame (a block; a tail module, Rule 20).
+*unit*: an op of a region whose outputs the plan may keep. *storage*: the unit of bytes, numbered
+per step (Rule 1); *outside*: kept whatever the plan; *charged*: counted once, up front (Rule 7).
+*draws*: a region's random ops, kept all or none (Rule 19). *early stop*: where a region's recompute
+ends (Rule 16). *replay*: what recompute runs; *skip*: an op nothing needs is not run; *useless*: a
+kept unit the replay would skip anyway; *settle*: drop those and price a set exactly (Rule 21).
+*front*, *options*: a region's Pareto sets of units and of choices (Rule 17). *span* (in full,
+*recorded span*): a stretch a ``gradient_checkpoint_scope`` records: the *head*, the *tail* (Rule
 22), a *trail* (Rule 24); *late*: saved after the forward returned; *held*: read by a span from
-outside, kept by its tape (Rule 22). *kept span*: a ``keep(fn, ...)`` call (Rule 25). *floor*:
-the fewest bytes a plan can keep; *baseline*: the plain run's. Measurements behind the rules
-are in benchmarks/RESULTS.md ("Planner model: measurements behind the rules").
+outside, kept by its tape (Rule 22). *kept span*: a ``keep(fn, ...)`` call (Rule 25), never
+shortened to *span* here. *floor*: the fewest bytes a plan can keep; *baseline*: the plain run's.
+Measurements behind the rules are in benchmarks/RESULTS.md ("Planner model: measurements behind the
+rules").
 
 NOTE [Planner model]
   Rule 1. Bytes are storages: a tensor kept for backward costs its whole storage, once, however
@@ -228,8 +229,9 @@ NOTE [Planner model]
           keeps N + 1 residual-stream tensors at their boundaries (the first block's input, the
           tail's) where torch.compile's partitioner keeps N (it recomputes the embedding and the
           final norm from what it keeps). By default the plan may record two spans with a
-          ``gradient_checkpoint_scope`` (``spans.py``): the head, from the model's start to its
-          first block's (the embedding, rotary angles), and the tail, from its first tail
+          ``gradient_checkpoint_scope`` (``recorded_spans.py``): the head, from the model's
+          start to its first block's (the embedding, rotary angles), and the tail, from its first
+          tail
           module's start to its last one's end (Rule 20). Every storage a recorded span makes is
           kept nowhere: whoever saves it (a block's frame as its positional input, a plain
           region, an op outside the regions) gets a holder, and backward replays only the ops
@@ -311,8 +313,9 @@ NOTE [Planner model]
           neither counted nor cached by the selective modes, nor replayed (NOTE [Kept spans],
           Rule 6): they are the span's, not the policy's. The profile runs the model without
           checkpointing, where ``keep`` would be a plain call, so its pack hook
-          (``kept.SpanWatch``) asks ``keep`` for the span (NOTE [Kept spans], Rule 11) and runs
-          it under the span's marker: the ops inside are not the region's (not numbered, so
+          (``kept_span_watch.SpanWatch``) asks ``keep`` for the span (NOTE [Kept spans], Rule
+          11) and runs it under the span's marker: the ops inside are not the region's (not
+          numbered, so
           they shift no key of Rule 3; not priced nor offered, nor in the replay graph or the
           draws), and what reads the span's outputs reads a storage the replay is served. A
           save inside the span that is one of its arguments or a view of one is a holder, as

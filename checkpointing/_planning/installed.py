@@ -35,13 +35,13 @@ import torch
 from torch import nn
 
 from .. import _compat, _compiled
-from .._kv_caches import drop_caches
 from .._errors import CheckpointError
+from .._kv_caches import drop_caches
 from .._module import is_module_checkpointed, remove_checkpoint_module
 from .._state import get_device_states, is_recomputing
 from .._trees import tensors
 from .profile import input_shapes
-from .spans import SpanHooks, span_hook_mark, take_off_spans
+from .recorded_spans import SpanHooks, span_hook_mark, take_off_spans
 
 __all__ = [
     "DrawGuard",

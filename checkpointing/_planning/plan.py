@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._kv_caches import drop_caches
 from .._errors import describe_value
+from .._kv_caches import drop_caches
 from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
 from .._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
 from .._state import noop_context_fn
@@ -30,7 +30,7 @@ from .installed import DrawGuard, Installed, ShapeCheck, carries, new_mark, take
 from .peak import predicted_peak
 from .problem import Choice, Problem, Solution, kept_storages, region_recompute, skipped
 from .profile import StepProfile
-from .spans import SpanCost, SpanHooks, SpanKind
+from .recorded_spans import SpanCost, SpanHooks, SpanKind
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "resolve_op"]
 

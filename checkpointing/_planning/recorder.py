@@ -26,8 +26,8 @@ from .._state import ForwardState
 from .._trees import StorageKey, storage_key, storage_nbytes, tensors
 from .costs import DeviceCosts
 from .flops import op_flops
-from .kept import SpanWatch
-from .spans import SpanProfile
+from .kept_span_watch import SpanWatch
+from .recorded_spans import SpanProfile
 from .step_profile import OpCall, RegionProfile, Trail
 from .steps import default_loss, differentiate
 

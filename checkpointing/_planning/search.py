@@ -27,8 +27,8 @@ from .offload_choice import offloads
 from .plan import ActivationPlan
 from .problem import Choice, Problem, Solution, recompute_cost, recompute_flops, recompute_seconds
 from .profile import ObjectiveName, StepProfile, profile_step, tail_regions
+from .recorded_spans import SpanCost, span_problems
 from .solver import solve
-from .spans import SpanCost, span_problems
 from .trials import time_plans
 
 __all__ = ["find_regions", "plan_checkpointing"]

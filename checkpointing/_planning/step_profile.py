@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 from .problem import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
-from .spans import SpanProfile
+from .recorded_spans import SpanProfile
 
 __all__ = ["ObjectiveName", "OpCall", "RegionProfile", "StepProfile", "Trail", "structure"]
 
