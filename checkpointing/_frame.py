@@ -51,7 +51,7 @@ NOTE [Nestable checkpoint]
   Rule 12. ``recompute_state_hooks`` (user state, NOTE [Kept spans], Rule 5): each hook is
           snapshotted when the frame starts; the recompute snapshots the caller's state,
           restores the forward's, runs, and puts the caller's back (as Rule 7's RNG). A frame
-          also holds the kept spans its forward met (``_span``'s records, made by ``_keep``,
+          also holds the kept spans its forward met (``_kept_span``'s records, made by ``_keep``,
           which imports this module, never the reverse); its recompute carries ``replaying``
           (the frame) and ``spans_seen`` on its pack hook, so that a span the replay reaches
           finds what to serve.
@@ -90,10 +90,10 @@ from ._determinism import (
 )
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
+from ._kept_span import Span
 from ._recompute_context import declared, hand_respect
 from ._regions import region_label
 from ._selective import replay_taint
-from ._span import Span
 from ._state import (
     ContextFn,
     ForwardState,

@@ -4,9 +4,10 @@ Owns ``keep(fn, *args, **kwargs)`` and ``keeping()`` (its context-manager and de
 the hooks of a span in forward and the replay side that skips a span. The frame (``_frame``)
 owns holders, recompute and early stop; this module only adds a saved-tensors hook on top of the
 frame's while a span runs, and tells the replay what to serve in its place. The per-span record
-the frame holds (``Span``, its held outputs) is ``_span``'s, below both; what is known of a
-span's arguments (their views, the write check) is ``_span_args``'; tensors a span keeps in host
-memory are ``_span_offload``'s. This module imports the frame; the frame never imports it.
+the frame holds (``Span``, its held outputs) is ``_kept_span``'s, below both; what is known of
+a span's arguments (their views, the write check) is ``_kept_span_args``'; tensors a span keeps
+in host memory are ``_kept_span_offload``'s. This module imports the frame; the frame never
+imports it.
 
 NOTE [Kept spans]
   Rule 1. A span belongs to the checkpoint whose frame is the top saved-tensors hook when it
@@ -97,18 +98,18 @@ from . import _compat, _compiled, _offload
 from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._frame import NULL_CONTEXT, Frame
-from ._offload import OffloadStats
-from ._recompute_context import declared
-from ._selective import CheckpointPolicy
-from ._span import Held, Span, held_outputs, hold_outputs, map_tensors
-from ._span_args import (
+from ._kept_span import Held, Span, held_outputs, hold_outputs, map_tensors
+from ._kept_span_args import (
     ArgumentVersions,
     rebuild,
     recipe_for,
     storage_ranges,
     tensor_leaves,
 )
-from ._span_offload import Offloaded, offload_kept, restore
+from ._kept_span_offload import Offloaded, offload_kept, restore
+from ._offload import OffloadStats
+from ._recompute_context import declared
+from ._selective import CheckpointPolicy
 from ._state import enter_span, exit_span, set_device_states
 
 __all__ = ["held_outputs", "keep", "keeping", "replay_span"]  # held_outputs: for reports

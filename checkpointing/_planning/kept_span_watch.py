@@ -17,7 +17,7 @@ from typing import Any, Final, Protocol
 import torch
 
 from .. import _compat
-from .._span_args import recipe_for, storage_ranges, tensor_leaves
+from .._kept_span_args import recipe_for, storage_ranges, tensor_leaves
 from .._state import enter_span, exit_span
 
 __all__ = ["SpanWatch"]

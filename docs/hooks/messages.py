@@ -26,7 +26,7 @@ AREAS: list[tuple[str, str]] = [
     ("_selective", "selective checkpointing (create_selective_checkpoint_contexts)"),
     ("policies", "checkpointing.policies"),
     ("_keep", "keep() and keeping()"),
-    ("_span", "keep() and keeping()"),
+    ("_kept_span", "keep() and keeping()"),
     ("_offload", "offload to host memory"),
     ("_scope", "gradient_checkpoint_scope and gradient_checkpoint_session"),
     ("_sequential", "checkpoint_sequential"),

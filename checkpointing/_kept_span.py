@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._span_args import Recipe, recipe_for
+from ._kept_span_args import Recipe, recipe_for
 
 __all__ = ["Held", "Span", "held_outputs", "hold_outputs", "map_tensors"]
 
