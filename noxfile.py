@@ -23,7 +23,8 @@ nox.options.default_venv_backend = "venv"
 
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
-# The supported releases (SPEC section 12; pyproject's `dependencies` is their floor), oldest first.
+# The supported releases (those `checkpointing._compat` is checked against; pyproject's
+# `dependencies` is their floor), oldest first.
 TORCH_RELEASES = ["2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 # The release every other session uses, and the one `tests` runs on by default.
 DEFAULT_TORCH = "2.13.0"

@@ -1,4 +1,4 @@
-"""Memory-budget planning in eager mode (SPEC §8): profile a step, solve, install.
+"""Memory-budget planning in eager mode: profile a step, solve, install.
 
 In data-flow order: ``search.py`` is the front door (``plan_checkpointing``: arguments, regions, the
 budget, the span variants, the cheapest that fits); ``plan.py`` the result (``ActivationPlan``) and

@@ -111,7 +111,8 @@ class _Op:
 
 
 # Op arguments are flattened by hand: torch's ``tree_flatten``/``tree_unflatten`` leave a few
-# cyclic objects per call, and the tape records every op of a scope (SPEC §6, "No garbage").
+# cyclic objects per call, and the tape records every op of a scope: garbage made per op would
+# wake the cyclic collector in the middle of a step.
 _Spec = Any  # None for a leaf; (container type, [child specs]) or (dict, [(key, spec)])
 _FLAT: Final = "flat"  # the spec of ``(args, {})`` where no argument is a container
 _NESTED: Final = object()  # ``record_plain``'s answer for an argument that is a container

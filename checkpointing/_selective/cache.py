@@ -41,8 +41,9 @@ docstring says where the others live)
 
 Rejected: wrapping every output through a pytree map like torch (a tree walk per op); single
 tensors, the common case, are wrapped directly and only containers are mapped, by ``_map_leaves``
-rather than torch's ``tree_map``, which leaves 7 cyclic objects per call (SPEC §6, "No garbage":
-a Llama attention layer under ``save_matmuls()`` left 14 per call, a map to keep and one to take).
+rather than torch's ``tree_map``, which leaves 7 cyclic objects per call: garbage made per op
+wakes the cyclic collector mid-step (a Llama attention layer under ``save_matmuls()`` left 14 per
+call, a map to keep and one to take).
 Keeping the device tensor next to its host copy to version-check it until recompute (it would
 keep the memory offload frees); it is kept only while its copy is in flight.
 """
