@@ -47,6 +47,9 @@ from ._state import (
     noop_context_fn,
     set_device_states,
 )
+from ._tiled_head import tiled_lm_head_loss
+from ._tiled_recipes import tiled_experts, tiled_mlp
+from ._tiling import Tiling, tiled
 from ._wrappers import (
     ActivationWrapper,
     CheckpointImpl,
@@ -80,6 +83,7 @@ __all__ = [
     "SavedTensorsReport",
     "SelectiveCheckpointContext",
     "SequentialSchedule",
+    "Tiling",
     "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
@@ -105,4 +109,8 @@ __all__ = [
     "set_checkpoint_early_stop",
     "set_device_states",
     "split_backward",
+    "tiled",
+    "tiled_experts",
+    "tiled_lm_head_loss",
+    "tiled_mlp",
 ]

@@ -28,6 +28,7 @@ from ._state import (
     noop_context_fn,
     state_hooks_from,
 )
+from ._tiling import Tiling, check_tile_options, run_tiled
 
 __all__ = [
     "CHECKPOINT_OPTIONS",
@@ -112,6 +113,7 @@ def checkpoint(
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
     recompute_state_hooks: RecomputeStateHook | Iterable[RecomputeStateHook] | None = None,
+    tile: Tiling | None = None,
     **kwargs: Any,
 ) -> _T: ...
 
@@ -128,6 +130,7 @@ def checkpoint(
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
     recompute_state_hooks: RecomputeStateHook | Iterable[RecomputeStateHook] | None = None,
+    tile: Tiling | None = None,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -142,6 +145,7 @@ def checkpoint(
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
     recompute_state_hooks: RecomputeStateHook | Iterable[RecomputeStateHook] | None = None,
+    tile: Tiling | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
@@ -173,6 +177,10 @@ def checkpoint(
             counter seeding a custom random kernel): restored when recompute starts and after
             each kept span it skips (``checkpointing.keep``); the caller's state is put back
             afterwards.
+        tile: ours: a ``checkpointing.Tiling`` declaring the region position-wise along a
+            dimension (tokens): its forward and its recompute then run chunk by chunk, so what
+            lives inside the region at once is about ``1/chunks`` of it (non-reentrant only;
+            without ``context_fn`` and ``recompute_state_hooks``). See ``checkpointing.tiled``.
         **kwargs: keyword arguments for ``function`` (non-reentrant only).
 
     Example:
@@ -201,10 +209,26 @@ def checkpoint(
             early_stop=early_stop,
             respect_saved_tensors_hooks=respect_saved_tensors_hooks,
             recompute_state_hooks=recompute_state_hooks,
+            tile=tile,
+        )
+    if tile is not None and not _compiled.compiling():  # NOTE [Tiled regions]
+        return checkpoint_call(
+            function,
+            args,
+            kwargs,
+            use_reentrant=bool(use_reentrant),  # no warning: a tiled region is not reentrant
+            preserve_rng_state=preserve_rng_state,
+            context_fn=context_fn,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+            recompute_state_hooks=recompute_state_hooks,
+            tile=tile,
         )
     run: Callable[..., Any] = checkpoint_call
     if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
-        run = _compiled.torch_region
+        run = _compiled.torch_region  # a tiled region too, untiled (NOTE [Tiled regions], 9)
     elif use_reentrant is None:
         # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
@@ -238,12 +262,30 @@ def checkpoint_call(
     early_stop: bool,
     respect_saved_tensors_hooks: bool | None,
     recompute_state_hooks: object = None,
+    tile: Tiling | None = None,
 ) -> Any:
     """One checkpointed call of ``function(*args, **kwargs)`` with the options resolved (no
     ``None`` for ``use_reentrant``): what ``checkpoint`` and its decorator both run. ``kwargs``
     stay ``function``'s own, so a function may take a keyword named like an option."""
     if not callable(function):
         raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(function).__name__))
+    if tile is not None:  # NOTE [Tiled regions]
+        check_tile_options(
+            _API,
+            use_reentrant=use_reentrant,
+            context_fn=context_fn,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+            recompute_state_hooks=recompute_state_hooks,
+        )
+        return run_tiled(
+            function,
+            args,
+            kwargs,
+            tile,
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            debug=debug,
+        )
     if use_reentrant:
         if kwargs:
             raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
@@ -342,8 +384,11 @@ class CheckpointedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         options = self.options
         if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
-            return _compiled.torch_region(self.function, args, kwargs, **options)
-        if options["use_reentrant"] is None:
+            traced = {k: v for k, v in options.items() if k != "tile"}  # untiled (Rule 9)
+            return _compiled.torch_region(self.function, args, kwargs, **traced)
+        if options["use_reentrant"] is None and options.get("tile") is not None:
+            options = {**options, "use_reentrant": False}  # tiled: no reentrant form
+        elif options["use_reentrant"] is None:
             # Warned here, so that the warning points at the caller's line, not at this one.
             warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
             options = {**options, "use_reentrant": True}

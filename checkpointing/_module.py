@@ -56,6 +56,7 @@ from ._determinism import metadata_fn_for
 from ._errors import internal_error
 from ._frame import checkpoint_without_reentrant_generator_impl, stop_recompute
 from ._state import ContextFn, noop_context_fn, state_hooks_from
+from ._tiling import TiledForward, Tiling, check_tile_options, check_tiling, refuse_mixing
 
 __all__ = ["checkpoint_module", "end_at", "is_module_checkpointed", "remove_checkpoint_module"]
 
@@ -67,6 +68,7 @@ _OPTIONS: Final = (
     "early_stop",
     "respect_saved_tensors_hooks",
     "recompute_state_hooks",
+    "tile",
 )
 
 _MSG_REENTRANT = (
@@ -250,8 +252,10 @@ def _installed(module: nn.Module) -> _ModuleCheckpoint | None:
 
 
 def is_module_checkpointed(module: nn.Module) -> bool:
-    """Whether ``checkpoint_module`` hooks sit on ``module``."""
-    return _installed(module) is not None
+    """Whether ``checkpoint_module`` hooks (or its tiled forward) sit on ``module``."""
+    return _installed(module) is not None or isinstance(
+        module.__dict__.get("forward"), TiledForward
+    )
 
 
 def checkpoint_module(
@@ -265,6 +269,7 @@ def checkpoint_module(
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
     recompute_state_hooks: object = None,
+    tile: Tiling | None = None,
     **unexpected: Any,
 ) -> nn.Module:
     """Checkpoint ``module`` through forward hooks: its activations are recomputed in backward.
@@ -282,6 +287,10 @@ def checkpoint_module(
         preserve_rng_state: as in ``checkpointing.checkpoint(..., use_reentrant=False)``, as
             are ``context_fn``, ``determinism_check``, ``debug``, ``early_stop``,
             ``respect_saved_tensors_hooks`` and ``recompute_state_hooks``.
+        tile: a ``checkpointing.Tiling``: the module is position-wise along ``tile.dim`` and
+            its calls run, and recompute, chunk by chunk (NOTE [Tiled regions]); its
+            parameters are the region's. Its ``forward`` becomes a tiled region instead of
+            hooks; modules known to mix positions (attention, batch norm) are refused.
 
     Returns:
         ``module`` itself.
@@ -304,8 +313,20 @@ def checkpoint_module(
     if not callable(context_fn):
         raise TypeError(_MSG_CONTEXT_FN.format(type_name=type(context_fn).__name__))
     metadata_fn_for(determinism_check)  # Rule 5: a bad value raises its ValueError now
-    if _installed(module) is not None:
+    if is_module_checkpointed(module):
         raise ValueError(_MSG_APPLIED_TWICE.format(type_name=type(module).__name__))
+    if tile is not None:
+        return _tile(
+            module,
+            tile,
+            preserve_rng_state,
+            context_fn,
+            determinism_check,
+            debug,
+            early_stop,
+            respect_saved_tensors_hooks,
+            recompute_state_hooks,
+        )
     state = _ModuleCheckpoint(
         {
             "preserve_rng_state": preserve_rng_state,
@@ -322,6 +343,38 @@ def checkpoint_module(
     module.register_forward_pre_hook(state.pre_hook, with_kwargs=True)
     module.register_forward_hook(state.forward_hook, prepend=True, always_call=True)
     module.forward = _CheckpointedForward(module, module.__dict__.get("forward"), state)  # Rule 6
+    return module
+
+
+def _tile(
+    module: nn.Module,
+    tile: Tiling,
+    preserve_rng_state: bool,
+    context_fn: ContextFn,
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+    respect_saved_tensors_hooks: bool | None,
+    recompute_state_hooks: object,
+) -> nn.Module:
+    """``checkpoint_module(module, tile=...)``: the module's forward becomes a tiled region
+    (NOTE [Tiled regions]); no hooks. Options are checked now (Rule 5)."""
+    api = "checkpointing.checkpoint_module"
+    check_tiling(tile, api)
+    check_tile_options(
+        api,
+        context_fn=context_fn,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        recompute_state_hooks=recompute_state_hooks,
+    )
+    del early_stop  # a tiled region recomputes each chunk whole: nothing to stop early
+    refuse_mixing(module, api)
+    options = {
+        "preserve_rng_state": preserve_rng_state,
+        "determinism_check": determinism_check,
+        "debug": debug,
+    }
+    module.forward = TiledForward(module, module.__dict__.get("forward"), tile, options)
     return module
 
 
@@ -344,6 +397,13 @@ def remove_checkpoint_module(module: nn.Module) -> nn.Module:
         raise TypeError(
             _MSG_NOT_MODULE.format(api="remove_checkpoint_module", type_name=type(module))
         )
+    tiled = module.__dict__.get("forward")
+    if isinstance(tiled, TiledForward):  # tile=: only the forward to put back
+        if tiled.own is None:
+            del module.forward
+        else:
+            module.forward = tiled.own
+        return module
     state = _installed(module)
     if state is None:
         raise ValueError(_MSG_NOT_APPLIED.format(type_name=type(module).__name__))

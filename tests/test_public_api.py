@@ -54,6 +54,11 @@ OWN_NAMES = {
     "saved_tensors_report",
     "sequential_schedule",
     "split_backward",
+    "Tiling",
+    "tiled",
+    "tiled_experts",
+    "tiled_lm_head_loss",
+    "tiled_mlp",
 }
 # Our keyword-only option on torch's generator signatures (user state restored for recompute).
 STATE_HOOKS = ("recompute_state_hooks", inspect.Parameter.KEYWORD_ONLY, None)
