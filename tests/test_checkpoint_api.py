@@ -53,10 +53,11 @@ def _described(parameters: Any, noop: object) -> list[tuple[str, str, Any]]:
 def test_signature_is_torch_2_15s() -> None:
     """Parameter names, kinds and defaults are torch 2.15's on every release (context_fn
     defaults to our no-op, which torch's code also accepts), plus our keyword-only
-    ``recompute_state_hooks=None`` before ``**kwargs``."""
+    ``recompute_state_hooks=None`` and ``tile=None`` before ``**kwargs``."""
     ours = _described(
         inspect.signature(checkpointing.checkpoint).parameters, checkpointing.noop_context_fn
     )
+    assert ours.pop(-2) == ("tile", "KEYWORD_ONLY", None)
     assert ours.pop(-2) == ("recompute_state_hooks", "KEYWORD_ONLY", None)
     assert ours == list(releases.CHECKPOINT_PARAMETERS)
 
@@ -64,11 +65,12 @@ def test_signature_is_torch_2_15s() -> None:
 @releases.needs_torch(releases.RESPECT_HOOKS, "the decorator form and its parameters")
 def test_signature_matches_installed_torch() -> None:
     """Where torch has the newest signature, ours is the very same, plus our keyword-only
-    ``recompute_state_hooks=None`` before ``**kwargs``."""
+    ``recompute_state_hooks=None`` and ``tile=None`` before ``**kwargs``."""
     ours = _described(
         inspect.signature(checkpointing.checkpoint).parameters, checkpointing.noop_context_fn
     )
     theirs = inspect.signature(tc.checkpoint).parameters
+    assert ours.pop(-2) == ("tile", "KEYWORD_ONLY", None)
     assert ours.pop(-2) == ("recompute_state_hooks", "KEYWORD_ONLY", None)
     assert ours == _described(theirs, tc.noop_context_fn)
 
