@@ -23,14 +23,21 @@ def untouched(modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor] = ())
     were, and so are the CPU RNG state and that of every accelerator the modules or ``inputs``
     are on. A buffer is copied back only where its values changed, so that one a live graph
     saved is not bumped for nothing (its version cannot tell: BatchNorm's kernel writes its
-    statistics without moving it). Shared by the planner's profile and
-    ``checkpoint_sequential``'s measuring pass."""
+    statistics without moving it). A ``DistributedDataParallel`` among the modules runs the
+    block under its ``no_sync()``, its switches put back after: its reducer neither counts the
+    block's forwards as iterations nor prepares a reduction for them (a static graph's first
+    iteration would otherwise be one whose backward never reduces). Shared by the planner's
+    profile and ``checkpoint_sequential``'s measuring pass."""
     parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
     buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
     devices = sorted({t.device.index or 0 for t in (*parameters, *buffers, *inputs) if t.is_cuda})
+    replicas = list({id(r): r for m in modules for r in _replicas(m)}.values())
+    switches = [(r, r.require_forward_param_sync) for r in replicas]
     copies = [(b, b.detach().clone()) for b in buffers]
     grads = [(p, p.grad) for p in parameters]
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as quiet:
+        for replica in replicas:
+            quiet.enter_context(replica.no_sync())
         try:
             yield
         finally:
@@ -40,3 +47,12 @@ def untouched(modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor] = ())
                         buffer.copy_(copy)
             for parameter, grad in grads:
                 parameter.grad = grad
+            for replica, forward_sync in switches:
+                replica.require_forward_param_sync = forward_sync
+
+
+def _replicas(module: nn.Module) -> Iterator[nn.parallel.DistributedDataParallel]:
+    """The ``DistributedDataParallel`` wrappers in ``module``, itself included."""
+    for inner in module.modules():
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            yield inner

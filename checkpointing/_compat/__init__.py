@@ -102,6 +102,7 @@ from .graph import (
     raw_saves,
 )
 from .modules import (
+    awaits_first_static_step,
     checkpoint_wrapper,
     default_store,
     forward_pre_hooks,
@@ -142,6 +143,7 @@ __all__ = [
     "argument_index",
     "assume_constant_result",
     "at_backward_end",
+    "awaits_first_static_step",
     "attach_cuda_oom_observer",
     "checkpoint_wrapper",
     "compile_activation_memory_budget",

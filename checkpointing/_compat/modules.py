@@ -57,3 +57,10 @@ def default_store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def awaits_first_static_step(replica: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether ``replica`` (``static_graph=True``) has yet to run the backward of its first
+    iteration, the one whose reduction it delays to record the graph (2.11-2.15:
+    ``DistributedDataParallel._static_graph_delay_allreduce_enqueued``, set by that backward)."""
+    return bool(replica.static_graph) and not replica._static_graph_delay_allreduce_enqueued

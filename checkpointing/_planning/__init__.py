@@ -59,7 +59,7 @@ NOTE [Planner model]
           regions counts twice, except what several checkpointed regions keep, charged once up
           front), and every answer is checked, and finished, against the exact union.
   Rule 8. Profiling leaves the model as found: parameters (values and ``.grad``: gradients go
-          through ``torch.autograd.grad``), buffers (copied back where written: BatchNorm's
+          through ``torch.autograd.grad``, Rule 26), buffers (copied back where written: BatchNorm's
           statistics), CPU and CUDA RNG states (``torch.random.fork_rng``), module hooks
           (removed), and the caller's modes (the profiled steps run with grad enabled, also
           under ``no_grad`` or ``inference_mode``). ``_untouched.untouched`` is the one
@@ -343,12 +343,17 @@ NOTE [Planner model]
           ops are not the region's (the recorder passes them by; they are the sharding's, not
           the plan's). Functional collectives (``_c10d_functional::``, tensor parallelism's)
           make activations and are ops like any other (selective checkpointing keeps them).
-          FSDP2 gathers the parameters for a forward again only once its backward hooks have
-          run, and those run only in a backward that accumulates gradients: where a parameter
-          is a tensor subclass, a measured step runs ``loss.backward()`` and puts every
-          ``.grad`` back after it, instead of ``autograd.grad``. Every rank profiles its own
-          share: FSDP2's rank plans its own rows, a tensor-parallel rank its own shard of the
-          split activations.
+          A measured step differentiates with ``autograd.grad`` with respect to every leaf its
+          graph reaches, FSDP2's gathered parameters included: the whole backward runs, so
+          FSDP2's hooks run and reshard as after a real step, and no ``.grad`` is written, so
+          there is nothing for them to reduce into the sharded gradients (a backward that
+          accumulated, its ``.grad`` put back after, left the root's gathered parameters'
+          reductions in the sharded gradients and added in place to a gradient already there).
+          A ``DistributedDataParallel`` runs the profile under its ``no_sync()`` (``untouched``),
+          so its reducer counts no iteration; one with ``static_graph=True`` that has not run its
+          first step is refused (that step's backward records the graph). Every rank profiles
+          its own share: FSDP2's rank plans its own rows, a tensor-parallel rank its own shard
+          of the split activations.
 
 Rejected: profiling under checkpoint with a save-everything policy (what autograd saves is then
 hidden behind the frame's holders); timing whole steps with every region checkpointed, plainly

@@ -19,6 +19,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from .._compat import awaits_first_static_step
 from .._errors import describe_value
 from .._module import is_module_checkpointed
 from .costs import costs_for
@@ -94,6 +95,13 @@ _MSG_PLANNED = (
     "(a copy of a planned model, by copy.deepcopy or torch.save/load, carries them too), so "
     "profiling would measure the planned step, not the model's own. Fix: plan.remove(model) "
     "with that plan (or a pickled copy of it) before planning again."
+)
+_MSG_STATIC_FIRST = (
+    "checkpointing.plan_checkpointing: {where} is a DistributedDataParallel with "
+    "static_graph=True that has not trained its first step, the one whose backward records the "
+    "graph; the planner's measured steps would be that step and leave the replica's reduction "
+    "wrong. Fix: plan before wrapping (plan.apply(model), then DistributedDataParallel(model, "
+    "static_graph=True)), or after the first training step."
 )
 
 
@@ -177,6 +185,12 @@ def plan_checkpointing(
     if planned is not None:
         where = f"module {planned!r} of the model" if planned else "the model"
         raise ValueError(_MSG_PLANNED.format(where=where))
+    for name, module in model.named_modules():  # Rule 26
+        if isinstance(module, nn.parallel.DistributedDataParallel) and awaits_first_static_step(
+            module
+        ):
+            where = f"module {name!r} of the model" if name else "the model"
+            raise ValueError(_MSG_STATIC_FIRST.format(where=where))
     named = find_regions(model, regions)
     for name, module in named:
         if is_module_checkpointed(module):

@@ -9,7 +9,7 @@ plan compares (Rule 12).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,8 +17,6 @@ from torch import nn
 from .._trees import tensors
 
 __all__ = ["default_loss", "differentiate", "input_shapes", "plain_step", "step_setting"]
-
-_PLAIN: Final = (torch.Tensor, nn.Parameter)  # Rule 26: not a tensor subclass
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -71,15 +69,26 @@ def plain_step(
 
 
 def differentiate(loss: torch.Tensor, wrt: list[torch.Tensor]) -> None:
-    """A measured step's backward; its gradients go nowhere. Plainly ``autograd.grad``; where a
-    parameter is a tensor subclass (FSDP2's and tensor parallelism's ``DTensor``s) a backward
-    that accumulates, with every ``.grad`` of ``wrt`` put back after it (Rule 26)."""
-    if all(type(t) in _PLAIN for t in wrt):
-        torch.autograd.grad(loss, wrt, allow_unused=True)
-        return
-    grads = [(t, t.grad) for t in wrt]
-    try:
-        torch.autograd.backward(loss)
-    finally:
-        for tensor, grad in grads:
-            tensor.grad = grad
+    """A measured step's backward; its gradients go nowhere (Rules 8 and 26): ``autograd.grad``
+    with respect to ``wrt`` and every other leaf the loss's graph reaches (FSDP2's gathered
+    parameters, which exist only during the step), so that the whole backward runs, hooks
+    included, and no ``.grad`` is written: nothing for a sharding's hooks to reduce or
+    accumulate."""
+    torch.autograd.grad(loss, _leaves(loss, wrt), allow_unused=True)
+
+
+def _leaves(loss: torch.Tensor, wrt: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``wrt`` and, after it, the leaves that ``loss``'s graph accumulates into, each once."""
+    found = {id(t): t for t in wrt}
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # an ``AccumulateGrad`` node's tensor
+        if isinstance(leaf, torch.Tensor):
+            found.setdefault(id(leaf), leaf)
+        stack.extend(following for following, _index in node.next_functions)
+    return list(found.values())
