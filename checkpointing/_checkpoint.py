@@ -18,6 +18,7 @@ from typing import Any, Final, TypeVar, overload
 import torch
 
 from . import _compat, _compiled
+from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._errors import describe_value
 from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
 from ._reentrant import CheckpointFunction
@@ -107,7 +108,7 @@ def checkpoint(
     *args: Any,
     use_reentrant: bool | None = None,
     preserve_rng_state: bool = True,
-    context_fn: ContextFn = noop_context_fn,
+    context_fn: ContextFnOrPolicy = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
@@ -124,7 +125,7 @@ def checkpoint(
     *,
     use_reentrant: bool | None = None,
     preserve_rng_state: bool = True,
-    context_fn: ContextFn = noop_context_fn,
+    context_fn: ContextFnOrPolicy = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
@@ -139,7 +140,7 @@ def checkpoint(
     *args: Any,
     use_reentrant: bool | None = None,
     preserve_rng_state: bool = True,
-    context_fn: ContextFn = noop_context_fn,
+    context_fn: ContextFnOrPolicy = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
@@ -162,7 +163,8 @@ def checkpoint(
             reentrant ``CheckpointFunction``. Omitted: warns and uses ``True``, as torch.
         preserve_rng_state: restore the RNG state of the forward for recompute.
         context_fn: returns two context managers, entered around forward and recompute
-            (non-reentrant only); see ``create_selective_checkpoint_contexts``.
+            (non-reentrant only); see ``create_selective_checkpoint_contexts``. Ours also
+            takes a policy (``save_matmuls()``) or a policy's name (``"save_matmuls"``).
         determinism_check: ``"default"`` compares shape, dtype and device of recomputed
             tensors with the forward's; ``"none"`` skips that.
         debug: on a mismatch, report the ops run in forward and recompute and the first
@@ -194,6 +196,8 @@ def checkpoint(
         >>> block(x).sum().backward()
     """
     check_use_reentrant(use_reentrant, _API)
+    if context_fn is not noop_context_fn:  # See NOTE [Context functions], Rule 4
+        context_fn = context_fn_from(context_fn, _API)
     if function is None and not args:
         if kwargs:
             raise ValueError(_MSG_DECORATOR_KWARGS.format(names=",".join(kwargs)))

@@ -52,6 +52,7 @@ from torch import nn
 
 from . import _compat, _compiled
 from ._checkpoint import check_use_reentrant
+from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
 from ._frame import checkpoint_without_reentrant_generator_impl, stop_recompute
@@ -102,7 +103,8 @@ _MSG_REMOVE_IN_FORWARD = (
 )
 _MSG_CONTEXT_FN = (
     "checkpointing.checkpoint_module: context_fn must be callable and return two context "
-    "managers, got {type_name}. Fix: pass e.g. functools.partial("
+    "managers (or be a policy, or a policy's name), got {type_name}. Fix: pass e.g. "
+    "context_fn=checkpointing.policies.save_matmuls(), or functools.partial("
     "create_selective_checkpoint_contexts, policy)."
 )
 
@@ -263,7 +265,7 @@ def checkpoint_module(
     *,
     use_reentrant: bool = False,
     preserve_rng_state: bool = True,
-    context_fn: ContextFn = noop_context_fn,
+    context_fn: ContextFnOrPolicy = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
@@ -310,6 +312,7 @@ def checkpoint_module(
         raise ValueError(
             _MSG_UNEXPECTED.format(names=",".join(unexpected), allowed=", ".join(_OPTIONS))
         )
+    context_fn = context_fn_from(context_fn, "checkpointing.checkpoint_module")
     if not callable(context_fn):
         raise TypeError(_MSG_CONTEXT_FN.format(type_name=type(context_fn).__name__))
     metadata_fn_for(determinism_check)  # Rule 5: a bad value raises its ValueError now

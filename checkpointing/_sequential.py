@@ -39,6 +39,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _compat, _compiled
 from ._checkpoint import check_use_reentrant, checkpoint
+from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._errors import describe_value
 from ._schedule import (
     STRATEGIES,
@@ -162,7 +163,7 @@ def checkpoint_sequential(
     strategy: StrategyName | SequentialSchedule = "torch",
     budget: int | None = None,
     costs: Sequence[LayerCost] | None = None,
-    context_fn: ContextFn = noop_context_fn,
+    context_fn: ContextFnOrPolicy = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
@@ -214,6 +215,8 @@ def checkpoint_sequential(
     if use_reentrant is None:
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
+    if context_fn is not noop_context_fn:  # NOTE [Context functions], Rule 4: turned once
+        context_fn = context_fn_from(context_fn, _API_SEQUENTIAL)
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs:
         raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))

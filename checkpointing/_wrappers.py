@@ -63,6 +63,7 @@ from torch import nn
 
 from . import _compat
 from ._checkpoint import CHECKPOINT_OPTIONS, check_use_reentrant, checkpoint, hooks_read_once
+from ._context_fn import context_fn_from
 from ._host_saves import SavingOnHost
 from ._state import is_recomputing
 
@@ -136,6 +137,8 @@ def checked_options(api: str, checkpoint_impl: object, options: dict[str, Any]) 
     elif reentrant and not use_reentrant:
         raise ValueError(_MSG_IMPL_CONFLICT.format(api=api))
     checked = {**options, "use_reentrant": bool(use_reentrant)}
+    if "context_fn" in options:  # NOTE [Context functions], Rule 4: turned once
+        checked["context_fn"] = context_fn_from(options["context_fn"], f"checkpointing.{api}")
     if options.get("recompute_state_hooks") is not None:  # Rule 8
         checked["recompute_state_hooks"] = hooks_read_once(
             options["recompute_state_hooks"], f"checkpointing.{api}"

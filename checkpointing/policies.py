@@ -402,8 +402,30 @@ def both(*policies: Policy) -> Policy:
     return _combined(_policies_of("both", policies), min, "both")
 
 
+# The policies a name stands for: those that take no arguments. The one table of names, read
+# by ``as_context_fn("save_matmuls")``, by every ``context_fn="save_matmuls"`` and by
+# ``integrations.transformers.enable(policy="save_matmuls")``: a configuration file or a command
+# line can carry a name where it cannot carry an object.
+_NAMED: Final[dict[str, Callable[[], Policy]]] = {
+    factory.__name__: factory
+    for factory in (save_attention, save_everything, save_matmuls, save_nothing, save_routing)
+}
+
+
+def _named(api: str, name: str, parameter: str = "policy") -> Policy:
+    """The policy ``name`` stands for, or the error listing the names (``parameter``: how the
+    caller's argument is spelled in the fix)."""
+    factory = _NAMED.get(name)
+    if factory is None:
+        names = ", ".join(map(repr, sorted(_NAMED)))
+        raise ValueError(
+            _MSG_POLICY_NAME.format(api=api, got=name, names=names, parameter=parameter)
+        )
+    return factory()
+
+
 def as_context_fn(
-    policy: Policy | list[Op],
+    policy: Policy | list[Op] | str,
     *,
     allow_cache_entry_mutation: bool = False,
     offload_stats: OffloadStats | None = None,
@@ -411,7 +433,10 @@ def as_context_fn(
     """The ``context_fn`` that runs a checkpointed region under ``policy``.
 
     Shorthand for ``functools.partial(create_selective_checkpoint_contexts, policy, ...)``,
-    validated now rather than at the first forward. Default: mutation of a saved output is an
+    validated now rather than at the first forward. ``policy`` may also be the name of a policy
+    that takes no arguments (``"save_matmuls"``, ``"save_attention"``, ``"save_routing"``,
+    ``"save_everything"``, ``"save_nothing"``: the names ``integrations.transformers.enable``
+    takes too); an unknown name is an error listing them. Default: mutation of a saved output is an
     error (as in torch), and offloaded bytes go to a fresh ``OffloadStats`` per region unless
     you pass one to add them up.
 
@@ -425,6 +450,8 @@ def as_context_fn(
     """
     # Build one pair now, so that a bad argument fails here and not at the first forward; a
     # list becomes its policy once, so every region shares that policy's per-op plans.
+    if isinstance(policy, str):
+        policy = _named("checkpointing.policies.as_context_fn", policy)
     _reject_factory("as_context_fn", policy)
     create_selective_checkpoint_contexts(
         policy, allow_cache_entry_mutation, offload_stats=offload_stats
@@ -457,6 +484,12 @@ _GOT_VALUE = "{value!r} of type {type}"
 _GOT_FACTORY = (
     "the factory {name} itself, which makes a policy but is not one (the first forward would "
     "fail inside torch)"
+)
+_MSG_POLICY_NAME = (
+    "{api}: unknown policy name {got!r}; expected one of {names} (the policies of "
+    "checkpointing.policies that take no arguments) or a policy object. Fix: pass e.g. "
+    "{parameter}='save_attention', or a policy with arguments as an object, e.g. "
+    "{parameter}=checkpointing.policies.save_ops(torch.ops.aten.mm)."
 )
 _MSG_NO_POLICY = (
     "checkpointing.policies.{api}: expected at least one policy, got none. Fix: pass the "

@@ -385,6 +385,25 @@ MISTAKES: dict[str, Mistake] = {
         TypeError,
         ("checkpointing.checkpoint_wrapper: use_reentrant must be True or False", "Fix"),
     ),
+    "context_fn: an unknown policy name": Mistake(
+        lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=False, context_fn="save_attn"),
+        ValueError,
+        (
+            "checkpointing.checkpoint: unknown policy name 'save_attn'",
+            "'save_attention', 'save_everything', 'save_matmuls'",
+            "Fix: pass e.g. context_fn='save_attention'",
+        ),
+    ),
+    "as_context_fn: an unknown policy name": Mistake(
+        lambda m: policies.as_context_fn("save_attn"),
+        ValueError,
+        ("policies.as_context_fn: unknown policy name 'save_attn'", "'save_matmuls'", "Fix"),
+    ),
+    "context_fn: a policy factory passed uncalled": Mistake(
+        lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=False, context_fn=save_matmuls),
+        TypeError,
+        ("context_fn got the policy factory", "Fix: call it, context_fn=save_matmuls()"),
+    ),
     "unknown kwargs, reentrant": Mistake(
         lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=True, scale=2),
         ValueError,

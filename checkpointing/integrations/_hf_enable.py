@@ -81,7 +81,9 @@ NOTE [transformers integration]
           no arguments (``"save_attention"``, ``"save_matmuls"``, ...), the spelling a
           configuration file or a command line can carry; the name becomes that factory's
           policy when ``enable`` checks its options (Rule 4), and an unknown name is an error
-          listing the names. A policy with arguments is passed as the object.
+          listing the names. A policy with arguments is passed as the object. The table of
+          names is ``checkpointing.policies``' own: ``as_context_fn`` and every ``context_fn=``
+          take the same names.
   Rule 13. A model with experts (its text config counts more than one in
           ``num_local_experts``, ``num_experts``, ``n_routed_experts`` or ``moe_num_experts``)
           keeps its routing (NOTE [Routing ops]): its layers run under ``save_routing()``, or
@@ -113,13 +115,11 @@ from .._errors import internal_error
 from .._planning import ActivationPlan
 from .._state import ContextFn
 from ..policies import (
+    _NAMED,
     Policy,
+    _named,
     as_context_fn,
     either,
-    save_attention,
-    save_everything,
-    save_matmuls,
-    save_nothing,
     save_routing,
 )
 from ._hf_budget import check_no_plan, has_plan, install_plan, remove_plan
@@ -151,19 +151,8 @@ _MSG_HOOK_IGNORED = (
 )
 _WHY_OLD_HOOK = "its hook takes `value`, the format of transformers < 4.35, and no function"
 _WHY_OVERRIDE = "its hook is overridden and checkpoints some other way"
-# Rule 12: the policies ``policy=`` takes by name.
-_NAMED_POLICIES: dict[str, Callable[[], Policy]] = {
-    factory.__name__: factory
-    for factory in (save_attention, save_everything, save_matmuls, save_nothing, save_routing)
-}
 # Rule 13: the config attributes that count a model's experts.
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_MSG_POLICY_NAME = (
-    "{api}: unknown policy name {got!r}; expected one of {names} (the policies of "
-    "checkpointing.policies that take no arguments) or a policy object. Fix: pass e.g. "
-    "policy='save_attention', or a policy with arguments as an object, e.g. "
-    "policy=checkpointing.policies.save_ops(torch.ops.aten.mm)."
-)
 _MSG_UNKNOWN_OPTION = (
     "{api}: unknown checkpoint option(s) {names}; expected some of {allowed} (or policy=, "
     "every_n_layers=, budget=, example_inputs=, example_kwargs=, loss_fn=). Fix: pass only "
@@ -489,7 +478,7 @@ def check_options(
     describe a budget's step (example inputs, loss function), by name."""
     _check_known(api, checkpoint_options)
     if isinstance(policy, str):
-        policy = _named_policy(api, policy)
+        policy = _named(api, policy)  # Rule 12
     if budget is not None:
         conflict = _budget_conflict(policy, every_n, checkpoint_options)
         if conflict is not None:
@@ -540,19 +529,10 @@ def _with_routing(policy: Policy | str | None) -> Policy | str:
     if policy is None:
         return save_routing()
     if isinstance(policy, str):
-        if policy not in _NAMED_POLICIES:
+        if policy not in _NAMED:
             return policy
-        policy = _NAMED_POLICIES[policy]()
+        policy = _NAMED[policy]()
     return either(policy, save_routing())
-
-
-def _named_policy(api: str, name: str) -> Policy:
-    """Rule 12: the policy a name stands for, or the error listing the names."""
-    factory = _NAMED_POLICIES.get(name)
-    if factory is None:
-        names = ", ".join(map(repr, sorted(_NAMED_POLICIES)))
-        raise ValueError(_MSG_POLICY_NAME.format(api=api, got=name, names=names))
-    return factory()
 
 
 def _check_known(api: str, checkpoint_options: dict[str, Any]) -> None:
