@@ -289,6 +289,12 @@ def run(
         models[name] = copy.deepcopy(model)
         install(models[name])
     nbytes = {name: kept(m, x) for name, m in models.items()}
+    # The plan at each hand policy's own bytes (an int budget): the comparison at equal memory.
+    at_hand = {n: checkpointing.plan_checkpointing(model, x, budget=nbytes[n]) for n in HAND}
+    for n, plan in at_hand.items():
+        models[f"plan at {n}"] = copy.deepcopy(model)
+        plan_installer(plan)(models[f"plan at {n}"])
+        nbytes[f"plan at {n}"] = kept(models[f"plan at {n}"], x)
     for m in models.values():
         for _ in range(WARM_STEPS):
             step(m, x)
@@ -304,6 +310,7 @@ def run(
             fastest = fitting[0][0]
             contenders[budget] = [n for s, n in fitting if s <= fastest * (1 + CONTENDER_MARGIN)]
     comparisons = [AA] + [(f"plan {b}", n) for b, names in contenders.items() for n in names]
+    comparisons += [(f"plan at {n}", n) for n in HAND]
     ratios, samples = quads(models, x, comparisons, rounds)
     gc.unfreeze()
     return {
@@ -311,6 +318,7 @@ def run(
         "baseline": reference.baseline_bytes,
         "floor": reference.floor_bytes,
         "plans": plans,
+        "at_hand": at_hand,
         "bytes": nbytes,
         "hand_seconds": hand_seconds,
         "contenders": contenders,
@@ -332,6 +340,8 @@ def relative_times(result: dict[str, Any]) -> dict[str, float]:
             times[name] = statistics.median(samples[name]) / statistics.median(samples["none"])
         else:
             times[name] = times[hand] * result["ratios"][(name, hand)].median
+    for hand in result["at_hand"]:
+        times[f"plan at {hand}"] = times[hand] * result["ratios"][(f"plan at {hand}", hand)].median
     return times
 
 
@@ -348,7 +358,7 @@ def table(result: dict[str, Any]) -> list[str]:
     control = result["ratios"][AA]
     relative = relative_times(result)
     lines = [
-        f"### {result['key']}: the plan against the best hand policy that fits",
+        f"#### {result['key']}: the plan against the best hand policy that fits",
         "",
         f"Bytes kept without checkpointing: {base:,}; smallest reachable: {result['floor']:,}. "
         f"A/A control (none / none again): {control} ({control.count} quads).",
@@ -383,15 +393,39 @@ def table(result: dict[str, Any]) -> list[str]:
         + ", ".join(f"{n} {nbytes[n]:,} B / {relative[n]:.3f}" for n in ("none", *HAND))
         + "."
     )
+    lines += [
+        "",
+        f"{_AT_HAND_HEADING} ({result['key'].split(' ')[0]})",
+        "",
+        "| hand policy | its kept bytes | its step / none | plan: kept bytes | plan: regions | "
+        "plan: step / none | plan / hand, median [95 % CI] | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for hand, plan in result["at_hand"].items():
+        name = f"plan at {hand}"
+        ratio = result["ratios"][(name, hand)]
+        lines.append(
+            f"| {hand} | {nbytes[hand]:,} | {relative[hand]:.3f} | {nbytes[name]:,} | "
+            f"{describe(plan)} | {relative[name]:.3f} | {ratio} | {verdict(ratio, control)} |"
+        )
     return lines
 
 
-Panel = tuple[str, int, list[tuple[float, int, float]], dict[str, tuple[int, float]]]
+Panel = tuple[
+    str,
+    int,
+    list[tuple[float, int, float]],
+    dict[str, tuple[int, float]],
+    dict[str, tuple[int, float]],
+]
 """One workload's plot: its title, the bytes kept without checkpointing, the plans (budget,
-kept bytes, step / none) and the hand policies (kept bytes, step / none) by name."""
+kept bytes, step / none), the hand policies (kept bytes, step / none) by name, and the plan
+at each hand policy's own bytes (kept bytes, step / none) by that policy's name."""
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-_RECORDED = "## Memory-budget planning: plan_checkpointing against hand policies"
+# The plot reads the latest run, recorded under this heading with "#### W1"/"#### W2" parts.
+_RECORDED = "### Rerun: the plan also at each hand policy's own bytes"
+_AT_HAND_HEADING = "**The plan at each hand policy's own bytes**"
 _HAND_POINT = re.compile(r"([A-Za-z0-9_ ]+?) ([\d,]+) B / (\d+\.\d+)")
 
 
@@ -400,37 +434,47 @@ def panel_of(result: dict[str, Any]) -> Panel:
     nbytes, relative = result["bytes"], relative_times(result)
     plans = [(b, nbytes[f"plan {b}"], relative[f"plan {b}"]) for b in sorted(result["plans"])]
     hands = {name: (nbytes[name], relative[name]) for name in ("none", *HAND)}
-    return result["key"], result["baseline"], plans, hands
+    at_hand = {n: (nbytes[f"plan at {n}"], relative[f"plan at {n}"]) for n in HAND}
+    return result["key"], result["baseline"], plans, hands, at_hand
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
 def recorded_panels(results: Path = RESULTS) -> list[Panel]:
-    """The W1 and W2 tables recorded in ``RESULTS.md`` (the section named above), as panels."""
+    """The W1 and W2 tables of the run recorded in ``RESULTS.md`` under the heading named
+    above, as panels."""
     text = results.read_text()
-    section = text[text.index(_RECORDED) :]
+    section = text[text.index(_RECORDED) :].split("\n## ")[0]
     panels = []
-    for part in section.split("\n### ")[1:3]:
+    for part in section.split("\n#### ")[1:3]:
         key = part.split(":", 1)[0].strip()
         baseline = int(re.search(r"without checkpointing: ([\d,]+)", part)[1].replace(",", ""))  # type: ignore[index]  # the recorded text has it
-        plans = []
+        plans, at_hand = [], {}
         for line in part.splitlines():
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            cells = _cells(line)
             if len(cells) == 8 and re.fullmatch(r"[\d.]+", cells[0]) and cells[1][:1].isdigit():
                 plans.append((float(cells[0]), int(cells[1].replace(",", "")), float(cells[3])))
+            if len(cells) == 8 and cells[0] in HAND:
+                at_hand[cells[0]] = (int(cells[3].replace(",", "")), float(cells[5]))
         hand_text = " ".join(part[part.index("Hand policies") :].split("\n\n")[0].split())
         hand_text = hand_text.split(":", 1)[1]
         hands = {
             m[1].strip(): (int(m[2].replace(",", "")), float(m[3]))
             for m in _HAND_POINT.finditer(hand_text)
         }
-        panels.append((key, baseline, plans, hands))
+        panels.append((key, baseline, plans, hands, at_hand))
     if len(panels) != 2:
         raise SystemExit(f"expected the W1 and W2 tables under {_RECORDED!r} in {results}")
     return panels
 
 
 def plot(panels: list[Panel], path: Path) -> None:
-    """Step time against kept bytes: the plans as a line (each point marked with its budget),
-    each hand policy a marker of its own, named in the legend."""
+    """Step time against kept bytes: the plans at the budgets 0.1-0.9 as a line (each point
+    marked with its budget); each hand policy a marker of its own, named in the legend, joined
+    by a dotted line to the plan made at that policy's own bytes (a hollow circle), so that
+    each hand policy is compared with the plan at equal memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -438,10 +482,10 @@ def plot(panels: list[Panel], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.6), squeeze=False)
     markers = ("s", "D", "^", "v", "P", "X", "h", "<")
-    for ax, (key, baseline, plans, hands) in zip(axes[0], panels, strict=True):
+    for ax, (key, baseline, plans, hands, at_hand) in zip(axes[0], panels, strict=True):
         xs = [kept / baseline for _, kept, _ in plans]
         ys = [ratio for _, _, ratio in plans]
-        ax.plot(xs, ys, "o-", color="tab:blue", label="plan_checkpointing (measured)", zorder=3)
+        ax.plot(xs, ys, "o-", color="tab:blue", label="plan at budget 0.1 ... 0.9", zorder=3)
         for (budget, _, _), x, y in zip(plans, xs, ys, strict=True):
             ax.annotate(
                 f"{budget:g}",
@@ -454,17 +498,48 @@ def plot(panels: list[Panel], path: Path) -> None:
                 color="tab:blue",
             )
         for index, (name, (kept, ratio)) in enumerate(hands.items()):
+            color = plt.get_cmap("tab10")(index + 1)
+            if name in at_hand:
+                plan_kept, plan_ratio = at_hand[name]
+                ax.plot(
+                    [kept / baseline, plan_kept / baseline],
+                    [ratio, plan_ratio],
+                    ":",
+                    color=color,
+                    linewidth=1.5,
+                    zorder=2,
+                )
+                ax.scatter(
+                    plan_kept / baseline,
+                    plan_ratio,
+                    marker="o",
+                    s=70,
+                    facecolors="white",
+                    edgecolors=color,
+                    linewidths=1.8,
+                    zorder=4,
+                )
             ax.scatter(
                 kept / baseline,
                 ratio,
                 marker=markers[index % len(markers)],
                 s=60,
-                color=plt.get_cmap("tab10")(index + 1),
+                color=color,
                 edgecolors="white",
                 linewidths=0.6,
                 label=name,
-                zorder=4,
+                zorder=5,
             )
+        ax.scatter(
+            [],
+            [],
+            marker="o",
+            s=70,
+            facecolors="white",
+            edgecolors="gray",
+            linewidths=1.8,
+            label="plan at that policy's bytes (dotted)",
+        )
         ax.set_title(key, fontsize=10)
         ax.margins(x=0.1)  # room for the budget labels left of the points
         ax.set_xlabel(
@@ -476,7 +551,12 @@ def plot(panels: list[Panel], path: Path) -> None:
         ax.legend(
             fontsize=8, loc="upper right", title="blue labels: plan budgets", title_fontsize=8
         )
-    fig.suptitle("plan_checkpointing against hand-written policies: step time against memory kept")
+    fig.suptitle(
+        "plan_checkpointing against hand-written policies: step time against memory kept\n"
+        "(compare each hand policy with the hollow circle its dotted line leads to: "
+        "the plan at the same bytes)",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
