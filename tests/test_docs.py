@@ -16,8 +16,12 @@ for the tiny model or tensors that a fragment on the page assumes.
 
 from __future__ import annotations
 
+import html
 import importlib.util
+import json
+import os
 import re
+import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
@@ -218,3 +222,162 @@ def test_troubleshooting_catalogue_shows_each_message_whole() -> None:
     for name, text in catalogued:
         module, _, constant = f"checkpointing.{name}".rpartition(".")
         assert getattr(importlib.import_module(module), constant) == text, name
+
+
+# The site, built once into a temporary directory (a few seconds; the docs group, which the test
+# group includes, has MkDocs). It must read from disk and offline: air-gapped clusters read it
+# from a copy of site/, opened as file:// pages.
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``mkdocs build --strict`` into a temporary directory: the built site."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]
+    done = subprocess.run(build, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _built_pages(site: Path) -> list[Path]:
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) >= 25, pages
+    return pages
+
+
+_TAG = re.compile(r"<(?P<tag>script|link|img|a)\b(?P<attrs>[^>]*)>", flags=re.IGNORECASE)
+_ATTR = re.compile(r'\b(?P<name>src|href|rel)="(?P<value>[^"]*)"')
+_CSS_URL = re.compile(r"""@import\s+(?:url\()?["']?(?P<a>[^"')\s;]+)|url\(\s*["']?(?P<b>[^"')]+)""")
+
+
+def _references(page: Path) -> list[tuple[str, dict[str, str]]]:
+    """The (tag, attributes) of every script, link, img and a element of a built page."""
+    found = []
+    for tag in _TAG.finditer(page.read_text()):
+        attrs = {m["name"]: html.unescape(m["value"]) for m in _ATTR.finditer(tag["attrs"])}
+        found.append((tag["tag"].lower(), attrs))
+    return found
+
+
+def _is_web(url: str) -> bool:
+    return re.match(r"(https?:)?//", url) is not None
+
+
+def test_site_loads_nothing_from_the_web(site: Path) -> None:
+    """No script, stylesheet, font, icon or preconnect comes from the web: no <script src> or
+    <link href> with an http(s) URL, no @import or url() of one in the CSS (page text may link
+    to other sites; those are <a> elements)."""
+    loaded = []
+    for page in _built_pages(site):
+        for tag, attrs in _references(page):
+            url = attrs.get("src" if tag in ("script", "img") else "href", "")
+            if tag != "a" and _is_web(url):
+                loaded.append(f"{page.relative_to(site)}: <{tag}> {url}")
+        for style in re.findall(r"<style\b[^>]*>(.*?)</style>", page.read_text(), flags=re.S):
+            loaded += [
+                f"{page.name}: {u}"
+                for m in _CSS_URL.finditer(style)
+                if _is_web(u := m["a"] or m["b"])
+            ]
+    for sheet in site.rglob("*.css"):
+        urls = [m["a"] or m["b"] for m in _CSS_URL.finditer(sheet.read_text())]
+        loaded += [f"{sheet.relative_to(site)}: {u}" for u in urls if _is_web(u)]
+    assert loaded == []
+
+
+def test_site_links_name_files(site: Path) -> None:
+    """Every internal href and src of every page names an existing file, relative to the page:
+    from disk, a link to a directory opens a directory listing, not the page."""
+    broken = []
+    # 404.html is what a server answers for a missing page, from any depth: its links are
+    # absolute paths on purpose, and a reader on disk never meets it.
+    for page in [p for p in _built_pages(site) if p.name != "404.html"]:
+        for tag, attrs in _references(page):
+            for name in ("href", "src"):
+                url = attrs.get(name)
+                if url is None or _is_web(url) or re.match(r"[a-z]+:", url):  # mailto:, data:
+                    continue
+                path = url.split("#")[0].split("?")[0]
+                if not path:  # an anchor on the same page
+                    continue
+                if not (page.parent / path).is_file():
+                    broken.append(f"{page.relative_to(site)}: <{tag} {name}={url!r}>")
+    assert broken == []
+
+
+def test_site_search_works_without_a_server(site: Path) -> None:
+    """Search from file://: the index is also a script (``var __index = ...``, which the theme
+    loads when the page is a file), and every page loads the local Web Worker stand-in before
+    the theme's bundle (browsers refuse workers on file:// pages); the worker's script exists."""
+    index = (site / "search" / "search_index.js").read_text()
+    prefix = "var __index = "
+    assert index.startswith(prefix)
+    assert len(json.loads(index[len(prefix) :])["docs"]) >= 100
+    for page in [p for p in _built_pages(site) if p.name != "404.html"]:  # as above
+        scripts = [a["src"] for tag, a in _references(page) if tag == "script" and "src" in a]
+        shim = next(i for i, src in enumerate(scripts) if src.endswith("iframe-worker/shim.js"))
+        bundle = next(i for i, src in enumerate(scripts) if "javascripts/bundle." in src)
+        assert shim < bundle, page
+        config = re.search(
+            r'<script id="__config" type="application/json">(.*?)</script>',
+            page.read_text(),
+            flags=re.S,
+        )
+        assert config is not None, page
+        settings = json.loads(config[1])
+        assert (page.parent / settings["search"]).is_file(), page  # relative to the page
+
+
+def test_site_diagrams_are_pictures(site: Path) -> None:
+    """The mental model's diagram is an SVG file the page shows as an image, not diagram source
+    for a script from the web to render; no page has such source."""
+    for page in _built_pages(site):
+        assert 'class="mermaid"' not in page.read_text(), page
+        assert "flowchart LR" not in page.read_text(), page
+    images = [a["src"] for tag, a in _references(site / "mental-model.html") if tag == "img"]
+    assert "diagrams/kept-recomputed.svg" in images
+    assert (site / "diagrams" / "kept-recomputed.svg").read_text().startswith("<svg ")
+
+
+def test_diagram_is_what_its_script_draws() -> None:
+    """docs/diagrams/kept-recomputed.svg is the output of the script beside it (edit the script,
+    run it, commit both)."""
+    spec = importlib.util.spec_from_file_location(
+        "diagram", ROOT / "docs/diagrams/kept_recomputed.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.TARGET.read_text() == module.render()
+
+
+# Code blocks fit the page's column: a reader sees every line without scrolling sideways. The
+# theme's column at its default font (a 20 px rem; the page at most 61 rem wide, less two
+# sidebars of 12.1 rem and margins of 1.2 rem): 688 px; less a code block's padding (1.18 em
+# each side of 13.6 px code): 656 px, 80 characters of a monospace font 0.6 em wide. 76 leaves
+# room for the indent of a list item or an admonition (about 30 px) and the copy button.
+CODE_COLUMNS = 76
+_CODE_BLOCK = re.compile(r'<div class="(?P<classes>[^"]*)"><pre\b[^>]*>(?P<body>.*?)</pre>', re.S)
+
+
+def test_site_code_blocks_fit_the_column(site: Path) -> None:
+    """Every line of every code block of the site is at most ``CODE_COLUMNS`` characters,
+    except in blocks that wrap (the troubleshooting page's messages, one long line each)."""
+    wide = []
+    for page in _built_pages(site):
+        blocks = list(_CODE_BLOCK.finditer(page.read_text()))
+        for block in blocks:
+            if "wrap" in block["classes"].split():
+                continue
+            text = html.unescape(re.sub(r"<[^>]+>", "", block["body"]))
+            wide += [
+                f"{page.relative_to(site)}: {line}"
+                for line in text.splitlines()
+                if len(line) > CODE_COLUMNS
+            ]
+    assert wide == []
+    wrapping = (site / "troubleshooting.html").read_text()
+    assert wrapping.count('<div class="wrap highlight">') >= 100
+    assert "white-space: pre-wrap" in (site / "assets" / "site.css").read_text()

@@ -99,7 +99,8 @@ def catalogue() -> str:
     for area, items in messages().items():
         parts += [f"### {area}", ""]
         for name, text in items:
-            parts += [f"`{name}`", "", "```text", text.strip(), "```", ""]
+            # A message is one long line: "wrap" blocks wrap (docs/assets/site.css).
+            parts += [f"`{name}`", "", "```{.text .wrap}", text.strip(), "```", ""]
     return "\n".join(parts)
 
 
