@@ -3,10 +3,17 @@
 Run: python examples/01_main_demo.py
 """
 
-import torch
-from torch import nn
+import warnings
 
-import checkpointing
+# The README's command installs torch alone, and torch warns "Failed to initialize NumPy" at
+# import when NumPy is missing. Nothing here uses NumPy, so that warning is silenced: it would
+# open the demo's output with a message that has nothing to do with checkpointing.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+import torch  # noqa: E402 (after the filter: the warning comes from this import)
+from torch import nn  # noqa: E402
+
+import checkpointing  # noqa: E402
 
 STEPS, BATCH, WIDTH, LAYERS, PER_BLOCK = 3, 64, 256, 8, 2
 

@@ -381,3 +381,86 @@ def test_site_code_blocks_fit_the_column(site: Path) -> None:
     wrapping = (site / "troubleshooting.html").read_text()
     assert wrapping.count('<div class="wrap highlight">') >= 100
     assert "white-space: pre-wrap" in (site / "assets" / "site.css").read_text()
+
+
+def _shell_blocks(path: Path) -> list[list[str]]:
+    """The lines of every ```bash block of ``path``."""
+    blocks, current = [], None
+    for line in path.read_text().splitlines():
+        if current is None and line.strip() == "```bash":
+            current = []
+        elif current is not None and line.strip() == "```":
+            blocks.append(current)
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_group_installs_upgrade_pip_first() -> None:
+    """A command that installs a dependency group (``--group``, pip 25.1 or newer) upgrades pip
+    first, in the same block: a fresh virtualenv's pip (23.x) refuses the option."""
+    late = []
+    for page in PAGES:
+        for block in _shell_blocks(page):
+            upgraded = False
+            for line in block:
+                upgraded = upgraded or 'pip install "pip>=25.1"' in line.split("--group")[0]
+                if "--group" in line and not upgraded:
+                    late.append(f"{_name(page)}: {line}")
+    assert late == []
+    assert sum("--group" in line for b in _shell_blocks(ROOT / "README.md") for line in b) >= 2
+
+
+def test_readme_says_why_with_a_measured_number() -> None:
+    """The front page says why this library over torch's with a measured number and its
+    source in benchmarks/RESULTS.md."""
+    readme = (ROOT / "README.md").read_text()
+    why = next(p for p in readme.split("\n\n") if p.startswith("Why not `torch.utils.checkpoint`"))
+    assert re.search(r"\d+ ?(MiB|GiB|x)\b", why), why
+    assert "benchmarks/RESULTS.md" in why
+
+
+def test_main_demo_prints_no_numpy_warning() -> None:
+    """The README's first command installs torch without NumPy: the demo's output does not open
+    with torch's "Failed to initialize NumPy" warning (NumPy is hidden from this run)."""
+    demo = ROOT / "examples" / "01_main_demo.py"
+    hide = (
+        "import runpy, sys; sys.modules['numpy'] = None; "
+        "runpy.run_path(sys.argv[1], run_name='__main__')"
+    )
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", hide, str(demo)],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "identical" in done.stdout
+    assert "NumPy" not in done.stderr, done.stderr
+
+
+def test_choose_names_every_recipe_of_the_policies_page() -> None:
+    """ "Which tool do I use?" has a row for each ready-made policy the policies page teaches
+    (``save_attention()``, ``save_routing()``, ...), except the two units of combining."""
+    taught = set(re.findall(r"`(save_\w+)\(\)`", (ROOT / "docs/guide/policies.md").read_text()))
+    taught -= {"save_everything", "save_nothing"}
+    assert {"save_matmuls", "save_attention", "save_routing"} <= taught
+    choose = (ROOT / "docs" / "choose.md").read_text()
+    assert [name for name in sorted(taught) if f"policies.{name}()" not in choose] == []
+
+
+def test_pages_define_the_workloads_they_name() -> None:
+    """A page that names a benchmark workload (W1 ... W5) says on that page what it is, by its
+    size ("W1: 32 x ...", "W2 (4 x ...", "W3: 200 tiny ops"): the names stand for models of
+    different sizes in different benchmarks (benchmarks/run.py, benchmarks/planner.py)."""
+    undefined = []
+    for page in PAGES:
+        text = page.read_text()
+        for name in sorted(set(re.findall(r"\bW[1-5]\b", text))):
+            if not re.search(rf"\b{name}\b[^.\n]{{0,6}}\d+ (x|tiny) ", text):
+                undefined.append(f"{_name(page)}: {name}")
+    assert undefined == []

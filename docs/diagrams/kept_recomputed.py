@@ -26,7 +26,14 @@ BACKWARD = ("#fff3e0", "#e65100")
 Box = tuple[float, float, float, float]  # x, y, width, height
 
 
-def _box(x: float, y: float, w: float, h: float, lines: list[str], colours: tuple[str, str]) -> str:
+def _box(
+    x: float,
+    y: float,
+    w: float,
+    h: float,
+    lines: list[str],
+    colours: tuple[str, str],
+) -> str:
     fill, stroke = colours
     top = y + h / 2 - (len(lines) - 1) * LINE / 2 + FONT * 0.35
     text = "".join(
@@ -73,14 +80,24 @@ def render() -> str:
             row,
             w,
             h,
-            ["ops inside the region:", "saved tensors become", "small holders"],
+            [
+                "ops inside the region:",
+                "saved tensors become",
+                "small holders",
+            ],
             WORK,
         )
     )
     parts.append(_box(xs[2], row, w, h, ["region output"], WORK))
-    parts.append(_box(xs[0], row + h + 24, w, 48, ["RNG state", "(kept)"], KEPT))
-    parts.append(_arrow([(xs[0] + w, row + h / 2), (xs[1] - 2, row + h / 2)]))
-    parts.append(_arrow([(xs[1] + w, row + h / 2), (xs[2] - 2, row + h / 2)]))
+    parts.append(
+        _box(xs[0], row + h + 24, w, 48, ["RNG state", "(kept)"], KEPT)
+    )
+    parts.append(
+        _arrow([(xs[0] + w, row + h / 2), (xs[1] - 2, row + h / 2)])
+    )
+    parts.append(
+        _arrow([(xs[1] + w, row + h / 2), (xs[2] - 2, row + h / 2)])
+    )
     # Backward: four steps in a row.
     by, bh = fy + fh + 48, 150
     parts.append(_panel(by, bh, "backward"))
@@ -90,20 +107,42 @@ def render() -> str:
     bxs = [PAD + i * (bw + bgap) for i in range(4)]
     texts = [
         ["first unpack", "of a holder"],
-        ["re-run the region", "from its input, with", "the forward's RNG,", "autocast, device"],
+        [
+            "re-run the region",
+            "from its input, with",
+            "the forward's RNG,",
+            "autocast, device",
+        ],
         ["fill the holders it", "needs; stop early", "once all exist"],
-        ["each recomputed", "tensor is freed as", "soon as backward", "has used it"],
+        [
+            "each recomputed",
+            "tensor is freed as",
+            "soon as backward",
+            "has used it",
+        ],
     ]
     for x, lines in zip(bxs, texts, strict=True):
         parts.append(_box(x, brow, bw, bhh, lines, BACKWARD))
     for left, right in pairwise(bxs):
-        parts.append(_arrow([(left + bw, brow + bhh / 2), (right - 2, brow + bhh / 2)]))
+        parts.append(
+            _arrow(
+                [(left + bw, brow + bhh / 2), (right - 2, brow + bhh / 2)]
+            )
+        )
     # loss.backward(): from the output down, across the gap, into the first unpack.
     mid = fy + fh + 24
     out_x = xs[2] + w / 2
     start_x = bxs[0] + bw * 0.6  # right of the panel title
     parts.append(
-        _arrow([(out_x, row + h), (out_x, mid), (start_x, mid), (start_x, brow - 2)], dashed=True)
+        _arrow(
+            [
+                (out_x, row + h),
+                (out_x, mid),
+                (start_x, mid),
+                (start_x, brow - 2),
+            ],
+            dashed=True,
+        )
     )
     parts.append(
         f'<text x="{(out_x + start_x) / 2:g}" y="{mid - 6:g}" font-family="monospace">'

@@ -23,7 +23,10 @@ AREAS: list[tuple[str, str]] = [
     ("_frame", "non-reentrant checkpoint: frames, recompute, early stop"),
     ("_determinism", "determinism checks and debug=True"),
     ("_state", "RNG, autocast and device state; recompute_state_hooks"),
-    ("_selective", "selective checkpointing (create_selective_checkpoint_contexts)"),
+    (
+        "_selective",
+        "selective checkpointing (create_selective_checkpoint_contexts)",
+    ),
     ("policies", "checkpointing.policies"),
     ("_keep", "keep() and keeping()"),
     ("_kept_span", "keep() and keeping()"),
@@ -34,13 +37,19 @@ AREAS: list[tuple[str, str]] = [
     ("_module", "checkpoint_module"),
     ("_wrappers", "checkpoint_wrapper and apply_activation_checkpointing"),
     ("_auto_wrap", "checkpoint_wrapper and apply_activation_checkpointing"),
-    ("_host_saves", "checkpoint_wrapper and apply_activation_checkpointing"),
+    (
+        "_host_saves",
+        "checkpoint_wrapper and apply_activation_checkpointing",
+    ),
     ("_planning", "plan_checkpointing and ActivationPlan"),
     ("_report", "saved_tensors_report and report_on_oom"),
     ("_compiled", "torch.compile"),
     ("integrations", "integrations.transformers"),
     ("_compat", "import and torch releases"),
-    ("_errors", "internal errors (a bug in checkpointing: please report it)"),
+    (
+        "_errors",
+        "internal errors (a bug in checkpointing: please report it)",
+    ),
 ]
 
 
@@ -49,8 +58,13 @@ def messages() -> dict[str, list[tuple[str, str]]]:
     found: dict[str, list[tuple[str, str]]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
-        area = next((label for prefix, label in AREAS if dotted.startswith(prefix)), "other")
-        strings: dict[str, str] = {}  # the module's string constants so far, by name
+        area = next(
+            (label for prefix, label in AREAS if dotted.startswith(prefix)),
+            "other",
+        )
+        strings: dict[
+            str, str
+        ] = {}  # the module's string constants so far, by name
         for node in ast.parse(path.read_text()).body:
             target, value = _assigned(node)
             if target is None:
@@ -59,11 +73,22 @@ def messages() -> dict[str, list[tuple[str, str]]]:
             if text is None:
                 continue  # not a string known before the program runs
             strings[target] = text
-        for name, text in strings.items():  # each at its last value, in order of first binding
+        for (
+            name,
+            text,
+        ) in (
+            strings.items()
+        ):  # each at its last value, in order of first binding
             if name.startswith("_MSG_"):
-                found.setdefault(area, []).append((f"{dotted}.{name}", text))
+                found.setdefault(area, []).append(
+                    (f"{dotted}.{name}", text)
+                )
     order = [label for _, label in AREAS] + ["other"]
-    return {label: found[label] for label in dict.fromkeys(order) if label in found}
+    return {
+        label: found[label]
+        for label in dict.fromkeys(order)
+        if label in found
+    }
 
 
 def _string(node: Any, strings: dict[str, str]) -> str | None:
@@ -73,7 +98,10 @@ def _string(node: Any, strings: dict[str, str]) -> str | None:
     if isinstance(node, ast.Name):
         return strings.get(node.id)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        left, right = _string(node.left, strings), _string(node.right, strings)
+        left, right = (
+            _string(node.left, strings),
+            _string(node.right, strings),
+        )
         return None if left is None or right is None else left + right
     return None
 
@@ -83,13 +111,19 @@ def _assigned(node: ast.stmt) -> tuple[str | None, Any]:
     binds ``x + y``: a message completed after its first lines keeps its whole text)."""
     if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
         if isinstance(node.target, ast.Name):
-            return node.target.id, ast.BinOp(ast.Name(node.target.id), ast.Add(), node.value)
+            return node.target.id, ast.BinOp(
+                ast.Name(node.target.id), ast.Add(), node.value
+            )
         return None, None
     if isinstance(node, ast.Assign) and len(node.targets) == 1:
         target = node.targets[0]
-        return (target.id if isinstance(target, ast.Name) else None), node.value
+        return (
+            target.id if isinstance(target, ast.Name) else None
+        ), node.value
     if isinstance(node, ast.AnnAssign) and node.value is not None:
-        return (node.target.id if isinstance(node.target, ast.Name) else None), node.value
+        return (
+            node.target.id if isinstance(node.target, ast.Name) else None
+        ), node.value
     return None, None
 
 
@@ -100,7 +134,14 @@ def catalogue() -> str:
         parts += [f"### {area}", ""]
         for name, text in items:
             # A message is one long line: "wrap" blocks wrap (docs/assets/site.css).
-            parts += [f"`{name}`", "", "```{.text .wrap}", text.strip(), "```", ""]
+            parts += [
+                f"`{name}`",
+                "",
+                "```{.text .wrap}",
+                text.strip(),
+                "```",
+                "",
+            ]
     return "\n".join(parts)
 
 
