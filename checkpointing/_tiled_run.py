@@ -18,7 +18,7 @@ import torch
 from . import _compat
 from ._determinism import metadata_of
 from ._errors import CheckpointError, describe_value, internal_error
-from ._state import ForwardState, get_device_states
+from ._state import ForwardState, enter_span, exit_span, get_device_states
 
 __all__ = ["TiledNode", "TiledRun"]
 
@@ -179,7 +179,15 @@ class TiledRun:
 
     def forward(self, args: tuple[Any, ...], capture: bool | None) -> tuple[torch.Tensor, ...]:
         """Run every chunk (no graph), writing each output into its full-length buffer;
-        ``capture``: record each chunk's forward state for its recompute (Rule 6)."""
+        ``capture``: record each chunk's forward state for its recompute (Rule 6). The chunks
+        run as a kept span does, unseen by an outer region's selective policy (Rule 10)."""
+        token = enter_span()
+        try:
+            return self._forward(args, capture)
+        finally:
+            exit_span(token)
+
+    def _forward(self, args: tuple[Any, ...], capture: bool | None) -> tuple[torch.Tensor, ...]:
         buffers: list[torch.Tensor] = []
         dim = self.dim
         for chunk, (start, size) in enumerate(self.bounds):
@@ -282,6 +290,7 @@ class TiledRun:
             )
             del outs, pairs
             self._accumulate(results, got, needed, start, size, grads)
+            del got  # else this chunk's gradients live on through the next chunk's backward
         return results
 
     def _accumulate(

@@ -47,6 +47,10 @@ NOTE [Tiled regions]
           (a function that draws random numbers is not probed: its draws differ by shape).
   Rule 8. Keyword inputs reach every chunk; one that requires grad is refused (pass it as a
           positional input). Outputs are one tensor, or a tuple or list of tensors.
+  Rule 10. The forward's chunks run inside a kept span's marker (NOTE [Kept spans], Rule 6):
+          an outer region's selective policy (ours) neither caches nor counts their ops, which
+          would otherwise keep every chunk's matmul outputs until backward. (Torch's own
+          selective contexts do not honour the marker: under them the outputs are cached.)
   Rule 9. While dynamo traces, a tiled region is torch's checkpoint region, untiled (NOTE
           [Compiled regions]): the compiler's partitioner decides what the graph keeps.
 

@@ -8,6 +8,7 @@ chunk in plain autograd, and bitwise the untiled run's for elementwise functions
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -459,3 +460,31 @@ def test_remove_checkpoint_module_puts_the_forward_back() -> None:
     assert "forward" not in mlp.__dict__
     mlp(torch.randn(1, 4, 8))
     assert mlp.calls == [4]
+
+
+def test_rule_10_an_outer_selective_policy_keeps_no_chunk_output() -> None:
+    """Inside a layer checkpointed with ``save_matmuls()``, the tiled MLP's chunk matmuls are
+    not cached by the policy (the layer keeps what it keeps without the MLP's ops), the MLP
+    is not re-run by the layer's recompute, and gradients match the plain run."""
+    torch.manual_seed(0)
+    mlp, norm = _MLP(), nn.LayerNorm(8)
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        return h + mlp(norm(h))
+
+    x = torch.randn(2, 12, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    checkpointing.checkpoint_module(mlp, tile=Tiling(dim=1, chunks=4))
+    mlp.calls.clear()
+    policy = functools.partial(
+        checkpointing.create_selective_checkpoint_contexts, checkpointing.policies.save_matmuls()
+    )
+    with checkpointing.saved_tensors_report() as report:
+        out = checkpointing.checkpoint(layer, x, use_reentrant=False, context_fn=policy)
+    # x, the norm's inputs and statistics, the MLP's saved input: no (2, 3, 24) matmul output
+    assert all(record.shape[-1] != 24 for record in report.records), report.table()
+    out.sum().backward()
+    assert mlp.calls == [3] * 8
+    torch.testing.assert_close(x.grad, expected, **PARAM_TOL)
