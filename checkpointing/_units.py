@@ -1,15 +1,16 @@
-"""How sizes print: bytes in B, KiB, MiB, GiB or TiB, for every printout of the package.
+"""How sizes print: bytes in B, KiB, MiB, GiB or TiB, and work in FLOP, kFLOP, ... TFLOP.
 
-Owns ``format_bytes``. Reports, plans, schedules and the out-of-memory printout call it, so that a
-size reads the same everywhere. It imports nothing of ours: every module may use it. Values kept
-as data (``kept_bytes`` and the like) stay exact integers; only their printing is rounded.
+Owns ``format_bytes`` and ``format_flops``. Reports, plans, schedules and the out-of-memory
+printout call them, so that a size reads the same everywhere. It imports nothing of ours: every
+module may use it. Values kept as data (``kept_bytes`` and the like) stay exact integers; only
+their printing is rounded.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["format_bytes"]
+__all__ = ["format_bytes", "format_flops"]
 
 _UNITS: Final = ("KiB", "MiB", "GiB", "TiB")
 
@@ -33,3 +34,28 @@ def format_bytes(size: int | float) -> str:
             break
     sign = "-" if size < 0 else ""
     return f"{sign}{value:.1f} {unit}"
+
+
+_FLOP_UNITS: Final = ("kFLOP", "MFLOP", "GFLOP", "TFLOP")
+
+
+def format_flops(count: int | float) -> str:
+    """``count`` floating-point operations for a reader: ``"none"`` for 0, exact below 1000,
+    else four significant digits in the largest decimal unit that keeps the number at least 1
+    (a small plan's recompute reads "12.6 kFLOP", not "0.000 GFLOP").
+
+    >>> format_flops(0), format_flops(750), format_flops(12_600), format_flops(1.074e9)
+    ('none', '750 FLOP', '12.6 kFLOP', '1.074 GFLOP')
+    """
+    if count == 0:
+        return "none"
+    if abs(count) < 1000:
+        return f"{count:.0f} FLOP"
+    value = float(count)
+    unit = _FLOP_UNITS[0]
+    for unit in _FLOP_UNITS:
+        value /= 1000
+        # Move up while the value would print as 1000 or more (999.99 kFLOP is 1 MFLOP).
+        if abs(float(f"{value:.4g}")) < 1000 or unit == _FLOP_UNITS[-1]:
+            break
+    return f"{value:.4g} {unit}"

@@ -22,7 +22,7 @@ from .._kv_caches import drop_caches
 from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
 from .._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
 from .._state import noop_context_fn
-from .._units import format_bytes
+from .._units import format_bytes, format_flops
 from . import plan_json
 from .contexts import Answer, _RegionContexts, resolve_op
 from .contexts import _region_contexts_by_name as _region_contexts_by_name
@@ -470,11 +470,12 @@ class ActivationPlan:
             if self.solver == "exact"
             else f"on a grid of {format_bytes(self.grid_bytes)} per region"
         )
+        flops = self.recompute_flops
+        work = f"{format_flops(flops)} of matrix work" if flops else "no matrix work"
         lines.append(
             f"predicted: {format_bytes(self.kept_bytes)} of activations kept (each storage once: "
             f"a report's activation_bytes) <= budget {format_bytes(self.budget_bytes)}; recompute "
-            f"{self.recompute_ms:.3f} ms and {self.recompute_flops / 1e9:.3f} GFLOP per step "
-            f"(predicted step {self.step_ms:.3f} ms)"
+            f"{self.recompute_ms:.3f} ms and {work} per step (predicted step {self.step_ms:.3f} ms)"
         )
         if self.peak_bytes:
             lines.append(f"predicted peak of the step: {format_bytes(self.peak_bytes)}")
@@ -500,6 +501,16 @@ class ActivationPlan:
             f"{format_bytes(self.kept_bytes)} of activations kept, budget "
             f"{format_bytes(self.budget_bytes)})"
         )
+
+    def __eq__(self, other: object) -> bool:
+        """Plans are equal when their JSON is: the same decisions, budget and predictions (the
+        model a plan is bound or applied to, and ``timed``, which JSON leaves out, do not
+        count). Unhashable, as a mutable value."""
+        if not isinstance(other, ActivationPlan):
+            return NotImplemented
+        return self.to_json() == other.to_json()
+
+    __hash__ = None  # type: ignore[assignment]  # a mutable value, as a list
 
     # -- JSON ---------------------------------------------------------------------------------
 
