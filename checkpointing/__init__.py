@@ -7,6 +7,9 @@ ready-made ``checkpointing.policies``, and reports of what is saved for backward
 
 from __future__ import annotations
 
+import importlib as _importlib
+import typing as _typing
+
 # _compat first: its release gate runs before any module that needs a supported torch.
 from . import _compat as _compat
 from . import _frame
@@ -18,7 +21,6 @@ from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
 from ._keep import keep, keeping
 from ._module import checkpoint_module, remove_checkpoint_module
-from ._planning import ActivationPlan, plan_checkpointing
 from ._reentrant import CheckpointFunction
 from ._report import (
     SavedTensorRecord,
@@ -58,6 +60,9 @@ from ._wrappers import (
     checkpoint_wrapper,
     offload_wrapper,
 )
+
+if _typing.TYPE_CHECKING:  # imported on first use, below
+    from ._planning import ActivationPlan, plan_checkpointing
 
 # Not in __all__: torch's private names, for code written against torch's generator (README,
 # "For library authors"): the positional form of 2.13 and the ``fn, args, kwargs`` form of 2.14.
@@ -114,3 +119,24 @@ __all__ = [
     "tiled_lm_head_loss",
     "tiled_mlp",
 ]
+
+# The planner is imported on first use: it is a quarter of the package and most programs never
+# plan, so ``import checkpointing`` leaves it out (benchmarks/import_cost.py measures the import;
+# tests/test_import.py checks that the planner stays out of it).
+_LAZY: dict[str, str] = {"ActivationPlan": "._planning", "plan_checkpointing": "._planning"}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """``checkpointing.ActivationPlan`` and ``checkpointing.plan_checkpointing``, imported from
+    the planner the first time one is asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups find it without calling this function again
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the planner's included before it is imported."""
+    return sorted({*globals(), *_LAZY})
