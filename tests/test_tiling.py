@@ -401,7 +401,12 @@ def test_determinism_check_catches_a_recompute_of_another_shape() -> None:
     [
         ({"use_reentrant": True}, "use_reentrant cannot be combined with tile"),
         (
-            {"context_fn": checkpointing.policies.save_matmuls},
+            {
+                "context_fn": functools.partial(
+                    checkpointing.create_selective_checkpoint_contexts,
+                    checkpointing.policies.save_matmuls(),
+                )
+            },
             "context_fn cannot be combined with tile",
         ),
     ],
