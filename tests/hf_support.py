@@ -11,17 +11,23 @@ import torch
 import transformers
 from torch import nn
 
+# The tiny Llama's vocabulary, and the batch and sequence length of the steps run on it.
+VOCAB, BATCH, SEQ = 64, 2, 16
 
-def tiny_llama(layers: int = 2) -> transformers.PreTrainedModel:
+
+def tiny_llama(
+    layers: int = 2, *, attention_dropout: float = 0.0, use_cache: bool = False
+) -> transformers.PreTrainedModel:
     """A ``LlamaForCausalLM`` of hidden size 32 with ``layers`` layers, in training mode."""
     config = transformers.LlamaConfig(
-        vocab_size=64,
+        vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        use_cache=False,
+        attention_dropout=attention_dropout,
+        use_cache=use_cache,
     )
     return transformers.LlamaForCausalLM(config).train()
 

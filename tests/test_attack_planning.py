@@ -1,7 +1,7 @@
 """Issue 26: what an outside attack found in the planner and ``checkpoint_sequential``, and the
 bad inputs and untouched state of their entry points.
 
-One test (or more) per defect, named ``test_issue26_defect<k>_...``; then, per public entry point
+One test (or more) per defect; then, per public entry point
 touched (``plan_checkpointing``, ``ActivationPlan.apply/remove/from_json/to_json``,
 ``sequential_schedule``, ``checkpoint_sequential``'s strategies), its bad inputs with the state
 that must stay as it was; then a 300-step soak with ``gc`` disabled (no cyclic garbage of ours)
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as tc
-from test_leaks import _describe, _ours, gc_disabled  # noqa: F401  (gc_disabled: a fixture)
+from garbage_support import described, gc_disabled, ours  # noqa: F401  (gc_disabled: a fixture)
 from thread_support import run_threads
 from torch import nn
 
@@ -130,7 +130,7 @@ def grads_of(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("strategy", ["optimal", "log", "sqrt"])
-def test_issue26_defect1_sequential_schedule_leaves_batchnorm_statistics_untouched(
+def test_sequential_schedule_leaves_batchnorm_statistics_untouched(
     strategy: str,
 ) -> None:
     """issue 26 defect 1: the measuring pass of ``sequential_schedule`` leaves BatchNorm's
@@ -152,7 +152,7 @@ def test_issue26_defect1_sequential_schedule_leaves_batchnorm_statistics_untouch
     assert x.grad is None
 
 
-def test_issue26_defect2_optimal_updates_batchnorm_once_per_step() -> None:
+def test_optimal_updates_batchnorm_once_per_step() -> None:
     """issue 26 defect 2: ``checkpoint_sequential(strategy="optimal")`` measuring its costs
     updates BatchNorm once per step, as the plain run does (nothing checkpointed here)."""
     model, x = with_batchnorm(), torch.randn(4, 8, dtype=torch.float32, requires_grad=True)
@@ -169,7 +169,7 @@ def test_issue26_defect2_optimal_updates_batchnorm_once_per_step() -> None:
     assert int(model[0][1].num_batches_tracked) == 3
 
 
-def test_issue26_defect2_optimal_measures_once_per_chain_and_input_signature(
+def test_optimal_measures_once_per_chain_and_input_signature(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """issue 26 defect 2: without ``costs=``, a chain is measured once per input signature
@@ -206,7 +206,7 @@ def test_issue26_defect2_optimal_measures_once_per_chain_and_input_signature(
 
 
 @pytest.mark.usefixtures("gc_disabled")
-def test_issue26_defect2_measured_costs_do_not_keep_the_chain_alive() -> None:
+def test_measured_costs_do_not_keep_the_chain_alive() -> None:
     """issue 26 defect 2: what ``checkpoint_sequential`` remembers of a chain dies with it (no
     cycle needed: with ``gc`` disabled, reference counts free it)."""
     model = blocks()
@@ -219,14 +219,14 @@ def test_issue26_defect2_measured_costs_do_not_keep_the_chain_alive() -> None:
     assert [m() for m in modules] == [None] * len(modules)
 
 
-def test_issue26_defect3_region_named_twice_is_rejected_by_from_json() -> None:
+def test_region_named_twice_is_rejected_by_from_json() -> None:
     """issue 26 defect 3: a plan JSON naming a region twice is refused when read."""
     text = edited(planned(blocks()), lambda d: d["regions"].append(d["regions"][0]))
     with pytest.raises(ValueError, match=r"region '0' appears twice \(regions\[0\] and regions"):
         ActivationPlan.from_json(text)
 
 
-def test_issue26_defect3_apply_of_a_region_twice_installs_nothing() -> None:
+def test_apply_of_a_region_twice_installs_nothing() -> None:
     """issue 26 defect 3: ``apply`` of a plan naming one module twice raises before installing
     anything; the plan stays unapplied, and applies once corrected."""
     model = blocks()
@@ -246,7 +246,7 @@ def test_issue26_defect3_apply_of_a_region_twice_installs_nothing() -> None:
     assert hooks_of(model) == 0
 
 
-def test_issue26_defect3_apply_rolls_back_when_installing_fails(
+def test_apply_rolls_back_when_installing_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """issue 26 defect 3: an error while installing removes what was installed: all or
@@ -273,7 +273,7 @@ def test_issue26_defect3_apply_rolls_back_when_installing_fails(
     plan.remove(model)
 
 
-def test_issue26_defect4_checkpoint_false_as_a_string_is_refused() -> None:
+def test_checkpoint_false_as_a_string_is_refused() -> None:
     """issue 26 defect 4: ``"checkpoint": "false"`` is not read as True: the error names the
     API, the field, what was expected and what came."""
 
@@ -293,7 +293,7 @@ def test_issue26_defect4_checkpoint_false_as_a_string_is_refused() -> None:
         assert phrase in message, message
 
 
-def test_issue26_defect4_a_parsed_plan_is_accepted() -> None:
+def test_a_parsed_plan_is_accepted() -> None:
     """issue 26 defect 4: ``from_json`` takes the dict ``json.loads`` makes of the text (and
     bytes) as well as the text."""
     text = planned(blocks()).to_json()
@@ -302,7 +302,7 @@ def test_issue26_defect4_a_parsed_plan_is_accepted() -> None:
 
 
 @pytest.mark.parametrize("source", ["{", b"\xff\xfe{", "[1, 2]", '{"format": "other"}'])
-def test_issue26_defect4_text_that_is_no_plan_is_a_value_error(source: str | bytes) -> None:
+def test_text_that_is_no_plan_is_a_value_error(source: str | bytes) -> None:
     """issue 26 defect 4: text that is not JSON (or not UTF-8), or JSON that is not a plan, is a
     ValueError naming ``from_json``."""
     with pytest.raises(ValueError, match=r"ActivationPlan\.from_json: not (JSON|a plan)"):
@@ -310,7 +310,7 @@ def test_issue26_defect4_text_that_is_no_plan_is_a_value_error(source: str | byt
 
 
 @pytest.mark.parametrize("source", [3, None, ["a plan"], object()])
-def test_issue26_defect4_other_sources_are_a_clear_type_error(source: object) -> None:
+def test_other_sources_are_a_clear_type_error(source: object) -> None:
     """issue 26 defect 4: neither text nor a dict: a TypeError naming ``from_json`` and what
     to pass, not json's bare TypeError."""
     with pytest.raises(TypeError, match=r"ActivationPlan\.from_json: expected the JSON text.*Fix"):
@@ -363,7 +363,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
-def test_issue26_defect4_malformed_fields_are_named(case: str) -> None:
+def test_malformed_fields_are_named(case: str) -> None:
     """issue 26 defect 4: each malformed or missing field is a ValueError naming
     ``ActivationPlan.from_json`` and the field, never a coercion."""
     path, value, field, expected = MALFORMED[case]
@@ -375,7 +375,7 @@ def test_issue26_defect4_malformed_fields_are_named(case: str) -> None:
     assert expected in message, message
 
 
-def test_issue26_defect5_keywords_in_another_order_and_scalars_do_not_warn() -> None:
+def test_keywords_in_another_order_and_scalars_do_not_warn() -> None:
     """issue 26 defect 5: the profiled keyword tensors given in another order, and a 0-d tensor
     that changes, comes or goes, never warn "re-plan"; a real change of shape still does."""
     model = Keyworded()
@@ -392,7 +392,7 @@ def test_issue26_defect5_keywords_in_another_order_and_scalars_do_not_warn() -> 
     plan.remove(model)
 
 
-def test_issue26_defect5_zero_dim_shapes_of_an_older_plan_do_not_warn() -> None:
+def test_zero_dim_shapes_of_an_older_plan_do_not_warn() -> None:
     """issue 26 defect 5: a plan whose JSON lists a 0-d input shape (``[]``) does not warn when
     that scalar is missing or another 0-d tensor."""
     model = blocks()
@@ -409,7 +409,7 @@ def _live_tensors() -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
-def test_issue26_defect6_optimal_keeps_no_cost_table_alive() -> None:
+def test_optimal_keeps_no_cost_table_alive() -> None:
     """issue 26 defect 6: after ``"optimal"`` schedules on ever different (measured-like)
     costs, no tensor of the dynamic program's tables stays referenced."""
     functions = list(range(24))
@@ -433,7 +433,7 @@ def test_issue26_defect6_optimal_keeps_no_cost_table_alive() -> None:
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_issue26_defect9_plan_under_no_grad_profiles_with_grad(
+def test_plan_under_no_grad_profiles_with_grad(
     mode: Callable[[], Any],
 ) -> None:
     """issue 26 defect 9: ``plan_checkpointing`` under ``torch.no_grad()`` (or
@@ -492,7 +492,7 @@ BAD_PLAN_ARGUMENTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 
 
 @pytest.mark.parametrize("case", list(BAD_PLAN_ARGUMENTS))
-def test_issue26_defect10_bad_plan_arguments_fail_before_anything_runs(case: str) -> None:
+def test_bad_plan_arguments_fail_before_anything_runs(case: str) -> None:
     """issue 26 defect 10: a non-module model, example_kwargs that is no dict, a loss_fn or
     host_budget of the wrong type: a TypeError naming ``plan_checkpointing``, what came and the
     fix, raised before the model runs."""
@@ -508,7 +508,7 @@ def test_issue26_defect10_bad_plan_arguments_fail_before_anything_runs(case: str
     assert [m.calls for m in model] == [0, 0]
 
 
-def test_issue26_defect10_negative_host_budget_is_a_value_error() -> None:
+def test_negative_host_budget_is_a_value_error() -> None:
     """issue 26 defect 10: a host budget of the right type but below 0 is a ValueError."""
     with pytest.raises(ValueError, match=r"host_budget must be None or an int >= 0.*got -1"):
         plan_checkpointing(blocks(), torch.randn(2, 8), budget=0.5, host_budget=-1)
@@ -518,7 +518,7 @@ STRATEGIES = [("torch", 2, None), ("sqrt", None, None), ("optimal", None, BIG)]
 
 
 @pytest.mark.parametrize(("strategy", "segments", "budget"), STRATEGIES)
-def test_issue26_defect11_a_non_callable_entry_fails_before_any_layer_runs(
+def test_a_non_callable_entry_fails_before_any_layer_runs(
     strategy: str, segments: int | None, budget: int | None
 ) -> None:
     """issue 26 defect 11: a non-callable entry is a TypeError naming ``checkpoint_sequential``
@@ -546,7 +546,7 @@ def test_issue26_defect11_a_non_callable_entry_fails_before_any_layer_runs(
 
 
 @pytest.mark.parametrize("functions", [nn.Linear(4, 4), torch.tanh, "ab"])
-def test_issue26_defect11_a_single_function_is_a_clear_type_error(functions: Any) -> None:
+def test_a_single_function_is_a_clear_type_error(functions: Any) -> None:
     """issue 26 defect 11: a single module or function as the chain: a TypeError saying to wrap
     it in a list or an nn.Sequential (torch raises a TypeError too)."""
     x = torch.randn(2, 4, requires_grad=True)
@@ -560,7 +560,7 @@ def test_issue26_defect11_a_single_function_is_a_clear_type_error(functions: Any
         tc.checkpoint_sequential(functions, 1, x, use_reentrant=False)
 
 
-def test_issue26_defect11_placeholders_still_plan_without_input() -> None:
+def test_placeholders_still_plan_without_input() -> None:
     """issue 26 defect 11: ``sequential_schedule`` without measuring runs nothing, so it still
     takes placeholders (``range(n)``); measuring them is the clear TypeError."""
     assert checkpointing.sequential_schedule(range(8), strategy="log").n_layers == 8
@@ -577,7 +577,7 @@ def _saved_round_trip(model: nn.Module) -> nn.Module:
     return loaded
 
 
-def test_issue26_defect12_an_applied_model_pickles_and_still_works() -> None:
+def test_an_applied_model_pickles_and_still_works() -> None:
     """issue 26 defect 12: ``torch.save`` of a model with a plan applied (a region saving
     outputs under a selective policy, the others whole) round-trips through ``torch.load``:
     the regions stay checkpointed and give the original's gradients."""
@@ -737,7 +737,7 @@ def _soak(step: Callable[[], None]) -> list[str]:
     for _ in range(SOAK_STEPS):
         step()
     gc.collect()
-    return _describe([o for o in gc.garbage if _ours(o)])
+    return described([o for o in gc.garbage if ours(o)])
 
 
 def _soak_steps() -> Iterator[tuple[str, Callable[[], None]]]:

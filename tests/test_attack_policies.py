@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 import torch
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
 from hf_support import tiny_llama
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from thread_support import run_threads
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks

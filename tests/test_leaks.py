@@ -10,13 +10,12 @@ Three checks per mechanism (SPEC §6, "Memory" and "No garbage"):
 from __future__ import annotations
 
 import gc
-import types
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from garbage_support import described, gc_disabled, ours  # noqa: F401  (gc_disabled: a fixture)
 from mechanism_support import MECHANISMS, forward, make_params
 
 import checkpointing
@@ -29,21 +28,6 @@ WARMUP = 20
 # (dispatcher and pytree caches, interned strings); a per-step leak would show 1,000 or more.
 SLACK = 50
 CHECKPOINTED = [m for m in MECHANISMS if m != "plain"]
-
-
-@pytest.fixture
-def gc_disabled() -> Iterator[None]:
-    """Disable automatic collection for the test; restore it afterwards."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was_enabled:
-            gc.enable()
 
 
 def _step(mechanism: str, params: list[torch.Tensor], x: torch.Tensor) -> None:
@@ -65,7 +49,8 @@ def _counts() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("mechanism", CHECKPOINTED)
-def test_objects_and_tensors_do_not_grow_over_1000_steps(mechanism: str, gc_disabled: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_objects_and_tensors_do_not_grow_over_1000_steps(mechanism: str) -> None:
     """After warm-up, 1,000 steps leave the numbers of live objects and tensors as they were."""
     params = make_params()
     x = torch.randn(4, 8, dtype=torch.float64)
@@ -79,23 +64,9 @@ def test_objects_and_tensors_do_not_grow_over_1000_steps(mechanism: str, gc_disa
     assert objects_after - objects_before <= SLACK, (mechanism, objects_before, objects_after)
 
 
-def _ours(obj: Any) -> bool:
-    """Whether a garbage object is a tensor or belongs to checkpointing's code."""
-    if issubclass(type(obj), torch.Tensor):
-        return True
-    if isinstance(obj, types.FrameType):
-        return "checkpointing" in obj.f_code.co_filename.split("/")[-2:-1]
-    if isinstance(obj, types.FunctionType | types.MethodType):
-        return (getattr(obj, "__module__", None) or "").startswith("checkpointing")
-    return type(obj).__module__.startswith("checkpointing")
-
-
-def _describe(garbage: list[Any]) -> list[str]:
-    return sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in garbage})
-
-
 @pytest.mark.parametrize("mechanism", CHECKPOINTED)
-def test_steps_create_no_reference_cycles_of_ours(mechanism: str, gc_disabled: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_steps_create_no_reference_cycles_of_ours(mechanism: str) -> None:
     """With gc disabled, ``gc.collect()`` after 50 steps finds no garbage of ours."""
     params = make_params()
     x = torch.randn(4, 8, dtype=torch.float64)
@@ -105,8 +76,8 @@ def test_steps_create_no_reference_cycles_of_ours(mechanism: str, gc_disabled: N
     for _ in range(50):
         _step(mechanism, params, x)
     gc.collect()
-    ours = [o for o in gc.garbage if _ours(o)]
-    assert not ours, f"{mechanism}: reference cycles of ours: {_describe(ours)}"
+    found = [o for o in gc.garbage if ours(o)]
+    assert not found, f"{mechanism}: reference cycles of ours: {described(found)}"
 
 
 def _weak_checkpointing_objects() -> list[weakref.ref[Any]]:
@@ -114,7 +85,8 @@ def _weak_checkpointing_objects() -> list[weakref.ref[Any]]:
 
 
 @pytest.mark.parametrize("mechanism", ["non_reentrant", "nested", "sac", "offload", "sequential"])
-def test_frames_and_holders_die_after_backward(mechanism: str, gc_disabled: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_frames_and_holders_die_after_backward(mechanism: str) -> None:
     """Every ``Frame`` and ``Holder`` of a step is dead once backward ran and the loss is gone."""
     params = make_params()
     x = torch.randn(4, 8, dtype=torch.float64)
@@ -127,9 +99,8 @@ def test_frames_and_holders_die_after_backward(mechanism: str, gc_disabled: None
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_function_module_and_inputs_die_after_backward(
-    use_reentrant: bool, gc_disabled: None
-) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_function_module_and_inputs_die_after_backward(use_reentrant: bool) -> None:
     """The checkpointed module (and its function) and the inputs do not outlive the step."""
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
     wrapped = checkpoint_wrapper(module, use_reentrant=use_reentrant)
@@ -140,7 +111,8 @@ def test_function_module_and_inputs_die_after_backward(
     assert [r() for r in refs if r() is not None] == []
 
 
-def test_closure_dies_with_the_graph_when_backward_is_skipped(gc_disabled: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_closure_dies_with_the_graph_when_backward_is_skipped() -> None:
     """A forward whose backward never runs releases the function with the output."""
     weight = torch.randn(4, 4, requires_grad=True)
 
@@ -164,7 +136,8 @@ def _pair_fn(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return pair[0].sin() * pair[1]
 
 
-def test_container_inputs_leave_no_garbage(gc_disabled: None) -> None:
+@pytest.mark.usefixtures("gc_disabled")
+def test_container_inputs_leave_no_garbage() -> None:
     """Checkpointing a function of a tuple of tensors leaves no cyclic garbage per step."""
     a = torch.randn(3, requires_grad=True)
     for _ in range(3):

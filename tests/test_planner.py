@@ -1,9 +1,9 @@
-"""Memory-budget planning (SPEC §8): profile, solver, ``ActivationPlan``.
+"""Memory-budget planning: profile, solver, ``ActivationPlan``.
 
-The models are small versions of the benchmark's W1 (Linear+GELU blocks) and W2
-(TransformerEncoderLayer with dropout), and a tiny Llama-style decoder built from plain modules.
-Every applied plan is checked against the plain run (gradients bit-identical, dropout included)
-and against ``saved_tensors_report`` (activation bytes within the budget).
+The models (``planner_support``) are small versions of the benchmark's W1 (Linear+GELU blocks)
+and W2 (TransformerEncoderLayer with dropout), and a tiny Llama-style decoder built from plain
+modules. Every applied plan is checked against the plain run (gradients bit-identical, dropout
+included) and against ``saved_tensors_report`` (activation bytes within the budget).
 """
 
 from __future__ import annotations
@@ -13,20 +13,32 @@ import dataclasses
 import itertools
 import json
 import math
-import pickle
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from allocator_support import allocator_step
 from hypothesis import given
 from hypothesis import strategies as st
+from planner_support import (
+    DecoderLayer,
+    RMSNorm,
+    TinyLlama,
+    all_choices,
+    allocator_held,
+    grads_of,
+    least_per_budget,
+    llama_loss,
+    loss_of,
+    measured,
+    mixer,
+    mlp,
+    shared_storages,
+    transformer,
+)
 from strategies import planner_problems
 from torch import nn
 
-import checkpointing
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import costs as costs_module
 from checkpointing._planning.problem import (
@@ -44,120 +56,6 @@ BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 # --- models -------------------------------------------------------------------------------------
-
-
-def mlp(depth: int = 6, width: int = 32) -> nn.Sequential:
-    """W1, small: ``depth`` x (Linear + GELU)."""
-    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)))
-
-
-def transformer(depth: int = 3) -> nn.Sequential:
-    """W2, small: ``depth`` x TransformerEncoderLayer(32, 4 heads, dropout 0.1), training."""
-    return nn.Sequential(
-        *(
-            nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.1, batch_first=True)
-            for _ in range(depth)
-        )
-    ).train()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class DecoderLayer(nn.Module):
-    """Llama's block: RMSNorm, causal attention with RoPE, RMSNorm, SwiGLU MLP, residuals."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
-        self.gate = nn.Linear(dim, 2 * dim, bias=False)
-        self.up = nn.Linear(dim, 2 * dim, bias=False)
-        self.down = nn.Linear(2 * dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attention.transpose(1, 2).reshape(b, t, d))
-        h = self.norm2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class TinyLlama(nn.Module):
-    """Embedding, ``depth`` decoder layers (a ModuleList), final norm and LM head."""
-
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, depth: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(DecoderLayer(dim, heads) for _ in range(depth))
-        self.norm = RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head_dim = dim // heads
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(run_layers(self.embed, self.layers, tokens, self.head_dim)))
-
-
-def run_layers(
-    embed: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor, head_dim: int
-) -> torch.Tensor:
-    """Embed ``tokens`` and run them through the decoder ``layers`` with rotary angles."""
-    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    angles = torch.outer(torch.arange(tokens.shape[1]).float(), inv).repeat(1, 2)
-    cos, sin = angles.cos(), angles.sin()
-    x = embed(tokens)
-    for layer in layers:
-        x = layer(x, cos, sin)
-    return x
-
-
-def llama_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Next-token loss against fixed targets (the token ids shifted by one)."""
-    targets = torch.arange(logits.shape[1]).remainder(logits.shape[-1]).expand(logits.shape[0], -1)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-class MixerBlock(nn.Module):
-    """An MLP-mixer block: token mixing, then channel mixing, each LayerNorm, MLP, dropout."""
-
-    def __init__(self, tokens: int, channels: int, p: float = 0.1) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(channels), nn.LayerNorm(channels)
-        self.tokens = nn.Sequential(
-            nn.Linear(tokens, 2 * tokens), nn.GELU(), nn.Linear(2 * tokens, tokens), nn.Dropout(p)
-        )
-        self.channels = nn.Sequential(
-            nn.Linear(channels, 2 * channels),
-            nn.GELU(),
-            nn.Linear(2 * channels, channels),
-            nn.Dropout(p),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)
-        return x + self.channels(self.norm2(x))
-
-
-def mixer(depth: int = 10) -> nn.Sequential:
-    """Many small regions that draw random numbers: each checkpointed one keeps its own ~5 KB
-    CPU RNG state, a few percent of what it keeps otherwise."""
-    return nn.Sequential(*(MixerBlock(16, 8) for _ in range(depth))).train()
 
 
 class ScaledBlock(nn.Module):
@@ -196,38 +94,6 @@ CASES: dict[str, Case] = {
 }
 
 
-def loss_of(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None) -> torch.Tensor:
-    out = model(x)
-    return out.sum() if loss_fn is None else loss_fn(out)
-
-
-def grads_of(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None, seed: int = 7):
-    """Gradients of parameters (and of ``x`` if it requires grad) after one step."""
-    torch.manual_seed(seed)
-    wrt = [*model.parameters(), *([x] if x.requires_grad else [])]
-    return torch.autograd.grad(loss_of(model, x, loss_fn), wrt)
-
-
-def pickled_grads(plan: Any, model: nn.Module, x: torch.Tensor) -> Any:
-    """Gradients of a pickled copy of ``model`` with ``plan`` applied (the model left as it
-    was): what a plan's regions keep must survive ``torch.save``."""
-    plan.apply(model)
-    try:
-        twin = pickle.loads(pickle.dumps(model))
-        return grads_of(twin, x, None)
-    finally:
-        plan.remove(model)
-
-
-def measured(model: nn.Module, x: torch.Tensor, loss_fn: Callable | None):
-    """(report of one step, its gradients), with the same seed as ``grads_of``."""
-    torch.manual_seed(7)
-    wrt = [*model.parameters(), *([x] if x.requires_grad else [])]
-    with checkpointing.saved_tensors_report() as report:
-        grads = torch.autograd.grad(loss_of(model, x, loss_fn), wrt)
-    return report, grads
-
-
 def applied_step(plan: ActivationPlan, model: nn.Module, x: torch.Tensor):
     """With ``plan`` applied: the allocator's bytes held after forward, then the report and the
     gradients of one step (``measured``); the plan is removed again."""
@@ -238,12 +104,6 @@ def applied_step(plan: ActivationPlan, model: nn.Module, x: torch.Tensor):
     finally:
         plan.remove(model)
     return held, report, grads
-
-
-def allocator_held(forward: Callable[[], torch.Tensor]) -> int:
-    """Bytes the CPU allocator holds at the end of ``forward`` that it allocated during it, the
-    returned loss aside (``benchmarks/_memory.py``'s "held"); backward then runs too."""
-    return allocator_step(forward).held
 
 
 @pytest.fixture
@@ -532,44 +392,6 @@ def test_table_shows_regions_decisions_and_budget() -> None:
 
 
 # --- solver -------------------------------------------------------------------------------------
-
-
-def all_choices(problem: Problem):
-    """Every choice of every region (brute force)."""
-    per_region = []
-    for region in problem.regions:
-        options = [Choice(False)]
-        for size in range(len(region.units) + 1):
-            options += [
-                Choice(True, frozenset(s))
-                for s in itertools.combinations(range(len(region.units)), size)
-            ]
-        per_region.append(options)
-    return itertools.product(*per_region)
-
-
-def least_per_budget(problem: Problem, measure: Callable[[Problem, Any], float]):
-    """Per budget from the floor to the plain run's bytes: (budget, the least ``measure`` over
-    every choice that fits it), by brute force."""
-    choices = list(all_choices(problem))
-    plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
-    floor = solve(problem, plain).floor_bytes
-    for budget in range(floor, plain + 1):
-        fitting = (c for c in choices if kept_bytes(problem, c) <= budget)
-        yield budget, min(measure(problem, c) for c in fitting)
-
-
-def shared_storages(problem: Problem) -> bool:
-    """Whether two regions may keep one storage (then the additive byte model overcounts)."""
-    seen: set[int] = set()
-    for region in problem.regions:
-        mine = set(region.saved) | set(region.inputs)
-        mine |= {s for u in region.units for s in u.storages}
-        mine -= problem.outside
-        if mine & seen:
-            return True
-        seen |= mine
-    return False
 
 
 @given(planner_problems())

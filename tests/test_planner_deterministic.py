@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from dist_support import gloo_group, spawn_pair
-from test_planner import transformer
+from planner_support import transformer
 from torch import nn
 
 from checkpointing import plan_checkpointing

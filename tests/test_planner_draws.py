@@ -12,15 +12,17 @@ import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import planner_problems
-from test_planner import (
+from planner_support import (
+    Chooser,
     allocator_held,
+    draws_and_units,
+    draws_only,
+    forced_plan,
     grads_of,
     loss_of,
     mixer,
@@ -28,10 +30,9 @@ from test_planner import (
     shared_storages,
     transformer,
 )
-from torch import nn
+from strategies import planner_problems
 
 from checkpointing import ActivationPlan
-from checkpointing._planning import search as search_module
 from checkpointing._planning.problem import (
     Choice,
     Objective,
@@ -40,42 +41,9 @@ from checkpointing._planning.problem import (
     Unit,
     kept_bytes,
     recompute_cost,
-    recompute_flops,
     recompute_seconds,
 )
-from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import solve
-
-Chooser = Callable[[Problem, int], Choice]
-
-
-def forced_plan(model: nn.Module, x: torch.Tensor, choose: Chooser) -> ActivationPlan:
-    """A plan of ``choose``'s choices (not the solver's) on the profiled model."""
-    named = search_module.find_regions(model, None)
-    profile = profile_step(model, named, (x,), {}, None)
-    problem = profile.problem(0.0)
-    choices = tuple(choose(problem, i) for i in range(len(problem.regions)))
-    solution = dataclasses.replace(
-        solve(problem, 0),
-        choices=choices,
-        kept_bytes=kept_bytes(problem, choices),
-        recompute_seconds=recompute_seconds(problem, choices),
-        recompute_flops=recompute_flops(problem, choices),
-    )
-    nothing = [frozenset[int]()] * len(choices)
-    return ActivationPlan._from_solution(
-        profile, problem, solution, solution.kept_bytes, nothing, "time"
-    )
-
-
-def draws_only(problem: Problem, index: int) -> Choice:
-    return Choice(True, draws=problem.regions[index].draws is not None)
-
-
-def draws_and_units(problem: Problem, index: int) -> Choice:
-    """Draws kept, and every second unit: the draws' modes under the selective ones."""
-    region = problem.regions[index]
-    return Choice(True, frozenset(range(0, len(region.units), 2)), region.draws is not None)
 
 
 def draws_in_every_second(problem: Problem, index: int) -> Choice:

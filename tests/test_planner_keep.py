@@ -10,9 +10,8 @@ import warnings
 
 import pytest
 import torch
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
-from test_planner import allocator_held
-from test_planner_draws import Chooser, draws_and_units, draws_only, forced_plan
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
+from planner_support import Chooser, allocator_held, draws_and_units, draws_only, forced_plan
 from torch import nn
 
 import checkpointing

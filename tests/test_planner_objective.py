@@ -11,15 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
 
 import pytest
 import torch
 from allocator_support import allocator_step
 from hypothesis import given
-from strategies import planner_problems
-from test_planner import (
+from planner_support import (
     TinyLlama,
+    backward_flops,
     grads_of,
     least_per_budget,
     llama_loss,
@@ -28,26 +27,15 @@ from test_planner import (
     shared_storages,
     transformer,
 )
+from strategies import planner_problems
 from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import search as search_module
-from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.options import Fronts, region_options
 from checkpointing._planning.problem import Objective, Problem, RegionChoices, Unit, recompute_flops
 from checkpointing._planning.profile import profile_step
 from checkpointing._planning.solver import solve
-
-
-def backward_flops(model: nn.Module, x: torch.Tensor, loss_fn: Any) -> int:
-    """FLOPs of one step's backward (recompute included), gradients dropped."""
-    torch.manual_seed(7)
-    loss = loss_of(model, x, loss_fn)
-    wrt = [p for p in model.parameters() if p.requires_grad]
-    with FlopCount() as counter:
-        torch.autograd.grad(loss, wrt)
-    return counter.flops
-
 
 CASES = {
     "W2 transformer": (transformer, lambda: torch.randn(2, 16, 32, requires_grad=True), None),

@@ -22,8 +22,15 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from test_planner import allocator_held, grads_of, loss_of, measured, pickled_grads, shared_storages
-from test_planner_objective import backward_flops
+from planner_support import (
+    allocator_held,
+    backward_flops,
+    grads_of,
+    loss_of,
+    measured,
+    pickled_grads,
+    shared_storages,
+)
 from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing

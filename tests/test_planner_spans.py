@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compile_support import COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
 from hf_support import tiny_llama
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
-from test_planner import TinyLlama, grads_of, llama_loss, measured
+from planner_support import TinyLlama, grads_of, llama_loss, measured
 from torch import nn
 
 import checkpointing

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from test_planner import (
+from planner_support import (
     RMSNorm,
     TinyLlama,
     allocator_held,

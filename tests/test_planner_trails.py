@@ -11,8 +11,8 @@ import pickle
 import pytest
 import torch
 from compile_support import COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
-from test_planner import grads_of, measured
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
+from planner_support import encoder, encoder_inputs, grads_of, measured
 from torch import nn
 
 import checkpointing
@@ -21,26 +21,6 @@ from checkpointing._module import checkpoint_module, end_at, remove_checkpoint_m
 from checkpointing._planning import search as search_module
 from checkpointing._planning.flops import FlopCount
 from checkpointing._planning.profile import profile_step
-
-WIDTH, SEQ, BATCH, DEPTH = 16, 8, 2, 3
-
-
-def encoder(norm_first: bool = False) -> nn.Sequential:
-    """Post-norm (``norm_first=False``, the default: each block ends in its ``norm2``) or
-    pre-norm blocks, with dropout."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        *(
-            nn.TransformerEncoderLayer(
-                WIDTH, 2, 2 * WIDTH, dropout=0.1, batch_first=True, norm_first=norm_first
-            )
-            for _ in range(DEPTH)
-        )
-    ).train()
-
-
-def inputs() -> torch.Tensor:
-    return torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(1))
 
 
 def flops_plan(model: nn.Module, x: torch.Tensor, share: float) -> ActivationPlan:
@@ -62,13 +42,13 @@ def recomputed_flops(model: nn.Module, x: torch.Tensor) -> int:
 def test_rule24_the_profile_finds_post_norm_trails_and_no_pre_norm_one() -> None:
     """Each post-norm block but the last (whose norm makes the model's output, kept by nobody)
     has its ``norm2`` as a trail; pre-norm blocks end in a residual add, no child call."""
-    model, x = encoder(), inputs()
+    model, x = encoder(), encoder_inputs()
     named = [(str(i), m) for i, m in enumerate(model)]
     profile = profile_step(model, named, (x,), {}, None)
     trailed = profile.trailed()
     assert trailed is not None
     step, trails = trailed
-    assert [t.module for t in trails] == [f"{i}.norm2" for i in range(DEPTH - 1)]
+    assert [t.module for t in trails] == [f"{i}.norm2" for i in range(len(model) - 1)]
     for region, cut in zip(profile.regions, step.regions, strict=True):
         if region.trail is None or region is cut:
             continue
@@ -86,7 +66,7 @@ def test_rule24_trails_keep_gradients_bytes_and_flops_as_planned(share: float) -
     """With trails recorded: gradients bitwise equal to the plain run's (dropout included), the
     report's bytes and the backward's recomputed FLOPs equal to the plan's, and the block
     inputs the trails remake are not kept."""
-    model, x = encoder(), inputs()
+    model, x = encoder(), encoder_inputs()
     plain = grads_of(model, x, None)
     plain_flops = recomputed_flops(model, x)
     plan = flops_plan(model, x, share)
@@ -112,7 +92,7 @@ def test_rule24_trails_recompute_fewer_flops_at_the_same_bytes(share: float) -> 
     """Against the same model planned without spans (a ``regions`` predicate), at the same
     budget: the residual sum a trail's scope holds stands for the next block's input, which is
     no longer kept, so the sum's producers need not be recomputed: fewer FLOPs, no more bytes."""
-    model, x = encoder(), inputs()
+    model, x = encoder(), encoder_inputs()
     blocks = lambda m: isinstance(m, nn.TransformerEncoderLayer)  # noqa: E731
     probe = plan_checkpointing(model, x, budget=1.0, objective="flops", regions=blocks)
     budget = int(probe.floor_bytes + share * (probe.baseline_bytes - probe.floor_bytes))
@@ -128,7 +108,7 @@ def test_rule24_trails_recompute_fewer_flops_at_the_same_bytes(share: float) -> 
 def test_rule24_trails_hold_with_early_stop_off_and_after_json() -> None:
     """With early stop off the block's re-run ends at its trail's start all the same; a plan read
     back from JSON records the same trails and gives the same gradients."""
-    model, x = encoder(), inputs()
+    model, x = encoder(), encoder_inputs()
     plain = grads_of(model, x, None)
     plan = flops_plan(model, x, 0.1)
     again = ActivationPlan.from_json(json.loads(plan.to_json()))
@@ -181,7 +161,7 @@ def test_rule24_the_plan_without_trails_races_only_where_it_fits(
 def test_rule24_a_pickled_planned_model_keeps_its_trails() -> None:
     """``torch.save`` of a model with a trailed plan applied: the copy's frames still end at the
     norms and its scopes still record them (its bytes are the plan's), gradients bitwise equal."""
-    model, x = encoder(), inputs()
+    model, x = encoder(), encoder_inputs()
     plain = grads_of(model, x, None)
     plan = flops_plan(model, x, 0.1)
     plan.apply(model)
@@ -248,7 +228,7 @@ def test_rule24_a_compiled_planned_model_with_trails_keeps_gradients(backend: st
     """Under ``torch.compile`` the blocks are torch's regions (whole: the hook that would end
     them at the norm does nothing while dynamo traces): gradients equal the plain run's, no hook
     of ours left on the saved-tensors stack."""
-    model, x = encoder(), inputs()
+    model, x = encoder(), encoder_inputs()
     plain = grads_of(model, x, None)
     plan = flops_plan(model, x, 0.1)
     assert any(s.kind == "trail" for s in plan.spans)

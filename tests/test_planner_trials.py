@@ -22,8 +22,8 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from planner_support import grads_of, least_per_budget, measured, shared_storages, transformer
 from strategies import planner_problems
-from test_planner import grads_of, least_per_budget, measured, shared_storages, transformer
 from torch import nn
 
 from checkpointing import plan_checkpointing

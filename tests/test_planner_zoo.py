@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 from allocator_support import allocator_step
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
 from hf_support import ZOO, ZooMember, tiny_llama, zoo_member
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from torch import nn
 
 import checkpointing

@@ -19,7 +19,7 @@ import pytest
 import torch
 from allocator_support import allocator_step
 from frame_support import assert_tensors_equal
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
 
 import checkpointing
 from checkpointing import _events, policies, saved_tensors_report

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
 
 import checkpointing
 from checkpointing._report import oom

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from frame_support import assert_tensors_equal, backward_counting, counting_ops
+from garbage_support import gc_disabled  # noqa: F401  (a fixture)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import SacChain, sac_chains
-from test_leaks import gc_disabled  # noqa: F401  (a fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpointing

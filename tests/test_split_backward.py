@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from frame_support import raised
+from offload_support import FakeBackend
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -246,11 +247,9 @@ def test_retained_full_backwards_accumulate_as_without_checkpointing() -> None:
 
 def test_host_copies_serve_both_passes_and_go_with_the_graph() -> None:
     """Device outputs offloaded through the offload engine (its CUDA logic on a fake backend,
-    tests/test_offload_overlap.py): under ``split_backward()`` each pass restores the host
+    ``offload_support.FakeBackend``): under ``split_backward()`` each pass restores the host
     copy (none is given up), both passes equal the plain run bitwise, and once the graph is
     freed the engine holds nothing."""
-    from test_offload_overlap import FakeBackend
-
     engine = _offload.Engine(FakeBackend(), prefetch_bytes=1 << 30, pool_bytes=1 << 20)
     with _offload.installed(engine):
         stats = checkpointing.OffloadStats()

@@ -26,7 +26,7 @@ import pytest
 import torch
 import transformers
 from frame_support import counting_ops
-from hf_support import tiny_llama
+from hf_support import BATCH, SEQ, VOCAB, tiny_llama
 
 import checkpointing
 from checkpointing import _compat
@@ -34,23 +34,12 @@ from checkpointing._module import is_module_checkpointed
 from checkpointing.integrations import transformers as hf_checkpointing
 from checkpointing.policies import MATMUL_OPS, offload_ops, save_attention, save_matmuls
 
-VOCAB, BATCH, SEQ = 64, 2, 16
 # A model whose checkpointing is switched by a setup function (None: plain).
 Setup = Callable[[transformers.PreTrainedModel], None] | None
 
 
 def _llama(layers: int = 3, *, use_cache: bool = False) -> transformers.PreTrainedModel:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_dropout=0.1,
-        use_cache=use_cache,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(layers, attention_dropout=0.1, use_cache=use_cache)
 
 
 def _gpt2() -> transformers.PreTrainedModel:

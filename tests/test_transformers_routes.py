@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from test_transformers import BATCH, SEQ, VOCAB
-from test_transformers import _llama as tiny_llama
+from hf_support import BATCH, SEQ, VOCAB, tiny_llama
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("accelerate")
@@ -56,7 +55,7 @@ Route = Callable[[transformers.PreTrainedModel], torch.nn.Module]
 def _llama(layers: int = 2) -> transformers.PreTrainedModel:
     """A tiny Llama with attention dropout, the same weights every time."""
     torch.manual_seed(0)
-    return tiny_llama(layers)
+    return tiny_llama(layers, attention_dropout=0.1)
 
 
 def _lora(model: transformers.PreTrainedModel) -> Any:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from dist_support import free_port
-from test_offload_overlap import FakeBackend
+from offload_support import FakeBackend
 from thread_support import run_threads
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
@@ -327,7 +327,7 @@ def test_fully_shard_and_dcp_state_dict_after_wrapping_as_torchs() -> None:
 
 def test_offload_wrapper_goes_through_the_offload_engine() -> None:
     """``offload_wrapper`` sends what its module saves through the offload engine (over the fake
-    device of test_offload_overlap: side-stream copies, one prefetch group per call) and gets
+    device of ``offload_support``: side-stream copies, one prefetch group per call) and gets
     the unwrapped model's gradients, bitwise, with dropout."""
     backend = FakeBackend()
     engine = _offload.Engine(backend, prefetch_bytes=1 << 30, pool_bytes=1 << 20)

@@ -5,7 +5,7 @@ buffers the op's kernel holds while it runs, which no dispatch mode sees (``live
 tensors that ops return). Only the kernels whose buffers matter are listed: the CPU attention
 kernels, whose buffers grow with the intra-op threads (``torch.get_num_threads()``): a few KB per
 thread on a small model, as much as its activations. Each is an upper bound worked out from the
-kernel's blocking and checked against the allocator (``tests/test_planner_issue40.py``); an op
+kernel's blocking and checked against the allocator (``tests/test_planner_peak.py``); an op
 not listed counts 0.
 """
 

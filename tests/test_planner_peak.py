@@ -1,14 +1,12 @@
-"""Issue 40, the planner's items: planning from several threads at once and inside a caller's
-``torch.profiler`` session (1, 2), copies of a planned model (9), the predicted peak (10) and
-pickled plans (11). One test (or more) per item, named ``test_issue40_item<k>_...``; the crash
-cases run in a subprocess, so that a crash fails one test, not the run."""
+"""The planner's peak: what it predicts against what the CPU allocator holds, and the byte
+counting behind it, which must neither crash nor disturb the caller when two threads plan at once
+or when the caller runs its own ``torch.profiler`` session (planning once opened a profiler
+session of its own). The crash cases run in a subprocess, so that a crash fails one test, not
+the run."""
 
 from __future__ import annotations
 
-import copy
-import io
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -17,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from allocator_support import allocator_peak, allocator_step
-from test_planner import TinyLlama, grads_of, llama_loss
-from test_planner_trails import encoder, inputs
+from planner_support import TinyLlama, llama_loss
 from torch import nn
 
-from checkpointing import ActivationPlan, plan_checkpointing
-from checkpointing._module import is_module_checkpointed, remove_checkpoint_module
+from checkpointing import plan_checkpointing
 from checkpointing._planning.live_bytes import cpu_peak
 from checkpointing._planning.scratch import scratch_bytes
 
@@ -65,7 +61,7 @@ def plan():
 """
 
 
-def test_issue40_item1_two_threads_plan_at_once_without_a_crash() -> None:
+def test_two_threads_plan_at_once_without_a_crash() -> None:
     """Two threads calling ``plan_checkpointing`` together, 20 times in one process: no crash
     (each plan used to open a profiler session, and two at once killed the process), and every
     plan's predicted peak is the single-threaded plan's (each thread counts its own bytes)."""
@@ -97,7 +93,7 @@ def test_issue40_item1_two_threads_plan_at_once_without_a_crash() -> None:
     assert int(out.split("PEAK")[1]) > 0
 
 
-def test_issue40_item2_planning_inside_a_profiler_keeps_the_caller_s_session() -> None:
+def test_planning_inside_a_profiler_keeps_the_caller_s_session() -> None:
     """``plan_checkpointing`` inside the caller's ``torch.profiler.profile()``, 20 times: the
     caller's session keeps recording (its marks before and after the plan are both in its
     events; a plan used to end the session, leaving 0 events)."""
@@ -123,7 +119,7 @@ def test_issue40_item2_planning_inside_a_profiler_keeps_the_caller_s_session() -
     assert out.strip() == "OK"
 
 
-def test_issue40_items1_2_the_live_byte_count_is_the_allocator_s_peak() -> None:
+def test_the_live_byte_count_is_the_allocator_s_peak() -> None:
     """The tracker that replaced the profiler session reads the CPU allocator's peak of a
     training step exactly (checked against the profiler's memory events, outside any thread):
     views and in-place results are not allocations, freed storages are subtracted."""
@@ -139,134 +135,11 @@ def test_issue40_items1_2_the_live_byte_count_is_the_allocator_s_peak() -> None:
     assert cpu_peak(lambda: step().backward()) == expected > 0
 
 
-# --- item 9: copies of a planned model ------------------------------------------------------
-
-
-def _copy(model: nn.Module, how: str) -> nn.Module:
-    if how == "deepcopy":
-        return copy.deepcopy(model)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-def _hooked(model: nn.Module) -> dict[str, tuple[int, int, bool]]:
-    """Per module that has any: its forward pre-hooks, forward hooks, and whether it is
-    checkpointed."""
-    found = {}
-    for name, module in model.named_modules():
-        count = (len(module._forward_pre_hooks), len(module._forward_hooks))
-        if any(count) or is_module_checkpointed(module):
-            found[name] = (*count, is_module_checkpointed(module))
-    return found
-
-
-# A post-norm encoder (trails, Rule 24) and a tiny Llama (head and tail spans, Rule 22).
-_PLANNED = {
-    "trails": (encoder, inputs, None, ["trail", "trail"]),
-    "head and tail": (
-        TinyLlama,
-        lambda: torch.randint(0, 64, (2, 16)),
-        llama_loss,
-        ["head", "tail"],
-    ),
-}
-
-
-@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
-@pytest.mark.parametrize("case", list(_PLANNED))
-def test_issue40_item9_remove_takes_the_plan_off_a_copy(case: str, how: str) -> None:
-    """``plan.remove(copy)`` of a copied planned model (it used to refuse) leaves no hook of
-    the plan on any module of the copy, spans and trails included; the copy's gradients are
-    the plain run's (bitwise, with dropout) and the original stays planned until removed."""
-    build, make_inputs, loss_fn, kinds = _PLANNED[case]
-    torch.manual_seed(0)
-    model, x = build(), make_inputs()
-    plain = grads_of(model, x, loss_fn)
-    plan = plan_checkpointing(model, x, budget=0.3, loss_fn=loss_fn, objective="flops")
-    assert [s.kind for s in plan.spans] == kinds
-    plan.apply(model)
-    twin = _copy(model, how)
-    assert _hooked(twin) == _hooked(model) != {}
-    assert plan.remove(twin) is twin
-    assert _hooked(twin) == {}
-    for a, b in zip(plain, grads_of(twin, x, loss_fn), strict=True):
-        assert torch.equal(a, b)
-    assert _hooked(model) != {}
-    with pytest.raises(ValueError, match="nor to a model it was copied from"):
-        plan.remove(twin)  # nothing left to take off
-    plan.remove(model)
-    assert _hooked(model) == {}
-
-
-@pytest.mark.parametrize("case", list(_PLANNED))
-def test_issue40_item9_a_copy_replans_as_a_fresh_model(case: str) -> None:
-    """Planning a copy that still carries a plan's hooks is refused, naming ``plan.remove``
-    (even with its regions' checkpoints removed by hand: the spans would be recorded while
-    profiling); once removed, the copy measures what a fresh model does."""
-    build, make_inputs, loss_fn, _kinds = _PLANNED[case]
-    torch.manual_seed(0)
-    model, x = build(), make_inputs()
-    fresh = copy.deepcopy(model)
-    plan = plan_checkpointing(model, x, budget=0.3, loss_fn=loss_fn, objective="flops")
-    plan.apply(model)
-    twin = copy.deepcopy(model)
-    plan.remove(model)
-    for region in plan.regions:
-        module = twin.get_submodule(region.name)
-        if region.checkpoint and is_module_checkpointed(module):
-            remove_checkpoint_module(module)
-    with pytest.raises(ValueError, match=r"carries the hooks of an applied ActivationPlan") as e:
-        plan_checkpointing(twin, x, budget=0.3, loss_fn=loss_fn, objective="flops")
-    for phrase in ("plan_checkpointing", "copy.deepcopy or torch.save/load", "Fix: plan.remove"):
-        assert phrase in str(e.value)
-    plan.remove(twin)
-    again = plan_checkpointing(twin, x, budget=0.3, loss_fn=loss_fn, objective="flops")
-    first = plan_checkpointing(fresh, x, budget=0.3, loss_fn=loss_fn, objective="flops")
-    # What the profile measured (the plans themselves may differ: time breaks FLOP ties).
-    assert (again.baseline_bytes, again.floor_bytes) == (first.baseline_bytes, first.floor_bytes)
-
-
-# --- item 11: plans pickle ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("how", ["pickle", "torch.save"])
-def test_issue40_item11_a_plan_pickles_as_data_and_applies(how: str) -> None:
-    """``pickle``/``torch.save`` of a plan, applied or not (it used to raise "cannot pickle
-    'weakref.ReferenceType'"): the copy equals the plan (its JSON and timings), is bound to no
-    model, and applied to the model gives the plain run's gradients (bitwise, with dropout)."""
-    model, x = encoder(), inputs()
-    plain = grads_of(model, x, None)
-    plan = plan_checkpointing(model, x, budget=0.3, objective="flops")
-    plan.timed = (1.0, 1.25)
-    plan.apply(model)
-    if how == "pickle":
-        loaded = pickle.loads(pickle.dumps(plan))
-    else:
-        buffer = io.BytesIO()
-        torch.save(plan, buffer)
-        buffer.seek(0)
-        loaded = torch.load(buffer, weights_only=False)
-    plan.remove(model)
-    assert isinstance(loaded, ActivationPlan)
-    assert loaded.to_json() == plan.to_json()
-    assert loaded.timed == plan.timed
-    assert str(loaded) == str(plan)
-    loaded.apply(model)
-    try:
-        grads = grads_of(model, x, None)
-    finally:
-        loaded.remove(model)
-    for a, b in zip(plain, grads, strict=True):
-        assert torch.equal(a, b)
-
-
-# --- item 10: the predicted peak ------------------------------------------------------------
+# --- the predicted peak ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("threads", [1, 24])
-def test_issue40_item10_the_predicted_peak_errs_high_within_6_percent(threads: int) -> None:
+def test_the_predicted_peak_errs_high_within_6_percent(threads: int) -> None:
     """A planned tiny Llama's predicted peak is at least the allocator's and at most 6 % above
     it, with regions checkpointed, at 1 and 24 intra-op threads: the backward's in-flight
     gradients are measured per region (they were halved), and the CPU attention kernels'
@@ -295,9 +168,7 @@ def test_issue40_item10_the_predicted_peak_errs_high_within_6_percent(threads: i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_issue40_item10_attention_scratch_bounds_the_kernel_s_buffers(
-    dtype: torch.dtype, threads: int
-) -> None:
+def test_attention_scratch_bounds_the_kernel_s_buffers(dtype: torch.dtype, threads: int) -> None:
     """``scratch_bytes`` of the CPU attention kernels, forward and backward, is at least what
     the allocator holds inside the call beyond the outputs, and not far above it (1.5x + 4 KB),
     for causal and plain attention, lengths across the kernels' block sizes."""
