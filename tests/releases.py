@@ -1,4 +1,4 @@
-"""Which torch release the suite runs on, and what each release added (SPEC §12).
+"""Which torch release the suite runs on, and what each release added (torch 2.11 to 2.15).
 
 Parity tests compare with the installed ``torch.utils.checkpoint`` wherever it has the behaviour.
 Where the installed release predates it, the test checks the newest behaviour on ours alone

@@ -1,8 +1,9 @@
 """Issue 26's attacks on policies and on this wave's new entry points, each kept as a test.
 
-- No garbage from container outputs (SPEC §6, "No garbage"): an op that returns a tuple or a
-  list, kept or offloaded by selective checkpointing, leaves no cyclic object behind (torch's
-  ``tree_map`` left 7 per map; a tiny Llama under ``save_matmuls()`` 14 per attention call).
+- No garbage from container outputs: an op that returns a tuple or a list, kept or offloaded
+  by selective checkpointing, leaves no cyclic object behind (torch's ``tree_map`` left 7 per
+  map; a tiny Llama under ``save_matmuls()`` 14 per attention call), so a long training run
+  does not fill memory between collections.
 - An uncalled policy factory (``save_matmuls`` for ``save_matmuls()``) is refused where it is
   passed, by every API that takes a policy, instead of failing at the first forward inside torch
   ("unsupported operand type(s) for @"); any other callable is still a policy, as in torch.

@@ -1,18 +1,30 @@
-"""House rules on the package's shape (issue 43, point 6): no module over 700 lines, and every
-annotation-only import that closes a circle says so where it is made. The import cycles that
-run are checked by ``test_structure.py``; both read the package with ``benchmarks/structure.py``."""
+"""House rules: no module of the package over ``MOST_CODE_LINES`` lines of code (documentation
+does not count), every annotation-only import that closes a circle says so where it is made,
+private torch is reached only through ``checkpointing/_compat/``, no test file imports another
+(what tests share lives in ``tests/*_support.py``), and no file cites the design notes the project
+was built from (a reader of the repository does not have them: a comment states its reason
+itself). The import cycles that run are checked by ``test_structure.py``; both read the package
+with ``benchmarks/structure.py``."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from structure_support import ROOT, load_structure
 
-MOST_LINES = 700
 _MARK = "# annotations only"
+# The design notes' name as a word, or a section sign before a number (built in two parts so that
+# this file does not match itself).
+_CITATION = re.compile(r"\b" + "SP" + r"EC\b|§\s*\d")
+# What the repository holds that a reader reads: the package, its tests, benchmarks, docs,
+# examples, CI scripts and the top-level files.
+_READ = ("checkpointing", "tests", "benchmarks", "docs", "examples", ".ci")
+_TOP = ("pyproject.toml", "noxfile.py", "README.md", "CHANGELOG.md", "mkdocs.yml")
+_TEXT = {".py", ".md", ".toml", ".yml", ".yaml", ".cfg", ".txt", ".sh", ".ini", ".json", ""}
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +33,50 @@ def structure() -> ModuleType:
     return load_structure()
 
 
-def over_long(package: Path) -> dict[str, int]:
-    """The modules under ``package`` longer than ``MOST_LINES`` lines, with their lengths."""
+def over_long(structure: ModuleType, package: Path) -> dict[str, int]:
+    """The modules under ``package`` with more than ``MOST_CODE_LINES`` code lines, with their
+    counts."""
     lengths = {
-        str(p.relative_to(package.parent)): len(p.read_text().splitlines())
+        str(p.relative_to(package.parent)): structure.code_lines(p.read_text())
         for p in sorted(package.rglob("*.py"))
     }
-    return {name: n for name, n in lengths.items() if n > MOST_LINES}
+    return {name: n for name, n in lengths.items() if n > structure.MOST_CODE_LINES}
+
+
+def imported_tests(tests: Path) -> dict[str, list[str]]:
+    """Per file under ``tests`` that imports a test module (``test_*``, anywhere in the file,
+    ``import`` or ``from ... import``): the test modules it imports."""
+    found = {}
+    for path in sorted(tests.glob("*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module)
+        tests_imported = sorted(m for m in imported if m.split(".")[0].startswith("test_"))
+        if tests_imported:
+            found[path.name] = tests_imported
+    return found
+
+
+def citations(root: Path) -> list[str]:
+    """``path:line`` of every line under ``root`` that cites the design notes."""
+    paths = [root / name for name in _TOP if (root / name).is_file()]
+    for folder in _READ:
+        paths += sorted(p for p in (root / folder).rglob("*") if p.is_file())
+    found = []
+    for path in paths:
+        if path.suffix not in _TEXT or "__pycache__" in path.parts:
+            continue
+        try:
+            lines = path.read_text().splitlines()
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(lines, 1):
+            if _CITATION.search(line):
+                found.append(f"{path.relative_to(root)}:{number}")
+    return found
 
 
 def undocumented(structure: ModuleType, package: Path) -> list[str]:
@@ -54,23 +103,42 @@ def undocumented(structure: ModuleType, package: Path) -> list[str]:
 
 
 def test_the_checks_can_fail(structure: ModuleType, tmp_path: Path) -> None:
-    """A long module and an unexplained annotation-only circle are found; explained, it is not."""
+    """A long module, an unexplained annotation-only circle, a test importing a test and a
+    citation are found; documentation does not count, an explained circle and a support module
+    pass."""
+    most = structure.MOST_CODE_LINES
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "long.py").write_text("x = 1\n" * (MOST_LINES + 1))
+    (package / "long.py").write_text("x = 1\n" * (most + 1))
+    documented = '"""Module.\n\n"""\n\n# A comment.\n\n\ndef f():\n    """Docs.\n\n    More."""\n'
+    (package / "documented.py").write_text(documented + "x = 1  # counted\n" * (most - 1))
     (package / "a.py").write_text("from . import b\n")
     guard = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:{}\n    from .a import x\n"
     (package / "b.py").write_text(guard.format(""))
-    assert over_long(package) == {"pkg/long.py": MOST_LINES + 1}
+    assert structure.code_lines(documented) == 1
+    assert over_long(structure, package) == {"pkg/long.py": most + 1}
     assert undocumented(structure, package) == ["pkg.b"]
     (package / "b.py").write_text(guard.format("  # annotations only: a imports b"))
     assert undocumented(structure, package) == []
 
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("import pytest\nfrom x_support import helper\n")
+    (tests / "test_b.py").write_text("def f():\n    from test_a import helper\n")
+    (tests / "x_support.py").write_text("import test_b\n")
+    assert imported_tests(tests) == {"test_b.py": ["test_a"], "x_support.py": ["test_b"]}
 
-def test_no_module_over_700_lines() -> None:
-    """One concept per module, none over 700 lines (checkpointing/)."""
-    assert over_long(ROOT / "checkpointing") == {}
+    (tests / "test_c.py").write_text(
+        "RESPECT_HOOKS = 1  # no citation\n# see " + "SP" + "EC " + "§" + "4\n"
+    )
+    (tmp_path / "noxfile.py").write_text("# a reason, stated (" + "§" + " 12)\n")
+    assert citations(tmp_path) == ["noxfile.py:1", "tests/test_c.py:2"]
+
+
+def test_no_module_over_the_code_line_limit(structure: ModuleType) -> None:
+    """One concept per module, none over ``MOST_CODE_LINES`` code lines (checkpointing/)."""
+    assert over_long(structure, ROOT / "checkpointing") == {}
 
 
 def test_annotation_only_circles_are_explained(structure: ModuleType) -> None:
@@ -142,3 +210,9 @@ def test_only_compat_reaches_private_torch() -> None:
     """Private torch APIs are reached only through ``checkpointing/_compat/``, the one place to
     fix when torch moves them."""
     assert private_torch_uses(ROOT / "checkpointing") == {}
+
+
+def test_no_test_file_imports_another() -> None:
+    """What tests share lives in ``tests/*_support.py``: importing a test module runs its
+    module-level code twice under two names and ties a test file to another's internals."""
+    assert imported_tests(ROOT / "tests") == {}

@@ -1,6 +1,6 @@
 """No leaks, no cycles: 1,000 training steps of each mechanism with ``gc`` disabled.
 
-Three checks per mechanism (SPEC §6, "Memory" and "No garbage"):
+Three checks per mechanism (a leak or a cycle per step grows memory over a long training run):
 - live Python objects and live tensors do not grow over 1,000 steps after a warm-up;
 - frames, holders, the checkpointed function and the module are dead after backward (weakrefs);
 - a step creates no reference cycles of ours: with ``gc`` disabled, ``gc.collect()`` finds no

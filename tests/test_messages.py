@@ -490,14 +490,14 @@ MISTAKES: dict[str, Mistake] = {
         _sac_backward_twice,
         RuntimeError,
         ("Trying to backward an extra time", "Fix"),
-        # torch 2.13 lets this scenario through (stricter here, SPEC §2.1).
+        # torch 2.13 lets this scenario through; ours raises as the newest release does.
         needs=(SAC,),
     ),
     "SAC cached output mutated in place": Mistake(
         _sac_mutated_cache,
         RuntimeError,
         ("has been mutated", "allow_cache_entry_mutation=True"),
-        # torch 2.13 lets this scenario through (stricter here, SPEC §2.1).
+        # torch 2.13 lets this scenario through; ours raises as the newest release does.
         needs=(SAC,),
     ),
     "debug=True with a context_fn": Mistake(

@@ -70,11 +70,12 @@ def _kept_storages(run: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
     return sum(storages.values()), out
 
 
-# -- the SPEC example and SGD steps --------------------------------------------------------------
+# -- the scope's own example and SGD steps -------------------------------------------------------
 
 
-def test_spec_example(leaves: tuple[torch.Tensor, ...]) -> None:
-    """SPEC §4: x is freed after `del x` and recomputed in backward; gradients are exact."""
+def test_scope_example_frees_x_and_recomputes_it(leaves: tuple[torch.Tensor, ...]) -> None:
+    """The scope's example: x is freed after `del x` and recomputed in backward; gradients are
+    exact."""
     a, b, c = leaves
     with gradient_checkpoint_scope():
         x = a + b
