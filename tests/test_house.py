@@ -216,3 +216,9 @@ def test_no_test_file_imports_another() -> None:
     """What tests share lives in ``tests/*_support.py``: importing a test module runs its
     module-level code twice under two names and ties a test file to another's internals."""
     assert imported_tests(ROOT / "tests") == {}
+
+
+def test_nothing_cites_the_design_notes() -> None:
+    """Comments, docstrings and docs state their reasons themselves: the design notes the
+    project was built from are not in the repository, so a citation of them explains nothing."""
+    assert citations(ROOT) == []
