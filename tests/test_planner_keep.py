@@ -16,7 +16,7 @@ from torch import nn
 
 import checkpointing
 from checkpointing import plan_checkpointing
-from checkpointing._planning import kept
+from checkpointing._planning import kept_span_watch
 from checkpointing._planning.problem import Choice
 from checkpointing._planning.profile import profile_step
 
@@ -230,7 +230,7 @@ def test_rule25_a_region_that_keeps_its_draws_runs_keeping_blocks_plainly() -> N
     model = nn.Sequential(*(BlockOfKeeping() for _ in range(DEPTH))).train()
     x = inputs()
     plain = two_steps(model, x)
-    kept._said_blocks.clear()  # said once per process
+    kept_span_watch._said_blocks.clear()  # said once per process
     with pytest.warns(UserWarning, match="does not model what such a block keeps"):
         plan = forced_plan(model, x, draws_only)
     assert all(r.keep_draws for r in plan.regions), str(plan)
@@ -254,7 +254,7 @@ def test_rule25_a_keeping_block_in_a_planned_region_is_said_not_silent() -> None
 
     torch.manual_seed(0)
     x = inputs()
-    kept._said_blocks.clear()
+    kept_span_watch._said_blocks.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan_checkpointing(Outside().train(), (x,), budget=0.5, timing_steps=0)
