@@ -3,6 +3,28 @@
 A drop-in for ``torch.utils.checkpoint`` (every public name, same behaviour) plus what it lacks:
 the ``gradient_checkpoint_scope`` API, selective policies that really offload to host memory,
 ready-made ``checkpointing.policies``, and reports of what is saved for backward.
+
+This file is the front door: it re-exports the public names (``__all__``); ``policies`` is the
+one public submodule and everything else is private. The map of the house, by floor (a module
+imports only from its own floor or a lower one; docs/architecture.md has one line per module, a
+glossary of the words the code uses, and a check of the map against the imports):
+
+0. Ground: ``_compat`` (every private torch API, behind the release gate), ``_errors``,
+   ``_events``, ``_recompute_context``, ``_regions``, ``_units``, ``_trees``, ``_untouched``,
+   ``_kv_caches``.
+1. State and transport: ``_state`` (RNG, autocast, device state), ``_determinism``, ``_offload``
+   (host copies), ``_compiled``, the kept spans' records (``_kept_span*``), ``_schedule``.
+2. Mechanisms: ``_reentrant``, ``_selective`` and ``policies``, ``_context_fn``, ``_frame`` (the
+   non-reentrant checkpoint), ``_host_saves``, ``_keep``, ``_scope``, the tiled regions
+   (``_tiled_run``, ``_tiling``, ``_tiled_head``).
+3. Front doors: ``_checkpoint``, ``_module``, ``_sequential``, ``_wrappers``, ``_auto_wrap``,
+   ``_tiled_recipes``, ``_report``.
+4. The planner, ``_planning``: imported on first use of ``ActivationPlan`` or
+   ``plan_checkpointing`` (most programs never plan, and it is a quarter of the package).
+5. ``integrations``.
+
+Where a new policy, planner objective, release shim or model-family quirk goes, and how to test
+it: docs/contributing.md.
 """
 
 from __future__ import annotations
