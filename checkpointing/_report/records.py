@@ -27,6 +27,7 @@ from .._units import format_bytes
 __all__ = [
     "LEAF",
     "OUTSIDE",
+    "RNG_STATE",
     "SELECTIVE",
     "RegionTotals",
     "SavedTensorRecord",
@@ -39,6 +40,8 @@ OUTSIDE = "(outside any region)"
 """The region of a tensor saved by no checkpoint of ours."""
 LEAF = "(input or parameter)"
 """The op of a tensor no op made: an input or a parameter (a leaf tensor)."""
+RNG_STATE = "rng state"
+"""The op of a row that is an RNG state a checkpoint keeps for its recompute."""
 SELECTIVE = "sac"
 """The region the selective modes announce their outputs in; a report puts them in the region
 whose forward runs, and keeps this name only where none runs (torch's own checkpoint)."""
@@ -134,11 +137,15 @@ class SavedTensorsReport:
             if totals is None:
                 totals = found[region] = RegionTotals()
             totals.add(record)
+        for totals in found.values():
+            totals.sort()
         return found
 
     def summary(self) -> str:
-        """One line per region (tensors, bytes saved, recomputed and offloaded), then the
-        totals, the recompute cost and the notes. The default printout (``str(report)``)."""
+        """One line per region (tensors, bytes saved, recomputed and offloaded) and, under it,
+        the ops whose outputs the region kept (saved or offloaded: the proof that a policy took
+        effect), then the totals, the recompute cost and the notes. The default printout
+        (``str(report)``)."""
         regions = self.regions()
         width = max([len("region"), *(len(name) for name in regions)])
         header = (
@@ -151,22 +158,32 @@ class SavedTensorsReport:
                 f"{name:<{width}}  {totals.tensors:>7}  {format_bytes(totals.saved):>10}  "
                 f"{format_bytes(totals.recomputed):>10}  {format_bytes(totals.offloaded):>10}"
             )
+            for label, ops in (("kept", totals.kept_ops), ("offloaded", totals.offloaded_ops)):
+                if ops:
+                    lines.append(f"  {label}: {_list_ops(ops)}")
+            if totals.recomputed and not totals.kept_ops and not totals.offloaded_ops:
+                lines.append("  kept: no op outputs (recomputes every op)")
         lines.append("-" * len(header))
         lines.extend(self._footer())
         lines.append("(one row per tensor: print(report.table()))")
         return "\n".join(lines)
 
     def table(self) -> str:
-        """A fixed-width table of the records (one row per tensor), then the totals."""
+        """A fixed-width table of the records (one row per tensor), then the totals. Columns
+        are as wide as their longest entry: op names and tensor names are never cut."""
+        shapes = [str(list(r.shape)) for r in self.records]
+        op_w = max([len("op"), *(len(r.op) for r in self.records)])
+        name_w = max([len("name"), *(len(r.name or "") for r in self.records)])
+        shape_w = max([len("shape"), *map(len, shapes)])
         header = (
-            f"{'op':<28} {'name':<12} {'shape':<20} {'dtype':<9} {'bytes':>10}  "
-            f"{'decision':<10} region"
+            f"{'op':<{op_w}} {'name':<{name_w}} {'shape':<{shape_w}} {'dtype':<9} "
+            f"{'bytes':>10}  {'decision':<10} region"
         )
         lines = [self._headline(len(self.regions())), header, "-" * len(header)]
-        for r in self.records:
+        for r, shape in zip(self.records, shapes, strict=True):
             dtype = str(r.dtype).removeprefix("torch.")
             lines.append(
-                f"{r.op[:28]:<28} {(r.name or '')[:12]:<12} {str(list(r.shape))[:20]:<20} "
+                f"{r.op:<{op_w}} {r.name or '':<{name_w}} {shape:<{shape_w}} "
                 f"{dtype:<9} {format_bytes(r.nbytes):>10}  {r.decision:<10} {r.region}"
             )
         lines.append("-" * len(header))
@@ -212,12 +229,18 @@ class SavedTensorsReport:
 
 @dataclass
 class RegionTotals:
-    """One region's line of the summary: how many rows, and their bytes per decision."""
+    """One region's lines of the summary: how many rows, their bytes per decision, and per op
+    name the outputs the region kept (``kept_ops``: saved, ``offloaded_ops``: in host memory)
+    as ``(tensors, bytes)``, largest first once read through ``SavedTensorsReport.regions``.
+    Kept ops are the region's own outputs that backward gets without recompute (a policy's
+    answer, a kept span's): not the region's inputs, nor its RNG states, nor leaf tensors."""
 
     tensors: int = 0
     saved: int = 0
     recomputed: int = 0
     offloaded: int = 0
+    kept_ops: dict[str, tuple[int, int]] = field(default_factory=dict)
+    offloaded_ops: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def add(self, record: SavedTensorRecord) -> None:
         self.tensors += 1
@@ -227,6 +250,38 @@ class RegionTotals:
             self.recomputed += record.nbytes
         else:
             self.offloaded += record.nbytes
+        if record.decision != "recomputed" and _is_kept_output(record):
+            ops = self.kept_ops if record.decision == "saved" else self.offloaded_ops
+            tensors, nbytes = ops.get(record.op, (0, 0))
+            ops[record.op] = (tensors + 1, nbytes + record.nbytes)
+
+    def sort(self) -> None:
+        """Largest kept bytes first (ties by name), for the printout."""
+        for ops in (self.kept_ops, self.offloaded_ops):
+            ordered = sorted(ops.items(), key=lambda item: (-item[1][1], item[0]))
+            ops.clear()
+            ops.update(ordered)
+
+
+def _is_kept_output(record: SavedTensorRecord) -> bool:
+    """Whether ``record`` is a region's own kept output (see ``RegionTotals``)."""
+    return not record.region.startswith(_INPUTS) and record.op not in (LEAF, RNG_STATE)
+
+
+# At most this many kept ops per line of the summary; the rest are counted.
+_OPS_SHOWN = 6
+
+
+def _list_ops(ops: dict[str, tuple[int, int]]) -> str:
+    """``addmm x2 (768 B), bmm x1 (256 B)``, largest first, the tail counted."""
+    shown = [
+        f"{op} x{tensors} ({format_bytes(nbytes)})"
+        for op, (tensors, nbytes) in list(ops.items())[:_OPS_SHOWN]
+    ]
+    rest = len(ops) - _OPS_SHOWN
+    if rest > 0:
+        shown.append(f"{rest} more op(s): print(report.table())")
+    return ", ".join(shown)
 
 
 def region_of_row(region: str) -> str:
