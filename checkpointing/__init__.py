@@ -10,8 +10,8 @@ imports only from its own floor or a lower one; docs/architecture.md has one lin
 glossary of the words the code uses, and a check of the map against the imports):
 
 0. Ground: ``_compat`` (every private torch API, behind the release gate), ``_errors``,
-   ``_events``, ``_recompute_context``, ``_regions``, ``_units``, ``_trees``, ``_untouched``,
-   ``_kv_caches``.
+   ``_events``, ``_recompute_context``, ``_hook_marks`` (what our saved-tensor hooks carry),
+   ``_regions``, ``_units``, ``_trees``, ``_untouched``, ``_kv_caches``.
 1. State and transport: ``_state`` (RNG, autocast, device state), ``_determinism``, ``_offload``
    (host copies), ``_compiled``, the kept spans' records (``_kept_span*``), ``_schedule``.
 2. Mechanisms: ``_reentrant``, ``_selective`` and ``policies``, ``_context_fn``, ``_frame`` (the

@@ -90,6 +90,7 @@ from ._determinism import (
 )
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
+from ._hook_marks import mark_recompute, unmark_recompute
 from ._kept_span import Span
 from ._recompute_context import declared, hand_respect
 from ._regions import region_label
@@ -437,16 +438,13 @@ class Frame:
                 raise _StopRecompute
             return x  # Rule 6: a backward inside the re-run can use it
 
-        pack._checkpoint_internal = True  # type: ignore[attr-defined]  # Rule 10
-        pack._user_hooks = _compat.user_saved_tensors_hooks()  # type: ignore[attr-defined]
-        pack.replaying = self  # type: ignore[attr-defined]  # Rule 12: kept spans find us
-        pack.spans_seen = 0  # type: ignore[attr-defined]
-        # NOTE [Selective checkpoint cache], Rule 14: it refuses tainted tensors, so a replay
-        # saving through it may skip ops.
-        pack.guards_replay_skips = True  # type: ignore[attr-defined]
+        # Rule 10 (internal, the user's hooks below), Rule 12 (kept spans find this frame) and
+        # NOTE [Selective checkpoint cache], Rule 14 (it refuses tainted tensors, so a replay
+        # saving through it may skip ops): the marks of ``_hook_marks``.
+        marked = mark_recompute(pack, self, _compat.user_saved_tensors_hooks())
         state_hooks = self.state_hooks
         outer_state = tuple(hook.snapshot() for hook in state_hooks) if state_hooks else ()
-        _compat.push_saved_tensors_hooks(pack, _identity)  # Rule 3: on top of the stack
+        _compat.push_saved_tensors_hooks(marked, _identity)  # Rule 3: on top of the stack
         try:
             with torch.enable_grad(), self.state.restored(), self.recompute_context:
                 if state_hooks:
@@ -465,8 +463,7 @@ class Frame:
             raise
         finally:
             _compat.pop_saved_tensors_hooks()
-            del pack._user_hooks  # type: ignore[attr-defined]  # Rule 10: no graph-held reference
-            del pack.replaying  # type: ignore[attr-defined]
+            unmark_recompute(marked)  # Rule 10: no graph-held reference
             if state_hooks:
                 for hook, snapshot in zip(state_hooks, outer_state, strict=True):
                     hook.restore(snapshot)  # Rule 12: the caller's state back

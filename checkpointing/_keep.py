@@ -98,6 +98,7 @@ from . import _compat, _compiled, _offload
 from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._frame import NULL_CONTEXT, Frame
+from ._hook_marks import RecomputePack, replaying_pack, watches_kept_spans
 from ._kept_span import Held, Span, held_outputs, hold_outputs, map_tensors
 from ._kept_span_args import (
     ArgumentVersions,
@@ -310,9 +311,9 @@ def _frame_on_top() -> tuple[str, Any]:
     pack = hooks[0]
     if type(pack) is Frame:
         return "forward", pack
-    if getattr(pack, "replaying", None) is not None:
+    if replaying_pack(pack) is not None:
         return "replay", pack
-    if getattr(pack, "watches_kept_spans", False):
+    if watches_kept_spans(pack):
         return "watched", pack
     return "plain", None
 
@@ -407,7 +408,9 @@ def _forward_span(
     return outputs
 
 
-def replay_span(pack: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+def replay_span(
+    pack: RecomputePack, args: tuple[Any, ...], kwargs: dict[str, Any], name: str
+) -> Any:
     """The replay reached a span: fill its argument holders, skip it, serve its outputs. What
     it does on the span's behalf runs inside the span's marker, as the span's own ops did in
     forward (Rule 6)."""

@@ -66,6 +66,7 @@ import torch
 from .. import _compat
 from .._compat import OpOverload
 from .._errors import CheckpointError
+from .._hook_marks import guards_replay_skips
 from .ops import Op, _runner, _runners
 from .policy import TAG_OP
 
@@ -171,9 +172,9 @@ def may_skip(func: Op, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
 
 def replay_guarded() -> bool:
     """Rule 14: whether what is saved now goes straight to our frame's recompute pack hook,
-    which refuses tainted tensors and says so with ``guards_replay_skips = True``."""
+    which refuses tainted tensors and says so with its ``guards_replay_skips`` mark."""
     hooks = _compat.top_saved_tensors_hooks()
-    return hooks is not None and getattr(hooks[0], "guards_replay_skips", False) is True
+    return hooks is not None and guards_replay_skips(hooks[0])
 
 
 def _value_reader(func: Op) -> bool:
