@@ -340,6 +340,19 @@ def test_site_diagrams_are_pictures(site: Path) -> None:
     assert (site / "diagrams" / "kept-recomputed.svg").read_text().startswith("<svg ")
 
 
+def test_reference_leads_with_checkpoints_one_signature(site: Path) -> None:
+    """The reference shows ``checkpoint`` with its one real signature (the function and every
+    option), not its overloads for type checkers first."""
+    page = (site / "reference" / "checkpointing.html").read_text()
+    start = page.index('id="checkpointing.checkpoint"')
+    section = page[start : page.index('id="checkpointing.CheckpointFunction"', start)]
+    assert section.count("doc-signature") == 1
+    assert "doc-overload" not in section
+    signature = html.unescape(re.sub(r"<[^>]+>", "", section))
+    assert "function: Callable[..., Any] | None = None" in signature
+    assert "**kwargs: Any" in signature
+
+
 def test_diagram_is_what_its_script_draws() -> None:
     """docs/diagrams/kept-recomputed.svg is the output of the script beside it (edit the script,
     run it, commit both)."""
