@@ -191,3 +191,66 @@ def test_tiled_experts_on_mixtrals_experts_match_the_untiled_run() -> None:
     got = [tokens.grad, weights.grad] + [p.grad for p in experts.parameters()]
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _tiny_causal_lm(cls: Any, **extra: Any) -> Any:
+    config_cls = (
+        transformers.MixtralConfig if "Mixtral" in cls.__name__ else transformers.LlamaConfig
+    )
+    config = config_cls(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **extra,
+    )
+    torch.manual_seed(0)
+    return cls(config).train()
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "MixtralForCausalLM"])
+def test_enable_tile_mlp_tiles_each_layer_without_a_third_forward(name: str) -> None:
+    """``enable(model, tile_mlp=4)``: every layer's MLP (Mixtral: its experts) is tiled, the
+    layer's checkpoint does not re-run it (each chunk runs in forward and in backward only),
+    the loss and gradients match the plain model's, and ``disable`` removes the tiling."""
+    import checkpointing.integrations.transformers as hf_checkpointing
+
+    cls = getattr(transformers, name)
+    extra = {"num_local_experts": 4, "num_experts_per_tok": 2} if "Mixtral" in name else {}
+    plain, model = _tiny_causal_lm(cls, **extra), _tiny_causal_lm(cls, **extra)
+    ids = torch.randint(0, 32, (2, 12))
+    expected_loss = plain(input_ids=ids, labels=ids).loss
+    expected_loss.backward()
+    hf_checkpointing.enable(model, tile_mlp=4)
+    tiled = model.model.layers[0].mlp
+    tiled = getattr(tiled, "experts", tiled)
+    assert "forward" in tiled.__dict__
+    calls: list[int] = []
+    tiled.register_forward_hook(lambda *_: calls.append(1))  # the module's own call: once
+    chunks: list[int] = []
+    first = tiled.gate_proj if name.startswith("Llama") else None  # Mixtral: 3-D weights
+    if first is not None:
+        first.register_forward_hook(lambda m, i, o: chunks.append(i[0].shape[1]))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for (pname, a), b in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=pname)
+    assert calls == [1]
+    if first is not None:
+        assert chunks == [3] * 8  # 4 chunks in forward, 4 in backward: no third forward
+    hf_checkpointing.disable(model)
+    assert "forward" not in tiled.__dict__
+
+
+def test_enable_tile_mlp_is_checked() -> None:
+    """A bad chunk count, and ``tile_mlp`` with ``budget``, are refused by ``enable``."""
+    import checkpointing.integrations.transformers as hf_checkpointing
+
+    model = _tiny_causal_lm(transformers.LlamaForCausalLM)
+    with pytest.raises(ValueError, match="tile_mlp must be a number of chunks"):
+        hf_checkpointing.enable(model, tile_mlp=0)
+    with pytest.raises(ValueError, match="cannot be combined with budget"):
+        hf_checkpointing.enable(model, budget=0.5, tile_mlp=2, example_kwargs={"input_ids": None})

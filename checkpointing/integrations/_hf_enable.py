@@ -123,6 +123,7 @@ from ..policies import (
     save_routing,
 )
 from ._hf_budget import check_no_plan, has_plan, install_plan, remove_plan
+from ._hf_tiling import check_tile_mlp, tile_layers, untile_layers
 
 __all__ = ["check_options", "disable", "enable", "unwrap"]
 
@@ -312,6 +313,7 @@ def enable(
     policy: Policy | str | None = None,
     budget: None = None,
     every_n_layers: int = 1,
+    tile_mlp: int | None = None,
     **checkpoint_options: Any,
 ) -> None: ...
 
@@ -337,6 +339,7 @@ def enable(
     example_inputs: Any = None,
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    tile_mlp: int | None = None,
     **checkpoint_options: Any,
 ) -> ActivationPlan | None:
     """Make ``model``'s layers checkpoint with ``checkpointing.checkpoint`` (and ``policy``), or
@@ -374,6 +377,9 @@ def enable(
         **checkpoint_options: passed to ``checkpointing.checkpoint`` for every layer
             (``use_reentrant`` (default ``False``), ``context_fn``, ``determinism_check``,
             ``debug``, ``early_stop``, ``preserve_rng_state``).
+        tile_mlp: a number of chunks: each layer's MLP (or an MoE layer's experts) becomes a
+            sequence-tiled region (``checkpointing.tiled_mlp``; NOTE [transformers tiling]),
+            for long context. Not with ``budget``.
 
     Returns:
         With ``budget``, the installed ``checkpointing.ActivationPlan`` (``print(plan)`` shows
@@ -414,11 +420,14 @@ def enable(
     layer_options = check_options(
         _API, policy, budget, every_n_layers, profiling, checkpoint_options
     )
+    check_tile_mlp(tile_mlp, budget)
     if budget is None:
         layer_checkpoint = _LayerCheckpoint(layer_options, every_n_layers)
         check_no_plan(base, "checkpointing through its hook")
         _install(base, layer_checkpoint, every_n_layers)
         _install_switches(base, _require_input_grads(base))
+        if tile_mlp is not None:
+            tile_layers(base, tile_mlp)
         return None
     if example_inputs is None and example_kwargs is None:
         raise ValueError(_MSG_BUDGET_NEEDS_EXAMPLE)
@@ -438,9 +447,10 @@ def disable(model: nn.Module) -> None:
     Undoes ``enable`` (with or without a budget, on the model, its PEFT model or a deep copy of
     it; and transformers' own ``activation_checkpointing_enable``): every layer runs its plain
     forward again, a budget plan's hooks are removed, and so are the input-embedding hooks, if
-    ``enable`` added them.
+    ``enable`` added them, and the layers' tiling (``tile_mlp``).
     """
     base = unwrap(model, "disable")
+    untile_layers(base)
     switches = _remove_switches(base)
     remove_plan(base)
     base._set_gradient_checkpointing(enable=False)
