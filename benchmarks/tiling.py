@@ -230,6 +230,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-tokens", type=int, nargs="+", help="tokens of the head runs")
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds")
     parser.add_argument("--no-timing", action="store_true", help="peaks only")
+    parser.add_argument("--no-peaks", action="store_true", help="times only")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -264,9 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("LM head + loss", head_steps, args.head_tokens, args.head_tokens[0]),
     )
     for title, make, lengths, timed in blocks:
-        by_tokens = {t: peaks(make(t, args.scale)) for t in lengths}
-        lines += [*table(f"{title}: step peak", by_tokens, args.scale), ""]
-        print("\n".join(lines), flush=True)
+        if not args.no_peaks:
+            by_tokens = {t: peaks(make(t, args.scale)) for t in lengths}
+            lines += [*table(f"{title}: step peak", by_tokens, args.scale), ""]
+            print("\n".join(lines), flush=True)
         if not args.no_timing:
             names = ("checkpoint, untiled", "8 chunks")
             steps = make(timed, args.scale)
