@@ -106,21 +106,43 @@ NOTE [Planner model]
   Rule 14. A checkpointed region keeps what its frame keeps (NOTE [Nestable checkpoint], Rule
           11): its input activations, those received by keyword or inside a container included,
           and, if it draws, the RNG states it captures. A region draws where a call of it ran a
-          random op (a kept span's included) or moved the CPU generator; ``RegionDecision.draws``
+          random op (a kept span's included): its own ops, on the profiling thread, which the
+          recorder's dispatch mode sees; never a comparison of the process's generator state,
+          which another thread's draws (a data loader's, a sampler's) move too, so the plan is
+          the same whatever else the program draws. A region that only sets a generator
+          (``torch.manual_seed`` or ``set_rng_state`` in its forward) draws nothing: its
+          gradients are right, and its recompute sets the generator again during backward, as
+          torch's checkpoint without ``preserve_rng_state`` does. ``RegionDecision.draws``
           records it (unknown, from older JSON or pickles: drawing). ``apply`` preserves RNG
           state only for drawing regions: one that draws nothing keeps no state and is charged
           none, since its recompute draws nothing either. That is safe only while it really
-          draws nothing (a draw under ``fork_rng`` moves nothing, so the frame cannot drop a
-          state at forward end by itself), hence for planned regions only, each with a
-          ``DrawGuard`` that raises if its forward under grad moves the CPU generator or an
-          input device's: a model planned in eval mode and trained in train mode. Profiling
-          captures the states at each call as the frame does (``ForwardState``) and keeps only
-          the drawing regions' ones, so a CPU state identical to the previous capture is one
-          storage, kept if any drawing region sharing it is checkpointed: the frame shares it
-          with its previous capture, and draws only move the stream on. The real run captures
+          draws nothing, hence for planned regions only, each under a ``DrawGuard``
+          (``installed.py``), which is its ``context_fn``: its hooks compare the CPU
+          generator's state, and each accelerator's among the region's inputs, before and after
+          each forward under grad, as bytes; where none moved the call drew nothing (but inside
+          ``torch.random.fork_rng``, which moves nothing: the profile sees such draws all the
+          same, so only a model that starts drawing after planning can do that); where one
+          moved, by the call's draws or another thread's, the call's recompute runs under an
+          alarm (``draws.guarded_replay``) that raises ``CheckpointError`` at the first random
+          op the recompute runs, before it draws: a model planned in eval mode and trained in
+          train mode. The recompute's own ops decide, so another thread's draws raise nothing,
+          and a draw the recompute never runs (after the early stop, Rule 16) harms nothing and
+          raises nothing. What the guard holds per thread is a ``threading.local``, gone with
+          the thread. Why not a dispatch mode in every forward: it would check every op of
+          every call; the hooks read two generator states per call, the alarm runs only where
+          one moved (costs in benchmarks/RESULTS.md). Under ``torch.compile`` the guard stands
+          aside: torch's region gets the region's own contexts, and its partitioner keeps random
+          ops' outputs. Profiling captures the states at each call as the frame does
+          (``ForwardState``) and keeps only the drawing regions' ones; a CPU capture with no
+          random op of the step since the previous capture is that capture's storage, kept if
+          any drawing region sharing it is checkpointed: the frame shares a state identical to
+          its previous capture, and draws only move the stream on. The real run captures
           fewer states than the profile (draw-free and unplanned regions capture none), so it
-          shares at least where the profile does. (A region that moves the stream back, e.g.
-          by reseeding, is counted apart where the frame would share: over, never under.)
+          shares at least where the profile does, unless another thread draws between two
+          drawing regions' calls: the frame then shares less (one CPU state more per such
+          call: under by that, the one place where the count is not over). (A region that
+          moves the stream back, e.g. by reseeding, is counted apart where the frame would
+          share: over, never under.)
           Device states (one per accelerator tensor among the positional inputs) are never
           shared.
 

@@ -1,4 +1,5 @@
-"""Keeping a planned region's random draws as a group (NOTE [Planner model], Rule 19).
+"""A planned region's random draws: kept as a group (NOTE [Planner model], Rule 19), or watched
+for where the plan says there are none (Rule 14).
 
 Owns ``draw_contexts``: the pair of dispatch modes ``apply`` installs, below the selective
 modes where the region also keeps op outputs, on a region whose plan keeps its draws. In
@@ -18,6 +19,13 @@ spans], Rule 6), and the profile leaves its ops out of the group (NOTE [Planner 
 the replay runs a block again, and its draws, answered by nobody, would come from an RNG state
 the answered draws before it did not move on; as a plain call its draws are the group's, as the
 profile sees them.
+
+Owns ``DrawCall`` and ``guarded_replay`` too: the recompute context of one call of a region
+planned without draws (checkpointed without an RNG state). Where that call's forward may have
+drawn (``DrawCall.suspect``, set by the region's ``DrawGuard``), the recompute runs under an
+alarm that raises at the first random op it runs: such an op would draw other numbers than the
+forward did, since no state was kept. The alarm is the region's own ops on its own thread, so
+another thread's draws never raise it.
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ from typing import Any, Final
 import torch
 
 from .. import _compat
-from .._recompute_context import DeclaredContext
+from .._errors import CheckpointError
+from .._recompute_context import DeclaredContext, declared
 from .._selective import draws_random
 from .._state import span_depth
 from .._trees import tensors
 
-__all__ = ["draw_contexts"]
+__all__ = ["DrawCall", "draw_contexts", "guarded_replay"]
 
 _MSG_EXTRA_BACKWARD = (
     "checkpointing.ActivationPlan: a region whose plan keeps its random draws was recomputed a "
@@ -186,3 +195,74 @@ def draw_contexts(selective: tuple[Any, Any] | None) -> tuple[Any, Any]:
     if selective is None:
         return forward, replay
     return _Stacked(forward, selective[0]), _Stacked(replay, selective[1])
+
+
+_MSG_DREW = (
+    "checkpointing.ActivationPlan: region {name!r} ran {op}, which draws random numbers, in its "
+    "recompute, but the plan was profiled with the region drawing none, so it keeps no RNG state "
+    "and the recompute would draw other numbers than its forward did (a wrong gradient). "
+    "Typically: the model was planned in eval mode (dropout off) and trains in train mode. "
+    "Fix: plan_checkpointing in the mode you train in (model.train()), then apply that plan."
+)
+
+
+class DrawCall:
+    """One call of a region planned without draws: whether its forward may have drawn (a
+    generator it may use moved while it ran, by its own draws or another thread's)."""
+
+    __slots__ = ("suspect",)
+
+    def __init__(self) -> None:
+        self.suspect = False
+
+
+class _Alarm(_compat.TorchDispatchMode, DeclaredContext):  # type: ignore[no-untyped-call]  # untyped base
+    """Recompute of a suspect call: raises at the first op that draws random numbers."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self.name = name
+
+    def __torch_dispatch__(
+        self, func: Any, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if draws_random(func, args, kwargs):
+            raise CheckpointError(_MSG_DREW.format(name=self.name, op=func))
+        return func(*args, **kwargs)
+
+
+class _GuardedReplay(contextlib.ExitStack, DeclaredContext):
+    """The recompute context of one guarded call: the region's own (selective) recompute
+    context, if any, over the alarm where the call is suspect; it answers the recompute-context
+    protocol as its own context does (the frame reads the answers after the forward ended)."""
+
+    honours_kept_spans: Final = True  # the alarm runs every op; the selective modes honour them
+
+    def __init__(self, call: DrawCall, inner: Any, name: str) -> None:
+        super().__init__()
+        self.call, self.inner, self.name = call, inner, name
+
+    @property
+    def passes_detach_through(self) -> bool:
+        return self.inner is not None and declared(self.inner).passes_detach_through
+
+    @property
+    def honours_kept_blocks(self) -> bool:
+        return self.inner is None or declared(self.inner).honours_kept_blocks
+
+    def __enter__(self) -> _GuardedReplay:
+        super().__enter__()
+        if self.call.suspect:
+            self.enter_context(_Alarm(self.name))
+        if self.inner is not None:
+            self.enter_context(self.inner)
+        return self
+
+
+def guarded_replay(call: DrawCall, inner: Any, name: str) -> Any:
+    """The recompute context of a call of region ``name`` planned without draws: ``inner`` (its
+    selective recompute mode, or None) with the alarm beneath it where ``call`` is suspect."""
+    return _GuardedReplay(call, inner, name)

@@ -3,7 +3,8 @@ copy of it (``copy.deepcopy``, ``torch.save``/``torch.load``), which carries eve
 
 Owns ``Installed`` (what ``apply`` put on the model it was given), ``ShapeCheck`` (the model's
 pre-hook that warns on other input shapes, NOTE [Planner model], Rule 12), ``DrawGuard`` (the
-hooks that stop a region planned without draws from drawing, Rule 14), ``carries`` and
+checkpoint of a region planned without draws, its hooks and contexts, which raise where its
+recompute draws, Rule 14), ``carries`` and
 ``take_off`` (a plan's hooks found on any model through the hooks themselves). Choosing what to
 install belongs to ``plan``, the spans' hooks to ``spans``.
 
@@ -35,11 +36,12 @@ import torch
 from torch import nn
 
 from .. import _compat, _compiled
-from .._errors import CheckpointError
+from .._frame import NULL_CONTEXT
 from .._kv_caches import drop_caches
-from .._module import is_module_checkpointed, remove_checkpoint_module
-from .._state import get_device_states, is_recomputing
+from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
+from .._state import ContextFn, get_device_states, noop_context_fn
 from .._trees import tensors
+from .draws import DrawCall, guarded_replay
 from .profile import input_shapes
 from .recorded_spans import SpanHooks, span_hook_mark, take_off_spans
 
@@ -58,15 +60,6 @@ _MSG_RESHAPED = (
     "plan was profiled with {expected}; its bytes and times do not describe these inputs, so "
     "the budget may not hold. Fix: re-plan with plan_checkpointing(model, inputs_of_this_shape, "
     "budget=...). (Warned once per apply.)"
-)
-
-
-_MSG_DREW = (
-    "checkpointing.ActivationPlan: region {name!r} moved the random number generator ({which}) "
-    "in forward, but the plan was profiled with the region drawing no random numbers, so it "
-    "keeps no RNG state and its recompute would draw other numbers (a wrong gradient). "
-    "Typically: the model was planned in eval mode (dropout off) and trains in train mode. "
-    "Fix: plan_checkpointing in the mode you train in (model.train()), then apply that plan."
 )
 
 
@@ -102,25 +95,40 @@ class ShapeCheck:
 
 
 class DrawGuard:
-    """NOTE [Planner model], Rule 14: the hooks on a checkpointed region whose plan says it
-    draws nothing (so its frame keeps no RNG state): they compare the CPU generator's state,
-    and each accelerator's among the region's inputs, before and after each forward under
-    grad (not in recompute), and raise ``CheckpointError`` where it moved. A region drawing
-    inside ``torch.random.fork_rng`` moves nothing and goes unseen: the profile sees its draws
-    (they are ops), so only a model that starts drawing after planning can do that. A plain
-    object holding the region's name and the plan's mark, so that an applied model pickles."""
+    """NOTE [Planner model], Rule 14: what watches a checkpointed region whose plan says it
+    draws nothing (so its frame keeps no RNG state). It is the region's ``context_fn`` (around
+    the region's selective contexts, if any): each call gets a ``DrawCall`` and a recompute
+    context that raises at a random op where the call is suspect (``draws.guarded_replay``).
+    Its hooks make a call suspect: they compare the CPU generator's state, and each
+    accelerator's among the region's inputs, before and after each forward under grad, as
+    bytes (no op runs); a generator that did not move proves that the call drew nothing (but
+    inside ``torch.random.fork_rng``, which the profile sees as draws all the same), one that
+    moved may be another thread's, so only the recompute's own ops decide. A plain object
+    holding the region's name, the plan's mark and the region's own contexts, so that an
+    applied model pickles; what it holds per thread (the running calls) is a
+    ``threading.local``, gone with the thread."""
 
-    __slots__ = ("entered", "mark", "name")
+    __slots__ = ("inner", "local", "mark", "name")
 
-    def __init__(self, name: str, mark: str) -> None:
+    def __init__(self, name: str, mark: str, inner: ContextFn | None = None) -> None:
         self.name = name
         self.mark = mark
-        # Per thread, per running call: the generators' states at its start (None: unchecked).
-        self.entered: dict[int, list[list[bytes] | None]] = {}
+        self.inner = inner
+        # Per thread: the call ``__call__`` made last (its forward starts next), and per running
+        # call, its ``DrawCall`` and the generators' states at its start (None: unchecked).
+        self.local = threading.local()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return DrawGuard, (self.name, self.mark, self.inner)
 
     @classmethod
-    def install(cls, module: nn.Module, name: str, mark: str) -> DrawGuard:
-        guard = cls(name, mark)
+    def install(
+        cls, module: nn.Module, name: str, mark: str, inner: ContextFn | None = None
+    ) -> DrawGuard:
+        """Checkpoint ``module`` without RNG state, under the guard (hooks after the
+        checkpoint's: its pre-hook calls the guard for the call's contexts first)."""
+        guard = cls(name, mark, inner)
+        checkpoint_module(module, context_fn=guard, preserve_rng_state=False)
         module.register_forward_pre_hook(guard.before, with_kwargs=True)
         module.register_forward_hook(guard.after, always_call=True)
         return guard
@@ -128,25 +136,41 @@ class DrawGuard:
     def remove(self, module: nn.Module) -> None:
         _compat.remove_forward_hooks(module, self.before, self.after)
 
+    def for_compiler(self) -> ContextFn:
+        """What torch's compiled region gets (NOTE [Compiled regions], Rule 2): the region's own
+        contexts; the partitioner keeps random ops' outputs itself."""
+        return noop_context_fn if self.inner is None else self.inner
+
+    def __call__(self) -> tuple[Any, Any]:
+        forward, replay = (NULL_CONTEXT, None) if self.inner is None else self.inner()
+        call = DrawCall()
+        self.local.made = call
+        return forward, guarded_replay(call, replay, self.name)
+
     def before(self, _module: nn.Module, args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
         if _compiled.compiling():
             return  # a compiled region is torch's: its partitioner keeps random ops' outputs
-        checked = torch.is_grad_enabled() and not is_recomputing()
+        local = self.local
+        call: DrawCall | None = getattr(local, "made", None)
+        local.made = None
+        checked = call is not None and torch.is_grad_enabled()
         states = _generator_states(args) if checked else None
-        self.entered.setdefault(threading.get_ident(), []).append(states)
+        running: list[tuple[DrawCall | None, list[bytes] | None]] | None
+        running = getattr(local, "running", None)
+        if running is None:
+            running = local.running = []
+        running.append((call, states))
 
     def after(self, _module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
         if _compiled.compiling():
             return  # as ``before``: nothing was entered
-        running = self.entered.get(threading.get_ident())
-        states = running.pop() if running else None
-        if states is None:
+        running = getattr(self.local, "running", None)
+        call, states = running.pop() if running else (None, None)
+        if call is None or states is None:
             return
         now = _generator_states(args, devices=len(states) > 1)
-        for index, (was, is_) in enumerate(zip(states, now, strict=False)):
-            if was != is_:
-                which = "the CPU generator" if index == 0 else "an accelerator's generator"
-                raise CheckpointError(_MSG_DREW.format(name=self.name, which=which))
+        if now != states:
+            call.suspect = True  # the recompute's own ops decide (``draws.guarded_replay``)
 
 
 def _generator_states(args: tuple[Any, ...], devices: bool | None = None) -> list[bytes]:

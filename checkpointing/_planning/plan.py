@@ -21,7 +21,7 @@ from .._errors import describe_value
 from .._kv_caches import drop_caches
 from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
 from .._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
-from .._state import noop_context_fn
+from .._state import is_noop_context_fn, noop_context_fn
 from .._units import format_bytes, format_flops
 from . import plan_json
 from .contexts import Answer, _RegionContexts, resolve_op
@@ -339,11 +339,13 @@ class ActivationPlan:
         ]
         try:  # all or nothing: what was installed goes again if a later step raises
             for module, context_fn, decision in chosen:
-                draws = getattr(decision, "draws", True)  # a decision pickled before the field
-                checkpoint_module(module, context_fn=context_fn, preserve_rng_state=draws)
+                if getattr(decision, "draws", True):  # a decision pickled before the field
+                    checkpoint_module(module, context_fn=context_fn)
+                else:  # Rule 14: it keeps no RNG state, so its recompute must draw nothing
+                    inner = None if is_noop_context_fn(context_fn) else context_fn
+                    guard = DrawGuard.install(module, decision.name, self._mark, inner)
+                    guards.append((module, guard))
                 installed.append(module)
-                if not draws:  # Rule 14: it keeps no RNG state, so it must draw nothing
-                    guards.append((module, DrawGuard.install(module, decision.name, self._mark)))
             for region, child in trails:  # Rule 24: before the trail's scope starts
                 if is_module_checkpointed(region):
                     ends.append(end_at(region, child))

@@ -73,10 +73,10 @@ class _Step:
         self.stack: list[tuple[RegionProfile, dict[object, int], list[OpCall], list[int]]] = []
         self.calls: dict[int, list[tuple[list[OpCall], int, Trail | None]]] = {}
         self.outside: set[int] = set()
-        # Rule 14: the captured RNG states, alive for the step (no address reused), by identity.
-        self.rng_states: dict[int, tuple[torch.Tensor, int]] = {}
-        # Per running region call: the CPU state at its start, as bytes (no op runs: Rule 1).
-        self.entered_rng: list[bytes] = []
+        # Rule 14: the id of the CPU state the last capture kept (None: none yet), and whether
+        # a random op ran on this thread since (never another thread's: its draws are not ours).
+        self.cpu_state: int | None = None
+        self.drawn = False
         # Rule 22: the head records until the first region call; the tail from the first call
         # of a tail region (the last ``tail`` regions) to the end of the last one's.
         self.head = SpanProfile("head")
@@ -123,24 +123,29 @@ class _Step:
         if torch.is_grad_enabled():  # a frame captures nothing under no_grad
             profile.states.update(self.capture_rng(args))
         self.stack.append((profile, {}, [], [0]))
-        self.entered_rng.append(_compat.storage_bytes(torch.get_rng_state()))
         self.children.append([])
 
     def capture_rng(self, args: tuple[Any, ...]) -> Iterator[int]:
-        """Rule 14: the ids of the RNG states a frame entered here would keep, captured as the
-        frame captures them: a CPU state identical to the previous capture is the same tensor,
-        the same storage."""
+        """Rule 14: the ids of the RNG states a frame entered here would keep: the CPU state
+        is the previous capture's where no random op of this step ran since (the frame shares
+        a state identical to its previous capture; another thread's draws are not the
+        model's), each device state one of its own."""
         with warnings.catch_warnings():  # mixed devices: the frame itself warns when applied
             warnings.simplefilter("ignore")
             state = ForwardState(args, preserve_rng_state=True)
-        for tensor in (state.cpu_rng, *state.device_rng):
-            if tensor is None:
-                continue
-            known = self.rng_states.get(id(tensor))
-            if known is None:
-                known = self.rng_states[id(tensor)] = (tensor, len(self.storage_bytes))
-                self.storage_bytes[known[1]] = tensor.untyped_storage().nbytes()
-            yield known[1]
+        if state.cpu_rng is not None:
+            if self.cpu_state is None or self.drawn:
+                self.cpu_state = self.new_storage(state.cpu_rng)
+            self.drawn = False
+            yield self.cpu_state
+        for tensor in state.device_rng:
+            yield self.new_storage(tensor)
+
+    def new_storage(self, tensor: torch.Tensor) -> int:
+        """A storage of the step that no op made (an RNG state): its id."""
+        storage = len(self.storage_bytes)
+        self.storage_bytes[storage] = tensor.untyped_storage().nbytes()
+        return storage
 
     def settle_states(self) -> None:
         """Rule 14: a region that drew nothing in any call keeps no RNG state (``apply``
@@ -153,9 +158,7 @@ class _Step:
     def leave(self, index: int, output: Any = None) -> None:
         if index == self.tail_last and self.span is self.tail:
             self.span = None
-        profile, _counts, ops, stop = self.stack.pop()
-        if self.entered_rng.pop() != _compat.storage_bytes(torch.get_rng_state()):
-            profile.draws = True  # Rule 14: moved by something no op shows (a draw's seed)
+        _profile, _counts, ops, stop = self.stack.pop()
         calls = self.children.pop()
         trail = None
         if calls and output is not None:  # Rule 24: its last child, called once, ends it
@@ -222,6 +225,7 @@ class _Step:
                 seconds, flops, fresh, activations, random, [self.activation(t) for t in written]
             )
         if random:  # Rule 14: every running region draws, a kept span's draws included
+            self.drawn = True
             for running in self.stack:
                 running[0].draws = True
         if not self.stack or self.in_kept_span:  # Rule 25: numbered as the selective modes do

@@ -59,7 +59,7 @@ class RegionProfile:
     """The RNG states a checkpoint of the region would keep (Rule 14): none where it draws
     nothing."""
     draws: bool = False
-    """Whether a call of the region ran a random op or moved the CPU generator (Rule 14)."""
+    """Whether a call of the region ran a random op (Rule 14)."""
     referenced: set[int] = field(default_factory=set)
     """Its inputs received by keyword or inside a container: a frame keeps them by plain
     reference, a recorded span cannot free them (Rule 22)."""
