@@ -13,7 +13,8 @@ glossary of the words the code uses, and a check of the map against the imports)
    ``_events``, ``_recompute_context``, ``_hook_marks`` (what our saved-tensor hooks carry),
    ``_regions``, ``_units``, ``_trees``, ``_untouched``, ``_kv_caches``.
 1. State and transport: ``_state`` (RNG, autocast, device state), ``_determinism``, ``_offload``
-   (host copies), ``_compiled``, the kept spans' records (``_kept_span*``), ``_schedule``.
+   (the transfers) and ``_host_copy`` (the record of a host copy), ``_compiled``, the kept spans'
+   records (``_kept_span*``), ``_schedule``.
 2. Mechanisms: ``_reentrant``, ``_selective`` and ``policies``, ``_context_fn``, ``_frame`` (the
    non-reentrant checkpoint), ``_host_saves``, ``_keep``, ``_scope``, the tiled regions
    (``_tiled_run``, ``_tiling``, ``_tiled_head``).

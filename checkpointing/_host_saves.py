@@ -3,8 +3,9 @@
 Owns ``SavingOnHost``, the saved-tensors hooks an ``OffloadWrapper`` call runs under (torch's
 ``save_on_cpu``, with our copies): device tensors go to host memory, through the offload engine
 where it moves them (``_offload``, NOTE [Host copies off the critical path]: side streams, pinned
-buffers from its pool, prefetch when backward reaches the call), else by a plain copy; tensors
-already in host memory are kept as they are. Which modules offload is ``_wrappers``'.
+buffers from its pool, prefetch when backward reaches the call), else by a plain copy, each one
+a ``_host_copy.HostCopy``; tensors already in host memory are kept as they are. Which modules
+offload is ``_wrappers``'.
 
 NOTE [Saved on host]
   Rule 1. One call of the wrapped module is one engine group: its copies are prefetched together
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _offload
-from ._errors import internal_error
+from ._host_copy import HostCopy
 from ._selective import OffloadStats
 
 __all__ = ["SavingOnHost"]
@@ -34,23 +35,14 @@ _MSG_CHANGED = (
 )
 
 
-class _OnHost:
-    """One saved tensor: its host copy (an engine transfer, or a host tensor), where it lived,
-    and (Rule 2) the version a host alias had when it was saved."""
+class _HostAlias:
+    """A saved tensor already in host memory, kept in place (Rule 2), with its version."""
 
-    __slots__ = ("device", "host", "transfer", "version")
+    __slots__ = ("alias", "version")
 
-    def __init__(
-        self,
-        host: torch.Tensor | None,
-        transfer: _offload.Transfer | None,
-        device: torch.device,
-        version: int,
-    ) -> None:
-        self.host = host
-        self.transfer = transfer
-        self.device = device
-        self.version = version
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.alias = tensor.detach()
+        self.version = tensor._version
 
 
 class SavingOnHost(torch.autograd.graph.saved_tensors_hooks):
@@ -60,31 +52,22 @@ class SavingOnHost(torch.autograd.graph.saved_tensors_hooks):
         self.group: _offload.Group | None = None  # Rule 1, made at the first engine copy
         super().__init__(self._pack, _unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> _OnHost:
+    def _pack(self, tensor: torch.Tensor) -> HostCopy | _HostAlias:
         if _offload.claims(tensor):
-            engine = _offload.engine()
             if self.group is None:
-                self.group = engine.new_group(reverse=True)
-            return _OnHost(None, engine.offload(tensor, self.group), tensor.device, 0)
+                self.group = _offload.engine().new_group(reverse=True)
+            return HostCopy(tensor, tensor.nbytes, self.group)
         if tensor.device.type == "cpu":  # Rule 2
-            return _OnHost(tensor.detach(), None, tensor.device, tensor._version)
-        return _OnHost(tensor.to("cpu"), None, tensor.device, 0)
+            return _HostAlias(tensor)
+        return HostCopy(tensor, tensor.nbytes, None)
 
 
-def _unpack(saved: _OnHost) -> torch.Tensor:
-    transfer = saved.transfer
-    if transfer is not None:
-        if transfer.state == _offload.HOST:
-            _offload.begin(transfer.group)  # Rule 1
-        try:
-            return transfer.engine.take(transfer, OffloadStats(), consume=False)  # Rule 3
-        except _offload.Stale:
-            raise RuntimeError(_MSG_CHANGED.format(what="offloaded to host memory")) from None
-    host = saved.host
-    if host is None:
-        internal_error("a tensor saved on host with neither a host copy nor a transfer")
-    if saved.device.type == "cpu":
-        if host._version != saved.version:
+def _unpack(saved: HostCopy | _HostAlias) -> torch.Tensor:
+    if isinstance(saved, _HostAlias):
+        if saved.alias._version != saved.version:
             raise RuntimeError(_MSG_CHANGED.format(what="saved in host memory"))
-        return host
-    return host.to(saved.device)
+        return saved.alias
+    try:  # Rules 1 and 3
+        return saved.restore(OffloadStats(), consume=False, prefetch=True)
+    except _offload.Stale:
+        raise RuntimeError(_MSG_CHANGED.format(what="offloaded to host memory")) from None

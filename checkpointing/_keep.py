@@ -99,6 +99,7 @@ from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._frame import NULL_CONTEXT, Frame
 from ._hook_marks import RecomputePack, replaying_pack, watches_kept_spans
+from ._host_copy import HostCopy
 from ._kept_span import Held, Span, held_outputs, hold_outputs, map_tensors
 from ._kept_span_args import (
     ArgumentVersions,
@@ -107,7 +108,7 @@ from ._kept_span_args import (
     storage_ranges,
     tensor_leaves,
 )
-from ._kept_span_offload import Offloaded, offload_kept, restore
+from ._kept_span_offload import offload_kept, restore
 from ._offload import OffloadStats
 from ._recompute_context import declared
 from ._selective import CheckpointPolicy
@@ -267,7 +268,7 @@ class _SpanHooks:
             if packed.counted and isinstance(self.offload, OffloadStats):
                 self.offload._count_restore(packed.alias.nbytes)
             return packed.alias
-        if type(packed) is Offloaded:
+        if type(packed) is HostCopy:
             return restore(packed, self.offload)
         return self.frame_unpack(packed)  # type: ignore[arg-type]  # a holder of the frame
 

@@ -6,8 +6,9 @@ the ``Backend`` interface through which every stream, event and pinned-memory ca
 (``CudaBackend``, through ``_compat``) by default, a fake in the tests (streams as ordered queues,
 events as completion points), installed with ``installed(engine)``, and ``OffloadStats``, what
 the engine and its users count (bytes each way, restores that waited, unhidden copy time). What
-to offload is the policies' business; the entries that hold transfers are ``_selective.cache``'s
-(``_HostCopy``) and ``_kept_span_offload``'s (``Offloaded``). This module imports neither.
+to offload is the policies' business; the record that holds a transfer is ``_host_copy``'s
+(``HostCopy``, used by selective checkpointing, kept spans and ``offload_wrapper``), which
+imports this module.
 
 NOTE [Host copies off the critical path]
   Rule 1. A device->host copy is queued on a side stream ("d2h") that first waits for an event

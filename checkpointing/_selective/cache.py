@@ -57,8 +57,8 @@ import torch
 
 from .. import _compat, _offload
 from .._compat import TorchDispatchMode
-from .._errors import internal_error
 from .._events import announce
+from .._host_copy import HostCopy
 from .._offload import OffloadStats
 from .._recompute_context import DeclaredContext
 from .ops import _OpFacts
@@ -129,44 +129,19 @@ class _HostAlias:
         return self.alias
 
 
-class _HostCopy:
-    """An offloaded device output: only its host copy is kept (Rule 7). A ``transfer`` where the
-    offload engine moves it (CUDA), else a host tensor copied the plain way."""
+class _HostCopy(HostCopy):
+    """An offloaded device output: only its host copy is kept (Rule 7; the record is
+    ``_host_copy``'s, shared with kept spans and ``offload_wrapper``)."""
 
-    __slots__ = ("_plain", "device", "nbytes", "transfer")
-
-    def __init__(self, tensor: torch.Tensor, nbytes: int, group: _offload.Group | None) -> None:
-        self.device = tensor.device
-        self.nbytes = nbytes
-        self.transfer: _offload.Transfer | None = None
-        self._plain: torch.Tensor | None = None
-        if group is not None:
-            self.transfer = _offload.engine().offload(tensor, group)
-        else:
-            self._plain = tensor.to("cpu")
-
-    @property
-    def host(self) -> torch.Tensor:
-        """The host copy (reports read it; it may still be being filled on the device)."""
-        transfer = self.transfer
-        if transfer is not None:
-            return transfer.host
-        plain = self._plain
-        if plain is None:
-            internal_error("a host copy with neither a transfer nor a plain copy")
-        return plain
+    __slots__ = ()
 
     def take(self, allow_mutation: bool, stats: OffloadStats, consume: bool = True) -> torch.Tensor:
-        transfer = self.transfer
-        if transfer is not None:
-            try:
-                # NOTE [Selective checkpoint cache], Rule 6: under split_backward() the host
-                # copy stays for the next pass (``consume=False``), freed with the graph.
-                return transfer.engine.take(transfer, stats, consume=consume)
-            except _offload.Stale:
-                raise _StaleHostAlias from None
-        stats._count_restore(self.nbytes)
-        return self.host.to(self.device)
+        try:
+            # NOTE [Selective checkpoint cache], Rule 6: under split_backward() the host copy
+            # stays for the next pass (``consume=False``), freed with the graph.
+            return self.restore(stats, consume=consume)
+        except _offload.Stale:
+            raise _StaleHostAlias from None
 
 
 class _Tree:
