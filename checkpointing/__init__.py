@@ -39,6 +39,7 @@ from . import _frame
 from . import policies as policies
 from ._auto_wrap import apply_activation_checkpointing
 from ._checkpoint import checkpoint
+from ._compression import Compress
 from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
@@ -101,6 +102,7 @@ __all__ = [
     "CheckpointImpl",
     "CheckpointPolicy",
     "CheckpointWrapper",
+    "Compress",
     "DefaultDeviceType",
     "GraphExecGroup",
     "LayerCost",

@@ -126,9 +126,16 @@ _MSG_KEPT_OFFLOAD = (
     "the device (this is said once). Fix: to offload to host memory, run the checkpointed region "
     "eagerly (wrap the call in torch.compiler.disable), or keep the span with the default policy."
 )
+_MSG_COMPRESS = (
+    "checkpointing: a Compress decision (a policy's answer, or keeping(compress=...)) under "
+    "torch.compile; the compiler does not compress, and keeps those tensors on the device "
+    "uncompressed (this is said once). Fix: to keep them compressed, run the checkpointed "
+    "region eagerly (wrap the call in torch.compiler.disable), or keep them exactly."
+)
 _MESSAGES: Final = {
     "debug": _MSG_DEBUG,
     "offload": _MSG_OFFLOAD,
+    "compress": _MSG_COMPRESS,
     "optimal": _MSG_OPTIMAL,
     "state hooks": _MSG_STATE_HOOKS,
     "kept offload": _MSG_KEPT_OFFLOAD,

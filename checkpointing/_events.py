@@ -31,7 +31,7 @@ __all__ = [
     "tag_name",
 ]
 
-Decision = Literal["saved", "recomputed", "offloaded"]
+Decision = Literal["saved", "recomputed", "offloaded", "compressed"]
 Kept = Literal["rng state", "keyword input", "nested input", "span output"]
 """What a region keeps by reference: an RNG state it captured, a tensor it received by keyword,
 one inside a container among its positional arguments, or the output of a kept span that its
@@ -41,8 +41,12 @@ replay will be served (``checkpointing.keep``)."""
 class Listener(Protocol):
     """Receives one call per tensor a mechanism of ours takes charge of."""
 
-    def on_tensor(self, tensor: torch.Tensor, *, region: str, decision: Decision) -> None:
-        """``tensor`` (the real one, not a holder) was saved, dropped for recompute, or moved."""
+    def on_tensor(
+        self, tensor: torch.Tensor, *, region: str, decision: Decision, nbytes: int | None = None
+    ) -> None:
+        """``tensor`` (the real one, not a holder) was saved, dropped for recompute, moved or
+        compressed; ``nbytes``: what is kept of it where that is not its own size (a
+        compressed tensor's packed bytes)."""
 
 
 @runtime_checkable
@@ -61,11 +65,17 @@ listener: ContextVar[Listener | None] = ContextVar("checkpointing_listener", def
 current_region: ContextVar[str | None] = ContextVar("checkpointing_region", default=None)
 
 
-def announce(tensor: torch.Tensor, region: str, decision: Decision) -> None:
-    """Tell the active listener, if any, what happened to ``tensor`` in ``region``."""
+def announce(
+    tensor: torch.Tensor, region: str, decision: Decision, nbytes: int | None = None
+) -> None:
+    """Tell the active listener, if any, what happened to ``tensor`` in ``region`` (``nbytes``:
+    what is kept of it, where that is not its own size)."""
     current = listener.get()
     if current is not None:
-        current.on_tensor(tensor, region=region, decision=decision)
+        if nbytes is None:
+            current.on_tensor(tensor, region=region, decision=decision)
+        else:
+            current.on_tensor(tensor, region=region, decision=decision, nbytes=nbytes)
 
 
 def announce_kept(tensor: torch.Tensor, region: str, what: Kept) -> None:

@@ -95,6 +95,7 @@ from typing import Any, Final, TypeVar
 import torch
 
 from . import _compat, _compiled, _offload
+from ._compression import Compress
 from ._errors import CheckpointError, internal_error
 from ._events import announce, announce_kept
 from ._frame import NULL_CONTEXT, Frame
@@ -107,6 +108,12 @@ from ._kept_span_args import (
     recipe_for,
     storage_ranges,
     tensor_leaves,
+)
+from ._kept_span_compress import (
+    KeptCompressed,
+    RefusingExactOps,
+    compress_kept,
+    restore_compressed,
 )
 from ._kept_span_offload import offload_kept, restore
 from ._offload import OffloadStats
@@ -127,6 +134,15 @@ _MSG_POLICY = (
     "the device) or MUST_CPU_OFFLOAD or PREFER_CPU_OFFLOAD (keep in host memory), got "
     "{policy!r}. Fix: for a span to be recomputed, do not mark it: the checkpoint recomputes "
     "everything else."
+)
+_MSG_COMPRESS = (
+    "checkpointing.keeping: compress must be a checkpointing.Compress or None, got {got!r} of "
+    "type {type}. Fix: keeping(compress=Compress('bf16')), or Compress('fp8', scale='row')."
+)
+_MSG_COMPRESS_POLICY = (
+    "checkpointing.keeping: compress={how!r} keeps the span's tensors compressed on the device, "
+    "and policy={policy!r} asks to keep them in host memory. Fix: to do both, pass "
+    "compress=Compress(..., offload=True) and leave policy out."
 )
 _MSG_NAME = (
     "checkpointing.keeping: name must be a non-empty str, got {name!r}. Fix: keeping('attn')."
@@ -207,6 +223,7 @@ class _SpanHooks:
 
     __slots__ = (
         "_user_hooks",
+        "compress",
         "frame",
         "frame_unpack",
         "leaves",
@@ -222,12 +239,14 @@ class _SpanHooks:
         span: Span,
         leaves: list[torch.Tensor],
         offload: OffloadStats | bool,
+        compress: Compress | None = None,
     ) -> None:
         self.frame = frame
         self.span = span
         self.leaves = leaves
         self.ranges = storage_ranges(leaves) if leaves else []
         self.offload = offload
+        self.compress = compress  # NOTE [Compressed spans]
         self.frame_unpack = frame.unpack_hook()
         self._user_hooks = frame._user_hooks
 
@@ -247,7 +266,20 @@ class _SpanHooks:
                 return self.frame(x)  # a holder: recomputed, filled by the replay
         alias = x.detach()
         offload = self.offload
-        offloading = offload is not False and not (x.is_leaf and x.requires_grad)  # no params
+        parameter = x.is_leaf and x.requires_grad
+        if self.compress is not None and not parameter:  # NOTE [Compressed spans], Rule 1
+            kept = compress_kept(alias, self.compress, offload, self)
+            if kept is not None:
+                if self.frame.observed:
+                    on_host = self.compress.offload
+                    announce(
+                        x,
+                        self.region_label,
+                        "offloaded" if on_host else "compressed",
+                        kept.packed.nbytes,
+                    )
+                return kept
+        offloading = offload is not False and not parameter
         if self.frame.observed:
             announce(x, self.region_label, "offloaded" if offloading else "saved")
         if offloading:
@@ -270,6 +302,8 @@ class _SpanHooks:
             return packed.alias
         if type(packed) is HostCopy:
             return restore(packed, self.offload)
+        if type(packed) is KeptCompressed:
+            return restore_compressed(packed, self.offload)
         return self.frame_unpack(packed)  # type: ignore[arg-type]  # a holder of the frame
 
 
@@ -352,16 +386,19 @@ def _run_span(
     kwargs: dict[str, Any],
     name: str | None,
     offload: OffloadStats | bool,
+    compress: Compress | None = None,
 ) -> Any:
     if _compiled.compiling():
         if offload is not False:
             _compiled.say_once("kept offload")  # the compiler keeps it on the device
+        if compress is not None:
+            _compiled.say_once("compress")  # nor does it compress
         return _compiled.kept_region(fn, args, kwargs)
     phase, owner = _frame_on_top()
     if phase == "forward":
         if _foreign_context(owner):
             return fn(*args, **kwargs)
-        return _forward_span(owner, fn, args, kwargs, _span_name(fn, name), offload)
+        return _forward_span(owner, fn, args, kwargs, _span_name(fn, name), offload, compress)
     if phase == "replay":
         if _foreign_context(owner.replaying):
             return fn(*args, **kwargs)
@@ -378,16 +415,21 @@ def _forward_span(
     kwargs: dict[str, Any],
     name: str,
     offload: OffloadStats | bool,
+    compress: Compress | None = None,
 ) -> Any:
     span = Span(name, len(frame.weak_holders))
     leaves = tensor_leaves(args, kwargs)
-    hooks = _SpanHooks(frame, span, leaves, offload)
+    hooks = _SpanHooks(frame, span, leaves, offload, compress)
     versions = ArgumentVersions(leaves) if leaves else None
     before = _rng_states(frame) if frame.state.preserve_rng_state else None
     _compat.push_saved_tensors_hooks(hooks, hooks.unpack)
     token = enter_span()
     try:
-        outputs = fn(*args, **kwargs)
+        if compress is None:
+            outputs = fn(*args, **kwargs)
+        else:
+            with RefusingExactOps(name):  # NOTE [Compressed spans], Rule 2
+                outputs = fn(*args, **kwargs)
     finally:
         exit_span(token)
         _compat.pop_saved_tensors_hooks()
@@ -485,6 +527,10 @@ class keeping:  # a context manager named like a function, as torch's no_grad
             their device; ``MUST_CPU_OFFLOAD`` or ``PREFER_CPU_OFFLOAD`` keep them in host memory
             (a host tensor stays where it is).
         offload_stats: counts the bytes offloaded and restored (offload policies only).
+        compress: a ``Compress`` to keep the span's floating-point tensors compressed (NOTE
+            [Compressed saves]); ``Compress(..., offload=True)`` also moves them to host
+            memory. Integer and boolean tensors stay exact; an op whose backward compares its
+            input with its result (``max``, ``amax``, ``median``) inside the span is refused.
 
     As a ``with`` block the body cannot be skipped (Python runs a ``with`` block whatever its
     context manager does): the replay runs it again but stores nothing; everything it saved in
@@ -503,7 +549,7 @@ class keeping:  # a context manager named like a function, as torch's no_grad
         >>> y.sum().backward()
     """
 
-    __slots__ = ("name", "offload")
+    __slots__ = ("compress", "name", "offload")
 
     def __init__(
         self,
@@ -511,32 +557,42 @@ class keeping:  # a context manager named like a function, as torch's no_grad
         *,
         policy: CheckpointPolicy = CheckpointPolicy.MUST_SAVE,
         offload_stats: OffloadStats | None = None,
+        compress: Compress | None = None,
     ) -> None:
         if name is not None and (not isinstance(name, str) or not name):
             raise TypeError(_MSG_NAME.format(name=name))
-        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+        if compress is not None and not isinstance(compress, Compress):
+            raise TypeError(_MSG_COMPRESS.format(got=compress, type=type(compress).__name__))
+        on_host = compress is not None and compress.offload
+        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) and not on_host:
             self.offload: OffloadStats | bool = False
-        elif policy in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD):
+        elif policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE) or (
+            compress is None
+            and policy in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+        ):
             self.offload = offload_stats if offload_stats is not None else True
+        elif compress is not None:
+            raise ValueError(_MSG_COMPRESS_POLICY.format(policy=policy, how=compress))
         else:
             raise ValueError(_MSG_POLICY.format(policy=policy))
         self.name = name
+        self.compress = compress
 
     def __call__(self, fn: _F) -> _F:
         if not callable(fn):
             raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(fn).__name__))
-        name, offload = self.name, self.offload
+        name, offload, compress = self.name, self.offload, self.compress
 
         @functools.wraps(fn)
         def kept(*args: Any, **kwargs: Any) -> Any:
-            return _run_span(fn, args, kwargs, name, offload)
+            return _run_span(fn, args, kwargs, name, offload, compress)
 
         return kept  # type: ignore[return-value]  # same signature as fn
 
     def __enter__(self) -> None:
         if _compiled.compiling():
             return  # Rule 8: part of the region; nothing to end
-        end = _enter_block(self.name or "block", self.offload)
+        end = _enter_block(self.name or "block", self.offload, self.compress)
         _open_blocks.set((*_open_blocks.get(), (self, end)))  # Rule 10
 
     def __exit__(self, *exc: object) -> None:
@@ -562,7 +618,9 @@ _MSG_EXIT_UNMATCHED = (
 )
 
 
-def _enter_block(name: str, offload: OffloadStats | bool) -> Callable[[], None]:
+def _enter_block(
+    name: str, offload: OffloadStats | bool, compress: Compress | None = None
+) -> Callable[[], None]:
     """Start a ``with keeping():`` block (Rule 7); returns what ends it."""
     phase, owner = _frame_on_top()
     if phase == "watched":
@@ -581,11 +639,16 @@ def _enter_block(name: str, offload: OffloadStats | bool) -> Callable[[], None]:
 
         return end_replay
     span = Span(name, len(owner.weak_holders))
-    hooks = _SpanHooks(owner, span, [], offload)
+    hooks = _SpanHooks(owner, span, [], offload, compress)
     _compat.push_saved_tensors_hooks(hooks, hooks.unpack)
     token = enter_span()
+    refusing = None if compress is None else RefusingExactOps(name)  # NOTE [Compressed spans]
+    if refusing is not None:
+        refusing.__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
 
     def end_forward() -> None:
+        if refusing is not None:
+            refusing.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # untyped base
         exit_span(token)
         _compat.pop_saved_tensors_hooks()
         hooks._user_hooks = None

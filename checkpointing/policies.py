@@ -23,7 +23,8 @@ Conventions, so that combinations are predictable:
       PREFER_RECOMPUTE < MUST_RECOMPUTE < PREFER_CPU_OFFLOAD < MUST_CPU_OFFLOAD
                        < PREFER_SAVE < MUST_SAVE
 
-  (kept on the device beats kept on the host beats not kept; at one level, MUST beats PREFER).
+  (kept on the device beats kept on the host beats not kept; at one level, MUST beats PREFER;
+  a ``Compress`` answer sits just below the exact keep of its place: ``compress_ops``).
   They are the maximum and the minimum of a chain, hence the lattice laws: each is
   commutative, associative and idempotent; ``either(p, both(p, q)) == p`` and
   ``both(p, either(p, q)) == p`` (absorption); ``save_nothing()`` is the unit of ``either`` and
@@ -67,6 +68,7 @@ from ._selective import (
     tag,
     uncalled_factory,
 )
+from ._selective.compressing import compress_ops, compress_these_names
 from ._selective.readable import _ByName, _ByOp, _combined, _Constant
 from ._selective.routing import ROUTING_OPS as _ROUTING_OPS
 
@@ -77,6 +79,8 @@ __all__ = [
     "Policy",
     "as_context_fn",
     "both",
+    "compress_ops",
+    "compress_these_names",
     "either",
     "offload_ops",
     "offload_these_names",

@@ -32,6 +32,7 @@ OWN_NAMES = {
     "ActivationWrapper",
     "CheckpointImpl",
     "CheckpointWrapper",
+    "Compress",
     "LayerCost",
     "OffloadStats",
     "OffloadWrapper",

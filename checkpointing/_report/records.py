@@ -106,6 +106,7 @@ class SavedTensorsReport:
     def bytes_by_decision(self) -> dict[Decision, int]:
         """Total tensor bytes per decision (a tensor saved twice counts twice here)."""
         totals: dict[Decision, int] = {"saved": 0, "recomputed": 0, "offloaded": 0}
+        totals["compressed"] = 0  # a key of its own (NOTE [Compressed saves])
         for record in self.records:
             totals[record.decision] += record.nbytes
         return totals
@@ -142,26 +143,33 @@ class SavedTensorsReport:
         return found
 
     def summary(self) -> str:
-        """One line per region (tensors, bytes saved, recomputed and offloaded) and, under it,
-        the ops whose outputs the region kept (saved or offloaded: the proof that a policy took
-        effect), then the totals, the recompute cost and the notes. The default printout
-        (``str(report)``)."""
+        """One line per region (tensors, bytes saved, recomputed and offloaded, and kept
+        compressed where the step compressed anything) and, under it, the ops whose outputs the
+        region kept (saved, offloaded or compressed: the proof that a policy took effect), then
+        the totals, the recompute cost and the notes. The default printout (``str(report)``)."""
         regions = self.regions()
         width = max([len("region"), *(len(name) for name in regions)])
+        compressed = any(totals.compressed for totals in regions.values())
         header = (
             f"{'region':<{width}}  {'tensors':>7}  {'saved':>10}  {'recomputed':>10}  "
-            f"{'offloaded':>10}"
+            f"{'offloaded':>10}" + (f"  {'compressed':>10}" if compressed else "")
         )
         lines = [self._headline(len(regions)), header, "-" * len(header)]
         for name, totals in regions.items():
             lines.append(
                 f"{name:<{width}}  {totals.tensors:>7}  {format_bytes(totals.saved):>10}  "
                 f"{format_bytes(totals.recomputed):>10}  {format_bytes(totals.offloaded):>10}"
+                + (f"  {format_bytes(totals.compressed):>10}" if compressed else "")
             )
-            for label, ops in (("kept", totals.kept_ops), ("offloaded", totals.offloaded_ops)):
+            listed = (
+                ("kept", totals.kept_ops),
+                ("offloaded", totals.offloaded_ops),
+                ("compressed", totals.compressed_ops),
+            )
+            for label, ops in listed:
                 if ops:
                     lines.append(f"  {label}: {_list_ops(ops)}")
-            if totals.recomputed and not totals.kept_ops and not totals.offloaded_ops:
+            if totals.recomputed and not any(ops for _, ops in listed):
                 lines.append("  kept: no op outputs (recomputes every op)")
         lines.append("-" * len(header))
         lines.extend(self._footer())
@@ -204,7 +212,9 @@ class SavedTensorsReport:
         totals = self.bytes_by_decision()
         lines = [
             "tensor bytes by decision (a tensor listed twice counts twice): "
-            + ", ".join(f"{k} {format_bytes(v)}" for k, v in totals.items())
+            + ", ".join(
+                f"{k} {format_bytes(v)}" for k, v in totals.items() if v or k != "compressed"
+            )
         ]
         collective = [r for r in self.records if r.decision != "recomputed" and r.collective]
         if collective:
@@ -230,8 +240,8 @@ class SavedTensorsReport:
 @dataclass
 class RegionTotals:
     """One region's lines of the summary: how many rows, their bytes per decision, and per op
-    name the outputs the region kept (``kept_ops``: saved, ``offloaded_ops``: in host memory)
-    as ``(tensors, bytes)``, largest first once read through ``SavedTensorsReport.regions``.
+    name the outputs the region kept (``kept_ops``: saved, ``offloaded_ops``: in host memory,
+    ``compressed_ops``: compressed on the device) as ``(tensors, bytes)``, largest first once read through ``SavedTensorsReport.regions``.
     Kept ops are the region's own outputs that backward gets without recompute (a policy's
     answer, a kept span's): not the region's inputs, nor its RNG states, nor leaf tensors."""
 
@@ -241,6 +251,10 @@ class RegionTotals:
     offloaded: int = 0
     kept_ops: dict[str, tuple[int, int]] = field(default_factory=dict)
     offloaded_ops: dict[str, tuple[int, int]] = field(default_factory=dict)
+    compressed: int = 0
+    """Bytes kept compressed on the device (``Compress``): the packed bytes, not the
+    original's; compressed tensors moved to host memory count as offloaded, by packed bytes."""
+    compressed_ops: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def add(self, record: SavedTensorRecord) -> None:
         self.tensors += 1
@@ -248,16 +262,21 @@ class RegionTotals:
             self.saved += record.nbytes
         elif record.decision == "recomputed":
             self.recomputed += record.nbytes
+        elif record.decision == "compressed":
+            self.compressed += record.nbytes
         else:
             self.offloaded += record.nbytes
         if record.decision != "recomputed" and _is_kept_output(record):
-            ops = self.kept_ops if record.decision == "saved" else self.offloaded_ops
+            ops = {
+                "saved": self.kept_ops,
+                "compressed": self.compressed_ops,
+            }.get(record.decision, self.offloaded_ops)
             tensors, nbytes = ops.get(record.op, (0, 0))
             ops[record.op] = (tensors + 1, nbytes + record.nbytes)
 
     def sort(self) -> None:
         """Largest kept bytes first (ties by name), for the printout."""
-        for ops in (self.kept_ops, self.offloaded_ops):
+        for ops in (self.kept_ops, self.offloaded_ops, self.compressed_ops):
             ordered = sorted(ops.items(), key=lambda item: (-item[1][1], item[0]))
             ops.clear()
             ops.update(ordered)
@@ -327,6 +346,14 @@ class Tally:
         if rng:
             self.rng_storages[key] = nbytes
             report.rng_state_bytes = sum(self.rng_storages.values())
+
+    def keep_bytes(self, device: torch.device, nbytes: int) -> None:
+        """Count ``nbytes`` kept on ``device`` in place of a tensor (a compressed copy: a
+        storage of its own) in ``kept_bytes`` and ``activation_bytes``."""
+        key = (device, -1 - len(self.kept_storages))  # no storage has a negative key
+        self.kept_storages[key] = self.activation_storages[key] = nbytes
+        self.report.kept_bytes = sum(self.kept_storages.values())
+        self.report.activation_bytes = sum(self.activation_storages.values())
 
     def note(self, text: str) -> None:
         """Add ``text`` to the report's notes, once."""

@@ -83,20 +83,27 @@ class _Watcher:
         self.producers: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.made: set[StorageKey] = set()  # storages ops made inside the block
 
-    def record(self, tensor: torch.Tensor, region: str, decision: Decision) -> None:
+    def record(
+        self, tensor: torch.Tensor, region: str, decision: Decision, nbytes: int | None = None
+    ) -> None:
         op: str = self.producers.get(tensor, LEAF)  # type: ignore[no-untyped-call]  # untyped
-        self.tally.row(op, tensor, region, decision, tag_name(tensor))
+        self.tally.row(op, tensor, region, decision, tag_name(tensor), nbytes)
 
-    def on_tensor(self, tensor: torch.Tensor, *, region: str, decision: Decision) -> None:
+    def on_tensor(
+        self, tensor: torch.Tensor, *, region: str, decision: Decision, nbytes: int | None = None
+    ) -> None:
         """Listener protocol: a mechanism took charge of ``tensor``. What a selective cache
-        saves is kept outside autograd's graph, so it counts towards ``kept_bytes`` here."""
+        saves is kept outside autograd's graph, so it counts towards ``kept_bytes`` here (a
+        compressed tensor by its packed bytes)."""
         if _compat.current_graph_task_id() != -1:  # See "How it watches", 4
             return
         if region == SELECTIVE:  # See "How it watches", 5
             region = current_region.get() or region
-        self.record(tensor, region, decision)
+        self.record(tensor, region, decision, nbytes)
         if decision == "saved":
             self.tally.keep(tensor, activation=True)  # an op's output, though detached
+        elif decision == "compressed" and nbytes is not None:
+            self.tally.keep_bytes(tensor.device, nbytes)
 
     def on_kept(self, tensor: torch.Tensor, *, region: str, what: Kept) -> None:
         """Listener protocol: ``region`` keeps ``tensor`` by plain reference. An RNG state is

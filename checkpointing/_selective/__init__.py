@@ -23,6 +23,8 @@ One concept per module; each imports only from the ones listed before it:
   ``Policy`` / ``OpPolicy`` / ``OpPolicyBase``, what an answer means (the planner's private
   ``SKIP_IN_REPLAY`` included), the list form, the tag op.
 - ``cache``: what a region keeps: ``OffloadStats``, the entries and host copies, the records.
+- ``compressing``: ``compress_ops`` and ``compress_these_names``, and ``keep_rank``, the keep
+  order with ``Compress`` answers (the codec is ``checkpointing._compression``'s).
 - ``unkept``: what a policy names to keep and could not keep: ``Asked``, the once-only warning.
 - ``readable``: the objects behind ``checkpointing.policies``' sentences: a constant answer,
   an answer by op set or by tensor name, and combinations in the keep order.

@@ -57,14 +57,17 @@ import torch
 
 from .. import _compat, _offload
 from .._compat import TorchDispatchMode
+from .._compression import Compress, Packed, check_packable, pack, unpack
+from .._errors import internal_error
 from .._events import announce
 from .._host_copy import HostCopy
 from .._offload import OffloadStats
 from .._recompute_context import DeclaredContext
 from .ops import _OpFacts
-from .policy import _Action, _OpPlan
+from .policy import _Action, _Keep, _OpPlan
 
 _REGION: Final = "sac"
+_OFFLOAD: Final = _Action.OFFLOAD
 
 
 # --- Cache entries ----------------------------------------------------------------------------
@@ -144,6 +147,22 @@ class _HostCopy(HostCopy):
             raise _StaleHostAlias from None
 
 
+class _Shrunk:
+    """A compressed output (NOTE [Compressed saves]): the packed tensor, and with ``offload``
+    the host copy of its payload (Rule 6), which a restore brings back before unpacking."""
+
+    __slots__ = ("host", "packed")
+
+    def __init__(self, packed: Packed, host: _HostAlias | _HostCopy | None) -> None:
+        self.packed = packed
+        self.host = host
+
+    def take(self, allow_mutation: bool, stats: OffloadStats, consume: bool = True) -> torch.Tensor:
+        host = self.host
+        payload = None if host is None else host.take(allow_mutation, stats, consume)
+        return unpack(self.packed, payload)
+
+
 class _Tree:
     """Cached outputs of an op that returned a container: the container with each tensor
     replaced by its entry (other leaves kept as they are)."""
@@ -209,8 +228,8 @@ class _Blank:
         return _map_leaves(self.value, _Spec, _fresh)
 
 
-_Leaf: TypeAlias = _Saved | _Packed | _HostAlias | _HostCopy
-_LEAVES: Final = (_Saved, _Packed, _HostAlias, _HostCopy)
+_Leaf: TypeAlias = _Saved | _Packed | _HostAlias | _HostCopy | _Shrunk
+_LEAVES: Final = (_Saved, _Packed, _HostAlias, _HostCopy, _Shrunk)
 _Entry: TypeAlias = _Leaf | _Tree | _Blank
 
 
@@ -303,19 +322,49 @@ class _CacheMode(TorchDispatchMode, DeclaredContext):  # type: ignore[no-untyped
 
 def _keep_tensor(
     tensor: torch.Tensor,
-    action: _Action,
+    action: _Keep,
     stats: OffloadStats,
     hooks: _compat.HookPair | None,
     cache: _Cache | None,
+    op: object = None,
 ) -> _Leaf:
-    """The entry for one output tensor under a save or offload decision, announced; a saved
-    one goes through the user's saved-tensors ``hooks`` when given (Rule 13); an offloaded one
-    joins the offload group of the region's ``cache``."""
+    """The entry for one output tensor (of ``op``) under a save, offload or compress decision,
+    announced; a saved one goes through the user's saved-tensors ``hooks`` when given (Rule
+    13); an offloaded one joins the offload group of the region's ``cache``."""
     if action is _Action.SAVE:
         announce(tensor, _REGION, "saved")
         return _Saved(tensor) if hooks is None else _Packed(tensor, hooks)
+    if type(action) is Compress:
+        return _keep_compressed(tensor, action, stats, cache, op)
     announce(tensor, _REGION, "offloaded")
-    nbytes = tensor.numel() * tensor.element_size()
+    return _offloaded(tensor, tensor.numel() * tensor.element_size(), stats, cache)
+
+
+def _keep_compressed(
+    tensor: torch.Tensor, how: Compress, stats: OffloadStats, cache: _Cache | None, op: object
+) -> _Leaf:
+    """NOTE [Compressed saves]: ``tensor`` packed (Rule 4 refuses an exact value), its payload
+    offloaded with ``how.offload`` (Rule 6); kept as a plain save where it is in the target
+    dtype already (Rule 3), offloaded as it is with ``how.offload``."""
+    check_packable(tensor, "Compress", op)
+    packed = pack(tensor, how)
+    if packed is None:
+        return _keep_tensor(tensor, _OFFLOAD if how.offload else _Action.SAVE, stats, None, cache)
+    payload = packed.payload
+    if payload is None:
+        internal_error("a freshly packed tensor without its payload")
+    announce(tensor, _REGION, "offloaded" if how.offload else "compressed", packed.nbytes)
+    if not how.offload:
+        return _Shrunk(packed, None)
+    packed.payload = None  # the host copy holds it now (Rule 6)
+    return _Shrunk(packed, _offloaded(payload, payload.nbytes, stats, cache))
+
+
+def _offloaded(
+    tensor: torch.Tensor, nbytes: int, stats: OffloadStats, cache: _Cache | None
+) -> _HostAlias | _HostCopy:
+    """Rule 7: ``tensor``'s host copy (an alias where it lives in host memory already),
+    counted as ``nbytes``."""
     stats._count_offload(nbytes)
     if _offload.claims(tensor):
         group = cache.group() if cache is not None else _offload.engine().new_group()
@@ -327,16 +376,17 @@ def _keep_tensor(
 
 def _keep(
     out: Any,
-    action: _Action,
+    action: _Keep,
     stats: OffloadStats,
     hooks: _compat.HookPair | None = None,
     cache: _Cache | None = None,
+    op: object = None,
 ) -> _Entry:
     """The entry for an op's output (a tensor, or a container of them) under ``action``, in the
     region whose cache is ``cache``."""
     if isinstance(out, torch.Tensor):
-        return _keep_tensor(out, action, stats, hooks, cache)
-    return _Tree(_map_leaves(out, torch.Tensor, _keep_tensor, action, stats, hooks, cache))
+        return _keep_tensor(out, action, stats, hooks, cache, op)
+    return _Tree(_map_leaves(out, torch.Tensor, _keep_tensor, action, stats, hooks, cache, op))
 
 
 def _save_traced(out: Any) -> _Entry:

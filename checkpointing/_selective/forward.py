@@ -45,6 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .. import _compat
 from .._compiled import say_once
+from .._compression import Compress, refuse_exact_op
 from .._errors import CheckpointError, internal_error
 from .._state import span_depth as _span_depth
 from .cache import _Blank, _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
@@ -74,6 +75,7 @@ from .policy import (
     _action_of,
     _as_torch_policy,
     _bad_answer,
+    _Keep,
     _OpPlan,
     _Plan,
     answers_by_op,
@@ -197,7 +199,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         index = record.calls
         record.calls = index + 1
         if op_plan[0] is _PLAN_KEEP:
-            record.keep(index, self._entry(out, op_plan[1]))
+            record.keep(index, self._entry(out, op_plan[1], func))
             return out
         return self._decide(func, args, kwargs, out, record, index)
 
@@ -218,9 +220,13 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             answer = self.policy(ctx, func, *args, **kwargs)
             # Rule 2, inline: answers are singletons (enum members, bools): identity finds them.
             asked = _ACTION_OF_ID.get(id(answer)) if type(answer) in _ANSWER_TYPES else None
-            if asked is None:
+            if asked is not None:
+                action = asked
+            elif isinstance(answer, Compress):
+                refuse_exact_op("Compress", func)  # NOTE [Compressed saves], Rule 4
+                action = answer
+            else:
                 raise _bad_answer(answer, self.policy, func)
-            action = asked
             if record.effect and id(answer) in _PREFERS_RECOMPUTE:
                 action = _Action.SAVE  # Rule 12
         if record.effect and is_collective(func):  # NOTE [Collectives under selective ...]
@@ -235,7 +241,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             if action is _Action.SAVE and self._routing and id(func) in _ROUTING_IDS:
                 self._keep_routing(func, args, out, record, index)
             else:
-                entry = _Blank(out) if action is _PLACEHOLDER else self._entry(out, action)
+                entry = _Blank(out) if action is _PLACEHOLDER else self._entry(out, action, func)
                 record.keep(index, entry)
             if self._makers is not None and type(out) is torch.Tensor:
                 self._makers.pop(id(out), None)  # Rule 15: kept, so a tag of it keeps it
@@ -243,7 +249,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             if action is not _Action.RECOMPUTE:
                 self._tag(args, kwargs, action)
         else:
-            if random and self._asked_ops and (action is _Action.SAVE or action is _OFFLOAD):
+            if random and self._asked_ops and action is not _PLACEHOLDER:
                 self._note_random(func, record)  # Rule 15 (b)
             if record.pure and not random and type(out) is torch.Tensor:
                 self._producers[id(out)] = (weakref.ref(out), record, index, out._version)
@@ -256,18 +262,18 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
     ) -> None:
         """NOTE [Routing ops], Rules 2 and 3: keep a copy of a routing op's outputs and, for a
         ranking op, hand the save over to the maker of the scores it ranked."""
-        record.keep(index, self._entry(copy_outputs(out), _Action.SAVE))
+        record.keep(index, self._entry(copy_outputs(out), _Action.SAVE, func))
         if id(func) in _RANKING_IDS and args and isinstance(args[0], torch.Tensor):
             self._hand_over(args[0], _Action.SAVE)
 
-    def _tag(self, args: tuple[Any, ...], kwargs: dict[str, Any], action: _Action) -> None:
+    def _tag(self, args: tuple[Any, ...], kwargs: dict[str, Any], action: _Keep) -> None:
         """A kept tag: Rule 8's hand-over, and Rule 15 (c)'s note when its name was named."""
         tensor = args[0] if args else kwargs["x"]
-        kept = self._hand_over(tensor, action)
+        name = args[1] if len(args) > 1 else kwargs["name"]
+        kept = self._hand_over(tensor, action, name)
         makers = self._makers
         if makers is None:
             return
-        name = args[1] if len(args) > 1 else kwargs["name"]
         if name not in self._asked_names:
             return
         unkept = self._unkept
@@ -303,7 +309,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         op_plan = plans[id(func)] = _plan_for(policy, func, plans)
         return op_plan
 
-    def _hand_over(self, tensor: torch.Tensor, action: _Action) -> bool:
+    def _hand_over(self, tensor: torch.Tensor, action: _Keep, name: object = None) -> bool:
         """Rule 8: give a kept tag's decision to the op that produced ``tensor``, if allowed;
         whether it was."""
         producer = self._producers.pop(id(tensor), None)
@@ -312,13 +318,14 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         ref, record, index, version = producer
         if ref() is not tensor or tensor._version != version:
             return False
-        record.keep(index, self._entry(tensor, action))
+        record.keep(index, self._entry(tensor, action, f"the tensor tagged {name!r}"))
         return True
 
-    def _entry(self, out: Any, action: _Action) -> _Entry:
-        """The cache entry for ``out`` under a keep ``action`` (Rule 13 for saves)."""
+    def _entry(self, out: Any, action: _Keep, op: object) -> _Entry:
+        """The cache entry for ``out`` (made by ``op``) under a keep ``action`` (Rule 13 for
+        saves)."""
         hooks = self._hooks_for_saves() if action is _Action.SAVE else None
-        return _keep(out, action, self.offload_stats, hooks, self.cache)
+        return _keep(out, action, self.offload_stats, hooks, self.cache, op)
 
     def _hooks_for_saves(self) -> _compat.HookPair | None:
         """Rule 13: the user's saved-tensors hooks a save goes through, or None; warns when
@@ -355,6 +362,8 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         tag = _as_torch_policy(answer)
         if action is _Action.OFFLOAD:
             say_once("offload")  # the partitioner keeps it on the device (NOTE [Compiled regions])
+        elif type(action) is Compress:
+            say_once("compress")
         if record.effect and tag not in _SAVE_OR_REPLAY:  # Rule 12, as torch 2.15 tags it
             tag = _TorchCheckpointPolicy.MUST_SAVE
         nodes = _compat.traced_nodes_since(count_before)
@@ -381,8 +390,11 @@ def _plan_for(policy: OpPolicy, func: Op, plans: dict[int, _OpPlan]) -> _OpPlan:
     _, draw_rule, pure, effect = _facts(func)
     if effect and id(answer) in _PREFERS_RECOMPUTE:
         action = _Action.SAVE  # Rule 12
+    if type(action) is Compress:
+        refuse_exact_op("Compress", func)  # NOTE [Compressed saves], Rule 4
     if draw_rule == _ALWAYS:
-        if action in (_Action.SAVE, _Action.OFFLOAD) and func in asked_of(policy).ops:
+        keeps = action is not _Action.RECOMPUTE and action is not _PLACEHOLDER
+        if keeps and func in asked_of(policy).ops:
             say_random(policy, func)  # Rule 15 (b): no call of it will ever be kept
         return _Plan.COUNT, _Action.RECOMPUTE  # Rule 10: a random op is never kept
     if func is TAG_OP or draw_rule >= 0 or action is _PLACEHOLDER or effect:

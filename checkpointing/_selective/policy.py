@@ -43,6 +43,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
+from .._compression import Compress
 from .._errors import CheckpointError, internal_error
 from .._events import note_tag
 from .ops import Op
@@ -104,7 +105,7 @@ class Policy(Protocol):
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy | bool: ...
+    ) -> CheckpointPolicy | Compress | bool: ...
 
 
 class OpPolicy(Policy, Protocol):
@@ -113,7 +114,7 @@ class OpPolicy(Policy, Protocol):
     checkpoint cache], Rule 1). Every policy of ``checkpointing.policies`` is one, except the
     name-based ones and combinations including them."""
 
-    def answer_for_op(self, op: Op, /) -> CheckpointPolicy | bool: ...
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy | Compress | bool: ...
 
 
 class OpPolicyBase(abc.ABC):
@@ -126,11 +127,11 @@ class OpPolicyBase(abc.ABC):
         self._op_plans: dict[object, _OpPlan] = {}
 
     @abc.abstractmethod
-    def answer_for_op(self, op: Op, /) -> CheckpointPolicy: ...
+    def answer_for_op(self, op: Op, /) -> CheckpointPolicy | Compress: ...
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy:
+    ) -> CheckpointPolicy | Compress:
         return self.answer_for_op(op)
 
 
@@ -265,7 +266,9 @@ _ACTIONS: Final[dict[object, _Action]] = {
     SKIP_IN_REPLAY: _Action.PLACEHOLDER,
 }
 # Torch's members find ours in ``_ACTIONS`` (equal and same hash); an int must not find a bool.
-_ANSWER_TYPES: Final = frozenset({CheckpointPolicy, _TorchCheckpointPolicy, bool, ReplayAnswer})
+_ANSWER_TYPES: Final = frozenset(
+    {CheckpointPolicy, _TorchCheckpointPolicy, bool, ReplayAnswer, Compress}
+)
 # The same map keyed by identity, for the per-op path: every answer of an accepted type is one of
 # these singletons, and ``id`` skips the Python-level ``__hash__`` of our members.
 _ACTION_OF_ID: Final[dict[int, _Action]] = {
@@ -289,8 +292,11 @@ class _Plan(enum.Enum):
     ASK = enum.auto()  # ask the policy, then decide (Rules 2, 8, 10)
 
 
+# What the forward mode does with a kept output: an action, or a ``Compress`` answer itself
+# (NOTE [Compressed saves]), which keeps it compressed (and in host memory with ``offload``).
+_Keep: TypeAlias = _Action | Compress
 # An op-only policy's plan for one op, and the action of its answer.
-_OpPlan: TypeAlias = tuple[_Plan, _Action]
+_OpPlan: TypeAlias = tuple[_Plan, _Keep]
 
 
 # --- Policies: answers, and the list form -----------------------------------------------------
@@ -311,8 +317,10 @@ def _bad_answer(answer: object, policy: object, op: object) -> CheckpointError:
     )
 
 
-def _action_of(answer: object, policy: object, op: object) -> _Action:
+def _action_of(answer: object, policy: object, op: object) -> _Keep:
     """Rule 2: map a policy's answer to an action, or explain why it is not one."""
+    if type(answer) is Compress:
+        return answer
     action = _ACTIONS.get(answer) if type(answer) in _ANSWER_TYPES else None
     if action is None:
         raise _bad_answer(answer, policy, op)
@@ -326,9 +334,12 @@ _POLICY_OF: Final[dict[object, CheckpointPolicy]] = {
 }
 
 
-def as_checkpoint_policy(answer: object, policy: object, op: object) -> CheckpointPolicy:
+def as_checkpoint_policy(answer: object, policy: object, op: object) -> CheckpointPolicy | Compress:
     """Rule 2 for code that combines policies: the ``CheckpointPolicy`` an answer stands for
-    (torch's members and bools included), or the ``CheckpointError`` saying why it is none."""
+    (torch's members and bools included), a ``Compress`` answer as it is, or the
+    ``CheckpointError`` saying why it is neither."""
+    if type(answer) is Compress:
+        return answer
     result = _POLICY_OF.get(answer) if type(answer) in _ANSWER_TYPES else None
     if result is None:
         raise _bad_answer(answer, policy, op)
@@ -341,6 +352,8 @@ def _as_torch_policy(answer: object) -> _TorchCheckpointPolicy:
         return (
             _TorchCheckpointPolicy.MUST_SAVE if answer else _TorchCheckpointPolicy.PREFER_RECOMPUTE
         )
+    if isinstance(answer, Compress):  # the partitioner keeps it, uncompressed
+        return _TorchCheckpointPolicy.MUST_SAVE
     if not isinstance(answer, CheckpointPolicy | _TorchCheckpointPolicy):
         internal_error(f"{answer!r} reached _as_torch_policy without passing _action_of")
     return _TorchCheckpointPolicy[answer.name]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
+from .._compression import Compress
 from .ops import Op
 from .policy import (
     TAG_OP,
@@ -26,15 +27,34 @@ from .policy import (
 )
 from .unkept import NOTHING_ASKED, Asked, asked_of
 
-# The keep order of ``checkpointing.policies``' docstring: a higher rank keeps more.
+# The keep order of ``checkpointing.policies``' docstring: a higher rank keeps more. The ranks
+# are spaced so that compressed answers fit between them: a ``Compress`` keeps less than the
+# exact keep at its place and more than the level below it, a finer format ranks higher (fp8
+# per tensor < fp8 per row < int8 < bf16 < fp16)::
+#
+#     PREFER_RECOMPUTE < MUST_RECOMPUTE < Compress(offload=True) < PREFER_CPU_OFFLOAD
+#                      < MUST_CPU_OFFLOAD < Compress() < PREFER_SAVE < MUST_SAVE
+#
+# A chain (a total order on answers), so ``either`` (its maximum) and ``both`` (its minimum) keep
+# their lattice laws with compressed answers (``tests/test_compression.py``).
 _RANK: Final[dict[CheckpointPolicy, int]] = {
     CheckpointPolicy.PREFER_RECOMPUTE: 0,
-    CheckpointPolicy.MUST_RECOMPUTE: 1,
-    CheckpointPolicy.PREFER_CPU_OFFLOAD: 2,
-    CheckpointPolicy.MUST_CPU_OFFLOAD: 3,
-    CheckpointPolicy.PREFER_SAVE: 4,
-    CheckpointPolicy.MUST_SAVE: 5,
+    CheckpointPolicy.MUST_RECOMPUTE: 10,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: 20,
+    CheckpointPolicy.MUST_CPU_OFFLOAD: 30,
+    CheckpointPolicy.PREFER_SAVE: 40,
+    CheckpointPolicy.MUST_SAVE: 50,
 }
+_COMPRESSED_BELOW: Final = {True: 20, False: 40}  # by ``offload``: the exact keep above it
+_Answer = CheckpointPolicy | Compress
+_Pick = Callable[..., _Answer]  # max or min, by ``keep_rank``
+
+
+def keep_rank(answer: _Answer) -> int:
+    """Where ``answer`` sits in the keep order (a higher rank keeps more)."""
+    if isinstance(answer, Compress):
+        return _COMPRESSED_BELOW[answer.offload] - 9 + answer.rank
+    return _RANK[answer]
 
 
 # --- The policy objects (small classes: a readable repr; those whose answer depends on the op
@@ -117,9 +137,7 @@ class _Combined:
 
     __slots__ = ("_asked_to_keep", "_keeps_routing", "_pick", "_policies", "_repr")
 
-    def __init__(
-        self, policies: tuple[Policy, ...], pick: Callable[..., CheckpointPolicy], name: str
-    ) -> None:
+    def __init__(self, policies: tuple[Policy, ...], pick: _Pick, name: str) -> None:
         self._policies = policies
         self._pick = pick
         self._repr = f"{name}({', '.join(map(repr, policies))})"
@@ -128,12 +146,12 @@ class _Combined:
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Op, /, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy:
+    ) -> _Answer:
         answers = [
             as_checkpoint_policy(policy(ctx, op, *args, **kwargs), policy, op)
             for policy in self._policies
         ]
-        return self._pick(answers, key=_RANK.__getitem__)
+        return self._pick(answers, key=keep_rank)
 
     def __repr__(self) -> str:
         return self._repr
@@ -144,9 +162,7 @@ class _CombinedByOp(OpPolicyBase):
 
     __slots__ = ("_asked_to_keep", "_keeps_routing", "_pick", "_policies", "_repr")
 
-    def __init__(
-        self, policies: tuple[OpPolicy, ...], pick: Callable[..., CheckpointPolicy], name: str
-    ) -> None:
+    def __init__(self, policies: tuple[OpPolicy, ...], pick: _Pick, name: str) -> None:
         super().__init__()
         self._policies = policies
         self._pick = pick
@@ -154,11 +170,11 @@ class _CombinedByOp(OpPolicyBase):
         self._asked_to_keep = _asked_by_all(policies, pick)
         self._keeps_routing = _keeps_routing(policies)
 
-    def answer_for_op(self, op: Op, /) -> CheckpointPolicy:
+    def answer_for_op(self, op: Op, /) -> _Answer:
         answers = [
             as_checkpoint_policy(policy.answer_for_op(op), policy, op) for policy in self._policies
         ]
-        return self._pick(answers, key=_RANK.__getitem__)
+        return self._pick(answers, key=keep_rank)
 
     def __repr__(self) -> str:
         return self._repr
@@ -169,7 +185,7 @@ def _keeps_routing(policies: Iterable[object]) -> bool:
     return any(getattr(policy, "_keeps_routing", False) for policy in policies)
 
 
-def _asked_by_all(policies: Iterable[object], pick: Callable[..., CheckpointPolicy]) -> Asked:
+def _asked_by_all(policies: Iterable[object], pick: _Pick) -> Asked:
     """What a combination names for keeping: ``either`` (``max``) what any of its policies
     names, ``both`` what all of them name (``_selective.unkept``)."""
     asked = [asked_of(policy) for policy in policies]
@@ -184,9 +200,7 @@ def _asked_by_all(policies: Iterable[object], pick: Callable[..., CheckpointPoli
     )
 
 
-def _combined(
-    policies: tuple[Policy, ...], pick: Callable[..., CheckpointPolicy], name: str
-) -> Policy:
+def _combined(policies: tuple[Policy, ...], pick: _Pick, name: str) -> Policy:
     """``either``/``both`` of ``policies``: op-only when every one of them is."""
     by_op = tuple(policy for policy in policies if answers_by_op(policy))
     if len(by_op) == len(policies):

@@ -207,7 +207,12 @@ _MSG_COMPOSITE = (
     "{does} it: it is a composite op, which torch decomposes into other ops before selective "
     "checkpointing sees any. Fix: {fix}"
 )
-_DOES: Final = {"save_ops": "keeps", "offload_ops": "offloads", "recompute_ops": "recomputes"}
+_DOES: Final = {
+    "save_ops": "keeps",
+    "offload_ops": "offloads",
+    "recompute_ops": "recomputes",
+    "compress_ops": "keeps compressed",
+}
 _FIX_ATTENTION = (
     "name the attention kernels it runs, one per device: {api}(*checkpointing.policies."
     "ATTENTION_OPS){shorthand} ({kernels})."
