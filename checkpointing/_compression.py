@@ -289,7 +289,7 @@ class Packed:
     """One compressed tensor (Rules 1, 5): the payload, its scale (or None), and what the
     restore makes: the original dtype, shape, strides where they were dense, and device."""
 
-    __slots__ = ("dtype", "nbytes", "payload", "scale", "shape", "stride")
+    __slots__ = ("device", "dtype", "nbytes", "payload", "scale", "shape", "stride")
 
     def __init__(
         self,
@@ -302,6 +302,7 @@ class Packed:
         self.scale = scale
         self.dtype = original.dtype
         self.shape = original.shape
+        self.device = original.device
         self.stride = _dense_stride(original)
         extra = 0 if scale is None else scale.numel() * scale.element_size()
         self.nbytes = payload.numel() * payload.element_size() + extra

@@ -460,3 +460,27 @@ def test_span_bad_compress(kwargs: dict[str, Any], error: type[Exception], phras
     compress and offload both."""
     with pytest.raises(error, match=re.escape(phrase)):
         checkpointing.keeping(**kwargs)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_report_from_the_loss_sees_what_the_watch_sees(offload: bool) -> None:
+    """A report built from the loss finds the compressed entries of the selective cache and of
+    a kept span: the same bytes per decision and kept bytes as the watched step."""
+    _, (w1, w2), x = _net()
+    context_fn = as_context_fn(compress_ops(aten.mm, to="int8", offload=offload))
+    span = checkpointing.keeping("second", compress=Compress("fp8", offload=offload))
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        return span(lambda h: (h @ w2).tanh())((t @ w1).relu())
+
+    def step() -> torch.Tensor:
+        return checkpointing.checkpoint(region, x, use_reentrant=False, context_fn=context_fn)
+
+    with checkpointing.saved_tensors_report() as watched:
+        step().sum().backward()
+    loss = step().sum()
+    walked = checkpointing.saved_tensors_report(loss)
+    loss.backward()
+    assert walked.bytes_by_decision() == watched.bytes_by_decision()
+    assert walked.bytes_by_decision()["offloaded" if offload else "compressed"] > 0
+    assert walked.kept_bytes == watched.kept_bytes

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from .._compression import Packed
 from .._errors import describe_value
 from .._events import Decision, Kept, tag_name
 from .._frame import Frame, Holder, unpack_holder
@@ -69,7 +70,7 @@ from .._keep import held_outputs
 from .._regions import RegionNames, naming
 from .._scope.router import _Delegated, _Passed
 from .._scope.tape import _ScopeHolder
-from .._selective.cache import _HostAlias, _HostCopy, _Packed, _Saved, _Tree
+from .._selective.cache import _HostAlias, _HostCopy, _Packed, _Saved, _Shrunk, _Tree
 from .._selective.collectives import is_collective
 from .._selective.ops import _op_facts
 from .._selective.recompute import _CachedMode
@@ -279,9 +280,15 @@ class _Walk:
     def span_value(
         self, packed: Any, key: _Key, label: str, saver: str, producer: str | None
     ) -> None:
-        """A ``keep`` span's packed value: the tensor itself, an alias, or a host copy."""
+        """A ``keep`` span's packed value: the tensor itself, an alias, a host copy, or a
+        compressed tensor."""
         if isinstance(packed, torch.Tensor):
             self.tensor(packed, key, label, "saved", saver, producer)
+            return
+        compressed = getattr(packed, "packed", None)
+        if isinstance(compressed, Packed):
+            on_host = getattr(packed, "host", None) is not None
+            self.compressed(compressed, on_host, key, label, _saved_by(saver, producer))
             return
         alias = getattr(packed, "alias", None)
         if isinstance(alias, torch.Tensor):
@@ -310,6 +317,15 @@ class _Walk:
         self.add(key, record_of(op, tensor, region, decision, tag_name(tensor), nbytes))
         if decision == "saved":
             self.tally.keep(tensor, activation=_is_activation(tensor))
+
+    def compressed(self, packed: Packed, on_host: bool, key: _Key, region: str, op: str) -> None:
+        """A row for a compressed tensor (NOTE [Compressed saves]): its packed bytes, counted
+        as kept where they stay on the device."""
+        decision: Decision = "offloaded" if on_host else "compressed"
+        shape = tuple(packed.shape)
+        self.add(key, SavedTensorRecord(op, shape, packed.dtype, packed.nbytes, region, decision))
+        if not on_host:
+            self.tally.keep_bytes(packed.device, packed.nbytes)
 
     def kept(self, tensor: torch.Tensor, key: _Key, region: str, what: Kept) -> None:
         """A row for what a frame keeps by plain reference (Rule 3)."""
@@ -385,6 +401,8 @@ class _Walk:
             self.tensor(entry.alias, key, region, "offloaded", op, op, nbytes=entry.nbytes)
         elif isinstance(entry, _HostCopy):
             self.tensor(entry.host, key, region, "offloaded", op, op, nbytes=entry.nbytes)
+        elif isinstance(entry, _Shrunk):
+            self.compressed(entry.packed, entry.host is not None, key, region, op)
         elif isinstance(entry, _Packed):
             self.tally.note(_NOTE_FOREIGN_HOOKS)
             for tensor in tensors(entry.packed):
