@@ -53,6 +53,12 @@ def _non_reentrant(m: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     return m.checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
+def _sac_backward_of(m: Any, policy: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``fn`` of a fresh input, checkpointed under ``policy`` (ours only), then backward."""
+    context_fn = policies.as_context_fn(policy)
+    m.checkpoint(fn, _x(), use_reentrant=False, context_fn=context_fn).sum().backward()
+
+
 def _sac_backward(m: Any, policy: Any, **options: Any) -> None:
     context_fn = functools.partial(m.create_selective_checkpoint_contexts, policy, **options)
     x = _x()
@@ -694,6 +700,37 @@ MISTAKES: dict[str, Mistake] = {
         RuntimeError,
         ("checkpointing.keeping", "'moved'", "must end in the thread", "Fix"),
         needs=("keeping",),
+    ),
+    "Compress: unknown format": Mistake(
+        lambda m: m.Compress("fp4"),
+        ValueError,
+        ("checkpointing.Compress", "expected a compressed format", "got 'fp4'", "Fix"),
+    ),
+    "compress_ops naming an exact-value op": Mistake(
+        lambda m: policies.compress_ops(torch.ops.aten.amax.default),
+        CheckpointError,
+        ("policies.compress_ops", "aten.amax.default cannot be kept compressed", "Fix"),
+    ),
+    "compressed decision for a boolean output": Mistake(
+        lambda m: _sac_backward_of(
+            m, policies.compress_ops(torch.ops.aten.gt.Scalar), lambda t: (t > 0) * t
+        ),
+        CheckpointError,
+        ("checkpointing.Compress", "aten.gt.Scalar", "torch.bool", "Fix"),
+    ),
+    "keeping with compress that is not a Compress": Mistake(
+        lambda m: m.keeping(compress="bf16"),
+        TypeError,
+        ("checkpointing.keeping", "compress must be a checkpointing.Compress", "Fix"),
+    ),
+    "compressing span running amax": Mistake(
+        lambda m: m.checkpoint(
+            m.keeping("peak", compress=m.Compress("fp8"))(lambda t: t.amax()),
+            _x(),
+            use_reentrant=False,
+        ),
+        CheckpointError,
+        ("checkpointing.keeping(compress=...)", "'peak' runs aten.amax.default", "Fix"),
     ),
 }
 
