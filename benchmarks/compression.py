@@ -126,6 +126,7 @@ def measure_bytes(kwargs: dict[str, Any] | None) -> Bytes:
 
 STEPS, BATCH, DIGITS, VOCAB = 300, 32, 16, 12  # tokens 0-9, 10 = separator
 NOISE = 0.2
+TASK = "reverse"
 
 
 def reverse_task(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +136,8 @@ def reverse_task(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     where any two runs differ by large ratios of tiny numbers."""
     digits = torch.randint(0, 10, (BATCH, DIGITS), generator=generator)
     separator = torch.full((BATCH, 1), 10)
-    sequence = torch.cat([digits, separator, digits.flip(1)], dim=1)
+    answer = digits.flip(1) if TASK == "reverse" else digits
+    sequence = torch.cat([digits, separator, answer], dim=1)
     targets = sequence[:, 1:].clone()
     noisy = torch.rand(targets[:, DIGITS:].shape, generator=generator) < NOISE
     random = torch.randint(0, 10, noisy.shape, generator=generator)
@@ -170,7 +172,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", action="store_true", help="draw docs/compression_loss.png")
     parser.add_argument("--only", nargs="*", help="train only these decisions (and the exact)")
+    parser.add_argument("--task", choices=("reverse", "copy"), default="reverse")
     args = parser.parse_args()
+    global TASK
+    TASK = args.task
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
     print("\n1. Bytes kept, one step (2 layers, width 128, sequence 64, batch 16)")
