@@ -249,7 +249,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             if action is not _Action.RECOMPUTE:
                 self._tag(args, kwargs, action)
         else:
-            if random and self._asked_ops and action is not _PLACEHOLDER:
+            if random and self._asked_ops and action not in (_Action.RECOMPUTE, _PLACEHOLDER):
                 self._note_random(func, record)  # Rule 15 (b)
             if record.pure and not random and type(out) is torch.Tensor:
                 self._producers[id(out)] = (weakref.ref(out), record, index, out._version)
