@@ -239,6 +239,8 @@ def test_report_has_a_compressed_column() -> None:
     assert report.bytes_by_decision()["compressed"] == packed
     (totals,) = report.regions().values()
     assert totals.compressed == packed
+    assert totals.compressed_ops == {"mm": (2, packed)}
+    assert "  compressed: mm x2" in report.summary()
     assert report.summary().splitlines()[1].split()[-1] == "compressed"
     plain = checkpointing.SavedTensorsReport()
     assert "compressed" not in plain.summary()  # the column only where something was

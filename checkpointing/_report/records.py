@@ -241,7 +241,8 @@ class SavedTensorsReport:
 class RegionTotals:
     """One region's lines of the summary: how many rows, their bytes per decision, and per op
     name the outputs the region kept (``kept_ops``: saved, ``offloaded_ops``: in host memory,
-    ``compressed_ops``: compressed on the device) as ``(tensors, bytes)``, largest first once read through ``SavedTensorsReport.regions``.
+    ``compressed_ops``: compressed on the device) as ``(tensors, bytes)``, largest first once
+    read through ``SavedTensorsReport.regions``.
     Kept ops are the region's own outputs that backward gets without recompute (a policy's
     answer, a kept span's): not the region's inputs, nor its RNG states, nor leaf tensors."""
 
