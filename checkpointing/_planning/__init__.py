@@ -363,8 +363,19 @@ NOTE [Planner model]
           and ``c10d::`` collectives in place on its buffers), at addresses an earlier
           activation may have had, so what those ops make or fill loses any id it had and the
           ops are not the region's (the recorder passes them by; they are the sharding's, not
-          the plan's). Functional collectives (``_c10d_functional::``, tensor parallelism's)
-          make activations and are ops like any other (selective checkpointing keeps them).
+          the plan's). Functional collectives (``_c10d_functional::``, tensor parallelism's;
+          ``_selective``'s ``is_collective``) make activations and are kept, never re-run: a
+          checkpointed region that runs one keeps its outputs (in ``RegionProfile.kept``,
+          charged with its inputs, as a kept span's saves are, Rule 25) and its plan lists its
+          collectives among what it saves (``RegionDecision.save``), so ``apply`` gives it a
+          selective policy (Rule 11), under which the collective rule keeps them (NOTE
+          [Collectives under selective checkpointing]); a plain checkpoint would run them again
+          in backward (a second round of communication, and ranks out of step where their
+          recomputes differ). The recorder gives such an op no price and no unit: in the replay
+          it runs not and needs nothing (a view's role, Rule 21), so what only it reads may be
+          skipped. The region's options that keep and skip nothing else are priced without the
+          selective modes' charge (Rule 13) that its collectives' policy adds: under by that
+          charge, a price, never bytes.
           A measured step differentiates with ``autograd.grad`` with respect to every leaf its
           graph reaches, FSDP2's gathered parameters included: the whole backward runs, so
           FSDP2's hooks run and reshard as after a real step, and no ``.grad`` is written, so

@@ -31,6 +31,7 @@ from .peak import predicted_peak
 from .problem import Choice, Problem, Solution, kept_storages, region_recompute, skipped
 from .profile import StepProfile
 from .recorded_spans import SpanCost, SpanHooks, SpanKind
+from .step_profile import RegionProfile
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "resolve_op"]
 
@@ -256,7 +257,8 @@ class ActivationPlan:
                     name=region.name,
                     type_name=region.type_name,
                     checkpoint=choice.checkpoint,
-                    save=tuple(units[i].key for i in sorted(choice.saved)),
+                    save=tuple(units[i].key for i in sorted(choice.saved))
+                    + (_collectives(region) if choice.checkpoint else ()),
                     offload=tuple(units[i].key for i in sorted(moved)),
                     ops=len(region.ops),
                     kept_bytes=sum(problem.storage_bytes[s] for s in kept),
@@ -568,6 +570,12 @@ def _context_fn(region: RegionDecision) -> Any:
     for name, index in region.skip:
         decisions[(resolve_op(name), index)] = SKIP_IN_REPLAY
     return _RegionContexts(decisions, keep_draws=region.keep_draws)
+
+
+def _collectives(region: RegionProfile) -> tuple[Key, ...]:
+    """Rule 26: the keys of a region's collectives, kept by the selective policy they give it
+    (never re-run in backward)."""
+    return tuple(dict.fromkeys((c.op, c.index) for c in region.ops if c.kind == "kept"))
 
 
 def _describe_model(model: nn.Module | None) -> str:

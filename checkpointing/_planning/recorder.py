@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import _compat
 from .._scope.ops import written_tensors
-from .._selective import SAC_IGNORED_OPS, draws_random, may_skip, reads_values
+from .._selective import SAC_IGNORED_OPS, draws_random, is_collective, may_skip, reads_values
 from .._state import ForwardState
 from .._trees import StorageKey, storage_key, storage_nbytes, tensors
 from .costs import DeviceCosts
@@ -230,7 +230,7 @@ class _Step:
                 running[0].draws = True
         if not self.stack or self.in_kept_span:  # Rule 25: numbered as the selective modes do
             return
-        _profile, counts, ops, _stop = self.stack[-1]
+        profile, counts, ops, _stop = self.stack[-1]
         read = (
             tuple(dict.fromkeys(s for t in arguments if (s := self.activation(t)) is not None))
             if reads_values(func)  # Rule 21: dropout's empty_like(x) needs no x
@@ -238,6 +238,11 @@ class _Step:
         )  # an input's storage is not an output's: its id is still the input's
         index = counts.get(func, 0)
         counts[func] = index + 1
+        if is_collective(func):  # Rule 26: kept whenever the region is checkpointed
+            outputs = [s for t in tensors(out) if (s := self.activation(t)) is not None]
+            profile.kept.update(outputs)
+            ops.append(OpCall(str(func), index, 0.0, 0, "kept", tuple(outputs)))
+            return
         if random or writes:
             kind = "random" if random else "inplace"
             fresh = [s for t in tensors(out) if (s := self.activation(t)) is not None]

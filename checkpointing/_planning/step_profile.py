@@ -35,7 +35,8 @@ class OpCall:
     """Its predicted seconds by the cost model (Rule 9), summed over the region's calls."""
     flops: int
     kind: str  # "unit" (may be saved), "view", "inplace", "random", "none" (no tensor output
-    # with memory of its own or of an input's)
+    # with memory of its own or of an input's), "kept" (a collective: kept whenever the region
+    # is checkpointed, its outputs in ``RegionProfile.kept``, never re-run: Rule 26)
     storages: tuple[int, ...]  # fresh storages the op produced (ids of ``StepProfile``)
     inputs: tuple[int, ...] = ()
     """The activation storages among its tensor inputs (parameters, buffers and example inputs
@@ -290,7 +291,7 @@ def _replay_graph(region: RegionProfile, units: dict[int, int]) -> ReplayGraph:
             role = "random"
         elif call.skippable:
             role = "skippable"
-        elif call.kind == "view":
+        elif call.kind in ("view", "kept"):  # a kept collective runs not and needs nothing
             role = "view"
         else:  # in place, no tensor output, or outputs torch's placeholders cannot stand for
             role = "root"

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from .._offload import OffloadStats
 from .cache import _CONSUMED as _CONSUMED
+from .collectives import is_collective
 from .contexts import create_selective_checkpoint_contexts
 from .ops import SAC_IGNORED_OPS, Op, draws_random
 from .policy import (
@@ -109,6 +110,7 @@ __all__ = [
     "asked_of",
     "create_selective_checkpoint_contexts",
     "draws_random",
+    "is_collective",
     "is_composite",
     "may_skip",
     "never_dispatched",
