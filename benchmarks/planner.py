@@ -448,7 +448,7 @@ def recorded_panels(results: Path = RESULTS) -> list[Panel]:
     text = results.read_text()
     section = text[text.index(_RECORDED) :].split("\n## ")[0]
     panels = []
-    for part in section.split("\n#### ")[1:3]:
+    for part in [p.split("\n### ")[0] for p in section.split("\n#### ")[1:3]]:
         key = part.split(":", 1)[0].strip()
         baseline = int(re.search(r"without checkpointing: ([\d,]+)", part)[1].replace(",", ""))  # type: ignore[index]  # the recorded text has it
         plans, at_hand = [], {}

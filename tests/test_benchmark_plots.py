@@ -41,20 +41,27 @@ def test_sequential_plot_reads_every_variant_of_the_recorded_table() -> None:
 
 def test_planner_plot_reads_both_workloads_of_the_recorded_tables() -> None:
     """W1 and W2: the bytes kept without checkpointing, every plan that fits (W1's budgets
-    below its floor have none) and the seven hand policies, "none" at (baseline, 1)."""
+    below its floor have none), the seven hand policies, "none" at (baseline, 1), and for each
+    of the six others the plan made at its own bytes, which keeps no more than it."""
     panels = _load("planner").recorded_panels()
     assert [key.split(" ")[0] for key, *_ in panels] == ["W1", "W2"]
-    (_, w1_base, w1_plans, w1_hands), (_, w2_base, w2_plans, w2_hands) = panels
+    (_, w1_base, w1_plans, w1_hands, w1_at), (_, w2_base, w2_plans, w2_hands, w2_at) = panels
     assert [budget for budget, *_ in w1_plans] == [0.5, 0.6, 0.7, 0.8, 0.9]
     assert [budget for budget, *_ in w2_plans] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-    for base, plans, hands in ((w1_base, w1_plans, w1_hands), (w2_base, w2_plans, w2_hands)):
+    hand_names = [
+        "full",
+        "save_matmuls",
+        "every 2nd matmul",
+        "every 2 layers",
+        "every 3 layers",
+        "every 4 layers",
+    ]
+    for base, plans, hands, at_hand in (
+        (w1_base, w1_plans, w1_hands, w1_at),
+        (w2_base, w2_plans, w2_hands, w2_at),
+    ):
         assert hands["none"] == (base, 1.0)
-        assert list(hands)[1:] == [
-            "full",
-            "save_matmuls",
-            "every 2nd matmul",
-            "every 2 layers",
-            "every 3 layers",
-            "every 4 layers",
-        ]
+        assert list(hands)[1:] == hand_names
         assert all(kept <= budget * base for budget, kept, _ in plans)
+        assert list(at_hand) == hand_names
+        assert all(at_hand[name][0] <= hands[name][0] for name in hand_names)
