@@ -57,9 +57,7 @@ def messages() -> dict[str, list[tuple[str, str]]]:
     """``{area: [(constant name, text), ...]}`` for every ``_MSG_*`` string constant."""
     found: dict[str, list[tuple[str, str]]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        dotted = ".".join(
-            path.relative_to(PACKAGE).with_suffix("").parts
-        ).removesuffix(".__init__")
+        dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
         area = next(
             (label for prefix, label in AREAS if dotted.startswith(prefix)),
             "other",
