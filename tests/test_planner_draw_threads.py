@@ -144,26 +144,26 @@ def test_rule14_another_threads_draws_raise_no_alarm(partner: Partner) -> None:
 
 
 def test_rule14_the_guard_keeps_nothing_per_ended_thread(partner: Partner) -> None:
-    """Forty threads each run a step of the applied model: afterwards every guard holds the
-    per-thread state of no thread but the main one (CPython's ``threading.local`` keeps one
-    dict per living thread that used it)."""
+    """Forty threads, one after another, each run a step of the applied model: afterwards every
+    guard holds the per-thread state of no thread but the main one (CPython's
+    ``threading.local`` keeps one dict per living thread that used it)."""
     model, x = _model(partner), torch.randn(ROWS, WIDTH)
     plan = _plan(model, x, _plan(model, x, 0.5).floor_bytes)
     plan.apply(model)
+    params = list(model.parameters())
     errors: list[BaseException] = []
 
     def step() -> None:
         try:
-            _grads(model, x)
+            torch.autograd.grad(model(x).pow(2).mean(), params)
         except BaseException as error:  # reported below, in the main thread
             errors.append(error)
 
     try:
-        _grads(model, x)
-        threads = [threading.Thread(target=step) for _ in range(40)]
-        for thread in threads:
+        step()
+        for _ in range(40):
+            thread = threading.Thread(target=step)
             thread.start()
-        for thread in threads:
             thread.join()
         assert not errors, errors
         gc.collect()
