@@ -27,9 +27,12 @@ NOTE [Compressed saves]
           the winners by ``input == result``; ``sort``/``topk``/``kthvalue``/``mode``/
           ``cummax``, which return indices; ``native_dropout``, which returns its mask).
           Naming one is an error naming the op and the fix; so is a tensor of such a dtype
-          reaching a compressed decision at run time. Ops recomputed from a restored tensor see
-          the restored values (a comparison on them may flip where values are close): keep
-          routing exactly with ``save_routing()``.
+          reaching a compressed decision at run time. Such an op kept exactly while its input
+          (or a view of it) is kept compressed is refused too (the forward mode checks, in
+          regions that compress something): backward would compare the restored input with
+          the forward's result. Recomputed, it runs on the restored input, consistently. Ops
+          recomputed from a restored tensor see the restored values (a comparison on them may
+          flip where values are close): keep routing exactly with ``save_routing()``.
   Rule 5. A packed tensor is a snapshot made when the op ran, in stream order: the restore is
           a fresh tensor with the original dtype, shape and (dense) strides, so an in-place
           change of the original after packing is not seen, and recompute replays it.

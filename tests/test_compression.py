@@ -323,6 +323,27 @@ def test_exact_value_op_is_refused_at_forward() -> None:
         )
 
 
+@pytest.mark.parametrize("view", [False, True])
+def test_exact_value_op_kept_on_a_compressed_input_is_refused(view: bool) -> None:
+    """Rule 4: ``amax`` kept exactly on a compressed matmul output (or a view of one) would
+    compare the restored input with the forward's result in backward (a lost gradient, NaN
+    here): refused at forward; recomputing ``amax`` instead gives close gradients."""
+    _, (w1, _), x = _net()
+
+    def peak(t: torch.Tensor) -> torch.Tensor:
+        h = t @ w1
+        return (h.view(-1) if view else h).amax(-1).sum()
+
+    kept = either(save_ops(aten.amax), compress_ops(aten.mm, to="int8"))
+    with pytest.raises(CheckpointError, match=r"keeps the output of aten\.amax\.default.*Fix"):
+        checkpointing.checkpoint(peak, x, use_reentrant=False, context_fn=as_context_fn(kept))
+    exact = torch.autograd.grad(peak(x), w1)[0]
+    context_fn = as_context_fn(compress_ops(aten.mm, to="bf16"))
+    out = checkpointing.checkpoint(peak, x, use_reentrant=False, context_fn=context_fn)
+    got = torch.autograd.grad(out, w1)[0]
+    assert ((got - exact).norm() / exact.norm()).item() <= GRADIENT_TOLERANCE["bf16"]
+
+
 def test_integer_and_boolean_outputs_are_refused() -> None:
     """Rule 4: an integer or boolean output reaching a compressed decision is an error naming
     the op and the dtype."""

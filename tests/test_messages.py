@@ -718,6 +718,18 @@ MISTAKES: dict[str, Mistake] = {
         CheckpointError,
         ("checkpointing.Compress", "aten.gt.Scalar", "torch.bool", "Fix"),
     ),
+    "exact-value op kept on a compressed input": Mistake(
+        lambda m: _sac_backward_of(
+            m,
+            policies.either(
+                policies.save_ops(torch.ops.aten.amax),
+                policies.compress_ops(torch.ops.aten.mm, to="int8"),
+            ),
+            lambda t: (t @ t).amax(-1),
+        ),
+        CheckpointError,
+        ("keeps the output of aten.amax.default exactly", "kept compressed", "Fix"),
+    ),
     "keeping with compress that is not a Compress": Mistake(
         lambda m: m.keeping(compress="bf16"),
         TypeError,

@@ -45,9 +45,10 @@ from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .. import _compat
 from .._compiled import say_once
-from .._compression import Compress, refuse_exact_op
+from .._compression import COMPARING_OPS, Compress, refuse_exact_op
 from .._errors import CheckpointError, internal_error
 from .._state import span_depth as _span_depth
+from .._trees import StorageKey, storage_key
 from .cache import _Blank, _Cache, _CacheMode, _Entry, _keep, _OpRecord, _save_traced
 from .collectives import agree, is_collective
 from .ops import (
@@ -116,6 +117,13 @@ _SAVE_OR_REPLAY: Final = frozenset(
         _TorchCheckpointPolicy.MUST_RECOMPUTE,
     }
 )
+_MSG_COMPARED_WITH_COMPRESSED = (
+    "selective checkpoint: the policy keeps the output of {op} exactly, and its input is kept "
+    "compressed; {op}'s backward finds its winners by comparing that input with the kept "
+    "result, and the restored input equals none of them (the gradient would be lost). Fix: let "
+    "{op} be recomputed (do not keep it), so that it runs on the restored input, or keep its "
+    "input exactly."
+)
 _MSG_HOOKS_BYPASSED = (
     "A saved_tensors_hooks context (e.g. save_on_cpu) is active around a selective activation "
     "checkpoint region. Tensors that SAC saves currently bypass these hooks, but a future "
@@ -157,6 +165,10 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         self._makers: Makers | None = {} if asked.names else None
         self._unkept: Unkept | None = None
         self._routing = keeps_routing(policy)  # NOTE [Routing ops]
+        # NOTE [Compressed saves], Rule 4: the outputs kept compressed so far, by storage (a
+        # view of one is one too; made at the first one: regions that compress nothing never
+        # look).
+        self._compressed: dict[StorageKey, weakref.ref[torch.Tensor]] | None = None
         if answers_by_op(policy):
             self._by_op = policy
             plans: dict[int, _OpPlan] | None = getattr(policy, "_op_plans", None)
@@ -199,7 +211,7 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         index = record.calls
         record.calls = index + 1
         if op_plan[0] is _PLAN_KEEP:
-            record.keep(index, self._entry(out, op_plan[1], func))
+            record.keep(index, self._entry(out, op_plan[1], func, args))
             return out
         return self._decide(func, args, kwargs, out, record, index)
 
@@ -241,7 +253,9 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
             if action is _Action.SAVE and self._routing and id(func) in _ROUTING_IDS:
                 self._keep_routing(func, args, out, record, index)
             else:
-                entry = _Blank(out) if action is _PLACEHOLDER else self._entry(out, action, func)
+                entry = (
+                    _Blank(out) if action is _PLACEHOLDER else self._entry(out, action, func, args)
+                )
                 record.keep(index, entry)
             if self._makers is not None and type(out) is torch.Tensor:
                 self._makers.pop(id(out), None)  # Rule 15: kept, so a tag of it keeps it
@@ -321,11 +335,34 @@ class _CachingMode(_CacheMode):  # type: ignore[no-untyped-call]  # torch's base
         record.keep(index, self._entry(tensor, action, f"the tensor tagged {name!r}"))
         return True
 
-    def _entry(self, out: Any, action: _Keep, op: object) -> _Entry:
-        """The cache entry for ``out`` (made by ``op``) under a keep ``action`` (Rule 13 for
-        saves)."""
+    def _entry(self, out: Any, action: _Keep, op: object, args: tuple[Any, ...] = ()) -> _Entry:
+        """The cache entry for ``out`` (made by ``op`` from ``args``) under a keep ``action``
+        (Rule 13 for saves; NOTE [Compressed saves], Rule 4, where anything is compressed)."""
+        if self._compressed is not None and op in COMPARING_OPS:
+            self._refuse_compressed_input(op, args)
         hooks = self._hooks_for_saves() if action is _Action.SAVE else None
-        return _keep(out, action, self.offload_stats, hooks, self.cache, op)
+        entry = _keep(out, action, self.offload_stats, hooks, self.cache, op)
+        if type(action) is Compress:
+            compressed = self._compressed
+            if compressed is None:
+                compressed = self._compressed = {}
+            for tensor in out if isinstance(out, tuple | list) else (out,):
+                key = storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
+                if key is not None:
+                    compressed[key] = weakref.ref(tensor)
+        return entry
+
+    def _refuse_compressed_input(self, op: object, args: tuple[Any, ...]) -> None:
+        """NOTE [Compressed saves], Rule 4: ``op`` compares its input with its result in
+        backward; kept exactly while its input is kept compressed, the restored input would
+        equal no kept result."""
+        compressed = self._compressed or {}
+        for arg in args:
+            key = storage_key(arg) if isinstance(arg, torch.Tensor) else None
+            ref = compressed.get(key) if key is not None else None
+            kept = ref() if ref is not None else None
+            if kept is not None and storage_key(kept) == key:  # alive: not a reused address
+                raise CheckpointError(_MSG_COMPARED_WITH_COMPRESSED.format(op=op))
 
     def _hooks_for_saves(self) -> _compat.HookPair | None:
         """Rule 13: the user's saved-tensors hooks a save goes through, or None; warns when
