@@ -18,6 +18,8 @@ import torch
 from . import _compat
 from ._determinism import metadata_of
 from ._errors import CheckpointError, describe_value, internal_error
+from ._events import announce_kept, listener
+from ._regions import region_label
 from ._state import ForwardState, enter_span, exit_span, get_device_states
 
 __all__ = ["TiledNode", "TiledRun"]
@@ -194,6 +196,8 @@ class TiledRun:
             part = self.chunk_args(args, start, size)
             if capture is not None:
                 self.states.append(ForwardState(tuple(part), capture))
+                if listener.get() is not None:  # a report watches: the RNG states we keep
+                    _announce_rng(self.states[-1], region_label(self.function, part))
             rng = _rng_now(part) if self.probe and chunk == 0 else None
             outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
             if self.check_values:
@@ -341,6 +345,14 @@ class TiledRun:
         if self.kind is list:
             return list(outs)
         return tuple(outs)
+
+
+def _announce_rng(state: ForwardState, region: str) -> None:
+    """Tell a watching report of the RNG states a chunk keeps by plain reference (as NOTE
+    [Nestable checkpoint], Rule 11, does for a frame's)."""
+    for rng_state in (state.cpu_rng, *state.device_rng):
+        if rng_state is not None:
+            announce_kept(rng_state, region, "rng state")
 
 
 def _owns_memory(grad: torch.Tensor, grads_in: tuple[torch.Tensor, ...]) -> bool:

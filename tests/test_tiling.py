@@ -493,3 +493,12 @@ def test_rule_10_an_outer_selective_policy_keeps_no_chunk_output() -> None:
     out.sum().backward()
     assert mlp.calls == [3] * 8
     torch.testing.assert_close(x.grad, expected, **PARAM_TOL)
+
+
+def test_a_watching_report_counts_the_rng_states_chunks_keep() -> None:
+    """Each chunk's RNG state, kept by plain reference, is told to a watching report."""
+    mlp = _MLP(dropout=0.5)
+    x = torch.randn(2, 8, 8, requires_grad=True)
+    with checkpointing.saved_tensors_report() as report:
+        checkpointing.tiled(mlp, dim=1, chunks=4)(x).sum().backward()
+    assert report.rng_state_bytes > 0
