@@ -77,7 +77,8 @@ NOTE [Kept spans]
           kwargs)`` and runs it: the profile must number, price and offer the ops outside
           spans only, as the selective modes see them under Rule 6, or a plan's op keys would
           name other ops at run time (NOTE [Planner model], Rule 25). ``with keeping():``
-          blocks are plain calls there, told to the watch (``kept_block``), which says so.
+          blocks are plain calls there, told to the watch (``kept_block``): the planner runs
+          a region holding one plainly, where what it keeps is what autograd saves.
 
 Rejected: a dispatch mode recording each op's outputs (what selective checkpointing does, ~12
 us per op); marking saved tensors through their autograd nodes' sequence numbers (a view of an
@@ -624,7 +625,7 @@ def _enter_block(
     """Start a ``with keeping():`` block (Rule 7); returns what ends it."""
     phase, owner = _frame_on_top()
     if phase == "watched":
-        owner.kept_block(name)  # Rule 11: the planner's profile says what it does not model
+        owner.kept_block(name)  # Rule 11: the planner's profile plans the region plainly
     if phase in ("plain", "watched") or _foreign_context(
         owner if phase == "forward" else owner.replaying, block=True
     ):

@@ -16,7 +16,6 @@ from torch import nn
 
 import checkpointing
 from checkpointing import plan_checkpointing
-from checkpointing._planning import kept_span_watch
 from checkpointing._planning.problem import Choice
 from checkpointing._planning.profile import profile_step
 
@@ -230,17 +229,17 @@ def test_rule25_a_region_that_keeps_its_draws_runs_keeping_blocks_plainly() -> N
     model = nn.Sequential(*(BlockOfKeeping() for _ in range(DEPTH))).train()
     x = inputs()
     plain = two_steps(model, x)
-    kept_span_watch._said_blocks.clear()  # said once per process
-    with pytest.warns(UserWarning, match="does not model what such a block keeps"):
-        plan = forced_plan(model, x, draws_only)
+    plan = forced_plan(model, x, draws_only)
     assert all(r.keep_draws for r in plan.regions), str(plan)
     trains_as_planned(model, x, plan, plain)
 
 
-def test_rule25_a_keeping_block_in_a_planned_region_is_said_not_silent() -> None:
-    """What a ``with keeping():`` block keeps is not modelled by the planner, so planning a
-    model that runs one inside a region says so once, naming the block and the fix; a block
-    outside every region (nothing planned around it) says nothing."""
+@pytest.mark.usefixtures("gc_disabled")
+def test_rule25_a_region_running_a_keeping_block_is_planned_without_recompute() -> None:
+    """A region that runs a ``with keeping():`` block is planned plainly, whatever the budget:
+    at the floor the other blocks are checkpointed and it is not, nothing warns, the allocator
+    holds the predicted bytes and gradients are the plain run's; a block around the whole
+    model (outside every region) leaves the regions to the plan."""
 
     class Outside(nn.Module):
         def __init__(self) -> None:
@@ -252,17 +251,17 @@ def test_rule25_a_keeping_block_in_a_planned_region_is_said_not_silent() -> None
             with checkpointing.keeping("head"):
                 return self.head(self.blocks(x))
 
+    def floor(model: nn.Module) -> checkpointing.ActivationPlan:
+        first = plan_checkpointing(model, (x,), budget=1.0, timing_steps=0)
+        return plan_checkpointing(model, (x,), budget=first.floor_bytes, timing_steps=0)
+
     torch.manual_seed(0)
     x = inputs()
-    kept_span_watch._said_blocks.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plan_checkpointing(Outside().train(), (x,), budget=0.5, timing_steps=0)
-    assert not [w for w in caught if "keeping()" in str(w.message)]
-    model = nn.Sequential(*(BlockOfKeeping() for _ in range(DEPTH))).train()
-    with pytest.warns(UserWarning, match="does not model what such a block keeps") as said:
-        plan_checkpointing(model, (x,), budget=0.5, timing_steps=0)
-    texts = [str(w.message) for w in said if "keeping()" in str(w.message)]
-    assert len(texts) == 1
-    assert "block ('block') inside a planned region" in texts[0]
-    assert "keep(fn, *args) or @keeping()" in texts[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is said: the block is planned, not warned of
+        outside = floor(Outside().train())
+        model = nn.Sequential(Block(), BlockOfKeeping(), Block()).train()
+        plan = floor(model)
+    assert [r.checkpoint for r in outside.regions if r.name.startswith("blocks.")] == [True] * 3
+    assert [r.checkpoint for r in plan.regions] == [True, False, True], str(plan)
+    trains_as_planned(model, x, plan, two_steps(model, x))

@@ -351,11 +351,16 @@ NOTE [Planner model]
           its spans too. Why the watch and not the profile under checkpoint: what autograd saves
           would hide behind the frame's holders (see Rejected); why in the pack hook: ``keep``
           decides by the top saved-tensors hook (Rule 1 there), and a hook of the user's or a
-          span inside a span makes it a plain call in the profile as at run time. Not modelled:
-          ``with keeping():`` blocks (plain calls in the profile: their ops are numbered there
-          and not at run time; one inside a profiled region is said once, never silent), a
-          span's RNG states, a span's host copies (offload policies, counted as kept) and early
-          stop turned off (every span's outputs are then held).
+          span inside a span makes it a plain call in the profile as at run time. A region that
+          runs a ``with keeping():`` block is planned without recompute
+          (``RegionProfile.kept_blocks``; plain-only, as a tail module recorded in a span is,
+          Rule 22): in the profile a block is a plain call, its ops numbered there and not at
+          run time (so a policy's keys would name other ops), and what it keeps is everything
+          it saves while its replay runs it again; run plainly, the region keeps what autograd
+          saves, which the profile counts exactly. Why not modelled as a span: the watch learns
+          where a block starts, never where it ends. Not modelled: a span's RNG states, a
+          span's host copies (offload policies, counted as kept) and early stop turned off
+          (every span's outputs are then held).
   Rule 26. Sharded models. Parameters are never activations, sharded or gathered: a
           ``DTensor``'s memory is its local shard's (NOTE [Storage keys], Rule 3), so the
           shards of FSDP2 and of tensor parallelism are leaves (Rule 2) like any parameter;

@@ -5,13 +5,13 @@ recognises and hands its span to (NOTE [Kept spans], Rule 11). The watch runs th
 under the span's marker, and tells the step which ops and saves are the span's: the step numbers
 only the ops outside spans, as the selective modes do at run time, and the storages a span keeps
 in a checkpointed region (what it saves that is not its arguments, the outputs the frame holds
-for the replay) are the region's, kept whenever it is checkpointed. Profiling the ops belongs to
-``profile``; what a span keeps at run time is ``_keep``'s.
+for the replay) are the region's, kept whenever it is checkpointed. A region that runs a
+``with keeping():`` block is planned without recompute (``RegionProfile.kept_blocks``). Profiling
+the ops belongs to ``profile``; what a span keeps at run time is ``_keep``'s.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Final, Protocol
 
 import torch
@@ -21,15 +21,6 @@ from .._kept_span_args import recipe_for, storage_ranges, tensor_leaves
 from .._state import enter_span, exit_span
 
 __all__ = ["SpanWatch"]
-
-_MSG_KEPT_BLOCK = (
-    "checkpointing.plan_checkpointing: the model runs a `with keeping():` block ({name!r}) inside "
-    "a planned region; the planner does not model what such a block keeps (its saves are kept, "
-    "and the replay runs it again), so the plan's kept bytes and peak may be exceeded (gradients "
-    "stay correct). Fix: give the span as a function, keep(fn, *args) or @keeping(), which the "
-    "planner models. (Said once per process.)"
-)
-_said_blocks: set[str] = set()
 
 
 class _Step(Protocol):
@@ -97,12 +88,12 @@ class SpanWatch:
         self._reach(call)
         return outputs
 
-    def kept_block(self, name: str) -> None:
-        """A ``with keeping():`` block began in the profiled step: inside a region, not modelled
-        (NOTE [Planner model], Rule 25), said once per process rather than silently."""
-        if self.step.stack and name not in _said_blocks:
-            _said_blocks.add(name)
-            warnings.warn(_MSG_KEPT_BLOCK.format(name=name), UserWarning, stacklevel=4)
+    def kept_block(self, _name: str) -> None:
+        """A ``with keeping():`` block began in the profiled step: every region running it is
+        planned without recompute (NOTE [Planner model], Rule 25), so what it keeps is what
+        autograd saves there, as the profile counts it."""
+        for running in self.step.stack:
+            running[0].kept_blocks = True
 
     def _reach(self, call: Any) -> None:
         """The pending outputs of ``call``'s spans that a holder made since they started now

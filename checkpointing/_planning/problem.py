@@ -186,7 +186,8 @@ class RegionChoices:
     out on it (the forced and unit costs are its sums), and the replay may skip ops. None: no
     op is skipped."""
     plain_only: bool = False
-    """The region runs plainly whatever the budget: a recorded tail's module (Rule 22)."""
+    """The region runs plainly whatever the budget: a recorded tail's module (Rule 22), or one
+    that runs a ``with keeping():`` block (Rule 25)."""
     referenced: frozenset[int] = frozenset()
     """The inputs a checkpoint keeps by plain reference (keyword, nested; Rule 22)."""
     frame_seconds: float = 0.0

@@ -75,6 +75,8 @@ class RegionProfile:
     """The most bytes live while the plain step's backward ran the region (Rule 18; 0: not)."""
     kept: set[int] = field(default_factory=set)
     """What its kept spans keep when it is checkpointed (Rule 25): theirs whatever it saves."""
+    kept_blocks: bool = False
+    """It runs a ``with keeping():`` block: planned without recompute (Rule 25)."""
 
 
 @dataclass(slots=True)
@@ -167,6 +169,7 @@ class StepProfile:
                     _replay_graph(region, positions),
                     referenced=frozenset(region.referenced),
                     backward_peak=region.backward_peak,
+                    plain_only=region.kept_blocks,
                 )
             )
         return Problem(
