@@ -125,10 +125,32 @@ def _kept_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
+def _blocks_save_contiguous_copies(model: nn.Sequential) -> nn.Sequential:
+    """``model`` unwrapped, but each block's saved tensors come back as contiguous copies, as
+    torch's ``offload_wrapper`` packs them (``save_on_cpu`` copies into ``torch.empty(size)``)."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.size(), dtype=t.dtype).copy_(t)
+
+    for block in model.modules():
+        if isinstance(block, Block):
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            block.register_forward_pre_hook(lambda _m, _a, h=hooks: h.__enter__())
+            block.register_forward_hook(lambda _m, _a, _o, h=hooks: h.__exit__(None, None, None))
+    return model
+
+
 @pytest.mark.parametrize("spelling", SPELLINGS)
 def test_each_spelling_side_by_side_with_torchs_wrapper(spelling: str) -> None:
     """Same module names and classes, state_dict keys, kept bytes and gradients (bitwise, with
-    dropout) as torch.distributed's wrapper; gradients equal the unwrapped model's."""
+    dropout) as torch.distributed's wrapper; our gradients equal the unwrapped model's bitwise.
+
+    Torch's offload wrapper brings every saved tensor back contiguous: the transposed weight
+    view a linear saves returns as a plain matrix, so its backward matmul takes another BLAS
+    layout, which on some CPUs (an AMD EPYC) sums in another order. Ours keeps the strides, so
+    it takes the plain run's kernels and matches it bitwise; torch's is compared bitwise with
+    the plain run whose blocks save contiguous copies (the same kernels), and within rounding
+    with the plain run."""
     plain, ours, theirs = _model(), _model(), _model()
     SPELLINGS[spelling](checkpointing, ours)  # type: ignore[arg-type]  # a module of the names
     SPELLINGS[spelling](torch_wrappers, theirs)  # type: ignore[arg-type]
@@ -139,9 +161,13 @@ def test_each_spelling_side_by_side_with_torchs_wrapper(spelling: str) -> None:
     assert list(ours.state_dict()) == list(theirs.state_dict()) == list(plain.state_dict())
     assert _kept_bytes(ours) == _kept_bytes(theirs)
     want = _grads(plain)
-    for got in (_grads(ours), _grads(theirs)):
-        assert len(got) == len(want)
-        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    offloads = "offload" in spelling.lower()
+    their_want = _grads(_blocks_save_contiguous_copies(_model())) if offloads else want
+    for got, exact in ((_grads(ours), want), (_grads(theirs), their_want)):
+        assert len(got) == len(exact) == len(want)
+        assert all(torch.equal(g, w) for g, w in zip(got, exact, strict=True))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)  # float64 defaults: rtol 1e-7, atol 1e-7
 
 
 @pytest.mark.parametrize("name", ["CheckpointWrapper", "OffloadWrapper"])
