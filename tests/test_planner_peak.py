@@ -171,7 +171,9 @@ def test_the_predicted_peak_errs_high_within_6_percent(threads: int) -> None:
 def test_attention_scratch_bounds_the_kernel_s_buffers(dtype: torch.dtype, threads: int) -> None:
     """``scratch_bytes`` of the CPU attention kernels, forward and backward, is at least what
     the allocator holds inside the call beyond the outputs, and not far above it (1.5x + 4 KB),
-    for causal and plain attention, lengths across the kernels' block sizes."""
+    for causal and plain attention, lengths across the kernels' block sizes. In bfloat16 on a
+    CPU that hands the block matmuls to oneDNN (AVX-512, AMX) that includes their scratchpad
+    (NOTE [Attention matmul scratch]); elsewhere the estimate counts it without it held."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

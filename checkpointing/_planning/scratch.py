@@ -7,6 +7,19 @@ kernels, whose buffers grow with the intra-op threads (``torch.get_num_threads()
 thread on a small model, as much as its activations. Each is an upper bound worked out from the
 kernel's blocking and checked against the allocator (``tests/test_planner_peak.py``); an op
 not listed counts 0.
+
+NOTE [Attention matmul scratch]
+  Rule 1. On a CPU with AVX-512 or AMX, torch hands a bfloat16 (or float16) block matmul of the
+          attention kernels to oneDNN, whose scratchpad comes from torch's CPU allocator: packed
+          copies of the operands and a float32 block of the result, each dimension padded to
+          oneDNN's blocking (at most 32). Counted per thread (one matmul runs at a time on a
+          thread): float32 copies of all three operands of the blocks (queries x keys, keys x
+          depth, queries x depth), each dimension rounded up to 32. The backward's only: the
+          forward's matmuls write float32 blocks and take no scratchpad.
+  Rule 2. torch keeps a matmul of at most 16 x 16 x 16 multiply-adds off oneDNN: none counted.
+  Rule 3. The CPU a plan will run on is not known when it is made, and one without those
+          instructions allocates nothing here: the scratch is counted on every CPU, so the peak
+          errs high, never low.
 """
 
 from __future__ import annotations
@@ -46,13 +59,24 @@ def _attention(query: Any, key: Any, *_: Any, **__: Any) -> int:
     return torch.get_num_threads() * per_thread
 
 
+def _matmul_scratch(q: int, k: int, depth: int) -> int:
+    """Most a reduced-dtype block matmul takes from the CPU allocator (NOTE [Attention matmul
+    scratch], Rules 1-2)."""
+    if q * k * depth <= 16 * 16 * 16:
+        return 0
+    q, k, depth = (-(-n // 32) * 32 for n in (q, k, depth))
+    return 4 * (q * k + k * depth + q * depth)
+
+
 def _attention_backward(_grad: Any, query: Any, key: Any, *_: Any, **__: Any) -> int:
     """The query gradient and a row sum accumulated whole; per thread, a block of scores and
-    one of their gradients (each also in the reduced dtype)."""
+    one of their gradients (each also in the reduced dtype), and in a reduced dtype the
+    scratch of one block matmul (NOTE [Attention matmul scratch])."""
     rows, length, key_length, depth, accumulator, reduced = _sizes(query, key)
     q, k = _blocks(length, key_length)
     whole = rows * length * (depth + 1) * accumulator
-    return whole + torch.get_num_threads() * 2 * q * k * (accumulator + reduced)
+    matmul = _matmul_scratch(q, k, depth) if reduced else 0
+    return whole + torch.get_num_threads() * (2 * q * k * (accumulator + reduced) + matmul)
 
 
 _SCRATCH: Final[dict[Any, Callable[..., int]]] = {
