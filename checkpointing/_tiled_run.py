@@ -67,6 +67,13 @@ _MSG_UNDECLARED = (
     "pass it to the function as a positional input, or tile a module (checkpoint_module("
     "module, tile=...), whose parameters are declared)."
 )
+_MSG_PARAM_HOOKS = (
+    "{api}: a parameter of the region ({got}) has gradient hooks (Tensor.register_hook). A "
+    "tiled region computes each parameter's gradient chunk by chunk, and those hooks would run "
+    "on every chunk's share and again on the sum, so a hook that changes the gradient would "
+    "change it several times. Fix: register the hook elsewhere (e.g. "
+    "register_post_accumulate_grad_hook, which runs once), or do not tile this module."
+)
 _MSG_RECOMPUTED = (
     "{api}: chunk {chunk}'s output {index} was recomputed as {got}, but the forward made "
     "{expected}. The region does not compute the same thing when re-run (a condition on "
@@ -117,6 +124,9 @@ class TiledRun:
             for leaf in _compat.tree_leaves(value):
                 if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                     raise ValueError(_MSG_KWARG_GRAD.format(api=api, name=name))  # Rule 8
+        for param in params:
+            if _compat.has_gradient_hooks(param):  # NOTE [Tiled regions], Rule 5
+                raise ValueError(_MSG_PARAM_HOOKS.format(api=api, got=describe_value(param)))
         self.length = self._split_length(args)
         self.bounds = chunking(self.length)
         self.check_values = True

@@ -36,7 +36,9 @@ NOTE [Tiled regions]
   Rule 5. What the function differentiates must be declared: its positional tensor inputs and,
           for a module, its parameters. The first recomputed chunk's graph is walked, and a
           tensor requiring grad that is neither (a parameter read from a closure) is refused:
-          its gradient would otherwise be lost.
+          its gradient would otherwise be lost. A parameter with ``register_hook`` hooks is
+          refused when the region is called: each chunk's share of its gradient is computed
+          apart, and the hooks would run on every share and again on the sum.
   Rule 6. Each chunk's forward state (RNG, autocast, device context) is captured before it runs
           and restored for its recompute (with ``preserve_rng_state``), so a chunk's recompute
           draws what its forward drew; the draws differ from an untiled run's (each chunk

@@ -502,3 +502,12 @@ def test_a_watching_report_counts_the_rng_states_chunks_keep() -> None:
     with checkpointing.saved_tensors_report() as report:
         checkpointing.tiled(mlp, dim=1, chunks=4)(x).sum().backward()
     assert report.rng_state_bytes > 0
+
+
+def test_rule_5_a_parameter_with_gradient_hooks_is_refused() -> None:
+    """A parameter hook would run on each chunk's share and on the sum: refused at the call."""
+    linear = nn.Linear(4, 4)
+    linear.weight.register_hook(lambda grad: grad * 2)
+    checkpointing.checkpoint_module(linear, tile=Tiling(dim=0, chunks=2))
+    with pytest.raises(ValueError, match="has gradient hooks"):
+        linear(torch.randn(4, 4, requires_grad=True))

@@ -201,3 +201,9 @@ def at_backward_end(callback: Callable[[], None]) -> bool:
     except RuntimeError:  # "Final callbacks can only be installed during backward pass."
         return False
     return True
+
+
+def has_gradient_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor.register_hook`` hooks sit on ``tensor`` (2.11-2.15: the tensor's
+    ``_backward_hooks`` dict, set by ``register_hook``)."""
+    return bool(getattr(tensor, "_backward_hooks", None))
