@@ -19,7 +19,12 @@ NOTE [Key/value caches]
           The profile, the timed candidates and the installed plan thus run the same ops; a
           region left plain drops its cache too, so the model never returns a cache that holds
           some layers and not others. Under ``no_grad`` (generation, evaluation) nothing is
-          recorded, nothing is kept, and caches pass untouched.
+          recorded, nothing is kept, and caches pass untouched. A planned layer therefore
+          computes what it computes under ``use_cache=False`` (as under transformers' own
+          checkpointing), not what the plain layer computes when it writes its keys into the
+          empty cache and reads them back: that path may round otherwise on some CPUs, so
+          bitwise equality holds against the ``use_cache=False`` run, whose layers are handed
+          the same inputs.
   Rule 3. Dropping is exact only for an empty cache: a layer that writes its keys into an
           empty cache and reads them back computes what it computes without one. A cache that
           already holds positions (a prefix handed to a training step) would change the layer's
