@@ -39,6 +39,8 @@ NOTE [Compressed saves]
   Rule 6. With ``offload=True`` the packed payload (not the original) goes to host memory: the
           link moves the compressed bytes only (half for bf16, a quarter for fp8 and int8 of
           float32). The scale stays on the device (one float per tensor or row).
+  Rule 7. Under ``torch.compile`` nothing is compressed: the compiler's partitioner decides
+          what its graph keeps, and keeps a compressed answer's output as a save (said once).
 
 Rejected: a scale per block of a row (the MX formats): more bytes for scales and no accuracy need
 shown by the benchmark (``benchmarks/compression.py``); keeping the original's version counter to

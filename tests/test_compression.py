@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import checkpointing
-from checkpointing import CheckpointError, CheckpointPolicy, Compress
+from checkpointing import CheckpointError, CheckpointPolicy, Compress, _compiled
 from checkpointing._compression import pack, unpack
 from checkpointing.policies import (
     MATMUL_OPS,
@@ -509,3 +509,24 @@ def test_report_from_the_loss_sees_what_the_watch_sees(offload: bool) -> None:
     assert walked.bytes_by_decision() == watched.bytes_by_decision()
     assert walked.bytes_by_decision()["offloaded" if offload else "compressed"] > 0
     assert walked.kept_bytes == watched.kept_bytes
+
+
+def test_under_compile_outputs_are_kept_uncompressed() -> None:
+    """Rule 7: under ``torch.compile`` a compressed answer is kept as a save by the compiler's
+    partitioner, said once; gradients are the plain run's."""
+    _, (w1, _), x = _net()
+    context_fn = as_context_fn(compress_ops(aten.mm, to="int8"))
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        def body(u: torch.Tensor) -> torch.Tensor:
+            return (u @ w1).relu().sum()
+
+        return checkpointing.checkpoint(body, t, use_reentrant=False, context_fn=context_fn)
+
+    torch._dynamo.reset()
+    _compiled._said.discard("compress")  # said once per process
+    with pytest.warns(UserWarning, match=r"Compress decision .* under torch\.compile"):
+        out = torch.compile(region, backend="aot_eager")(x)
+    got = torch.autograd.grad(out, w1)[0]
+    plain = torch.autograd.grad((x @ w1).relu().sum(), w1)[0]
+    assert torch.equal(got, plain)

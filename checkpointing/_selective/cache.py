@@ -57,6 +57,7 @@ import torch
 
 from .. import _compat, _offload
 from .._compat import TorchDispatchMode
+from .._compiled import say_once
 from .._compression import Compress, Packed, check_packable, pack, unpack
 from .._errors import internal_error
 from .._events import announce
@@ -67,6 +68,8 @@ from .ops import _OpFacts
 from .policy import _Action, _Keep, _OpPlan
 
 _REGION: Final = "sac"
+# Whether torch.compile traces (also in AOTAutograd's passes where no proxy mode is active).
+_compile_tracing: Final = torch.compiler.is_compiling
 _OFFLOAD: Final = _Action.OFFLOAD
 
 
@@ -346,6 +349,9 @@ def _keep_compressed(
     """NOTE [Compressed saves]: ``tensor`` packed (Rule 4 refuses an exact value), its payload
     offloaded with ``how.offload`` (Rule 6); kept as a plain save where it is in the target
     dtype already (Rule 3), offloaded as it is with ``how.offload``."""
+    if _compile_tracing():  # the compiler keeps it uncompressed (Rule 9), said once
+        say_once("compress")
+        return _keep_tensor(tensor, _Action.SAVE, stats, None, cache)
     check_packable(tensor, "Compress", op)
     packed = pack(tensor, how)
     if packed is None:
