@@ -54,7 +54,7 @@ def guard_cost(repeats: int, rounds: int) -> dict[str, float]:
     (``checkpoint_module``, no RNG state, no guard) and the plan with every region marked
     drawing (an RNG state each, no guard)."""
     model, x = _model(), torch.randn(ROWS, WIDTH)
-    floor = checkpointing.plan_checkpointing(model, (x,), budget=0.5, timing_steps=0).floor_bytes
+    floor = checkpointing.plan_checkpointing(model, (x,), budget=1.0, timing_steps=0).floor_bytes
     plan = checkpointing.plan_checkpointing(model, (x,), budget=floor, timing_steps=0)
     assert all(r.checkpoint and not r.draws for r in plan.regions), str(plan)
     drawing = checkpointing.ActivationPlan.from_json(
