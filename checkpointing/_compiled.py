@@ -20,7 +20,7 @@ NOTE [Compiled regions]
           (``create_selective_checkpoint_contexts``, ``checkpointing.policies``, a plan's keep
           lists) goes over as is: under AOTAutograd our modes tag the traced nodes with torch's
           policy members (``_selective`` Rule 9), which is what the partitioner reads. A plan's
-          draw guard (NOTE [Planner model], Rule 14) goes over as what its ``for_compiler()``
+          draw guard (NOTE [Planner model], Rule 14) goes over as what its ``stand_in()``
           gives: the region's own contexts, or none.
           ``respect_saved_tensors_hooks`` goes over only where torch has it (2.14+).
   Rule 3. What the compiler cannot honour is said once per process, at trace time, never
@@ -160,11 +160,11 @@ def traceable_context_fn(context_fn: ContextFn) -> ContextFn:
     """``context_fn`` in a form dynamo hands to torch's region (Rule 2): a function or a
     ``functools.partial`` as it is, another callable (a plan's per-region contexts) bound into
     a partial. Made before tracing, where the hooks are installed: one built while dynamo
-    traces would not be accepted. A callable with a ``for_compiler()`` method (a planned
-    region's draw guard, whose work the partitioner does) gives the ``context_fn`` torch gets."""
-    for_compiler = getattr(context_fn, "for_compiler", None)
-    if for_compiler is not None:
-        context_fn = for_compiler()
+    traces would not be accepted. A callable with a ``stand_in()`` method (a planned region's
+    draw guard, whose work the partitioner does) gives the ``context_fn`` torch gets."""
+    stand_in = getattr(context_fn, "stand_in", None)
+    if stand_in is not None:
+        context_fn = stand_in()
         if is_noop_context_fn(context_fn):
             return context_fn
     if isinstance(context_fn, types.FunctionType | functools.partial):

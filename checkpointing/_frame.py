@@ -560,7 +560,8 @@ def checkpoint_without_reentrant_generator_impl(
     """
     loggers: tuple[OpLogger, OpLogger] | None = None
     if debug_enabled(debug):
-        if not is_noop_context_fn(context_fn):
+        stand_in = getattr(context_fn, "stand_in", None)  # a plan's draw guard: its own contexts
+        if not is_noop_context_fn(context_fn if stand_in is None else stand_in()):
             raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
         loggers = (OpLogger(), OpLogger())
     record_metadata = metadata_fn_for(determinism_check) is not None

@@ -245,3 +245,25 @@ def test_guard_removed_from_a_copy() -> None:
         _loss(other(x)).backward()
         plan.remove(other)
         assert not _guards(other)
+
+
+def test_guard_under_debug_mode() -> None:
+    """Under ``set_checkpoint_debug_enabled(True)`` the debug report's loggers are the regions'
+    contexts: a draw-free planned region still runs (gradients bitwise the plain run's), and one
+    planned in eval mode and trained in train mode raises in forward, from its hooks."""
+    torch.manual_seed(1)
+    model, x = Net((0.1, 0.0)), torch.randn(ROWS, WIDTH)
+    model.eval()
+    plain = _grads(model, x, 7)
+    plan = _floor(model, x)
+    assert not any(r.draws for r in plan.regions)
+    plan.apply(model)
+    try:
+        with checkpointing.set_checkpoint_debug_enabled(True):
+            planned = _grads(model, x, 7)
+            model.train()
+            with pytest.raises(checkpointing.CheckpointError, match=r"'blocks\.0'.*debug mode"):
+                model(x)
+    finally:
+        plan.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))

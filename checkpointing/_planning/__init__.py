@@ -132,17 +132,19 @@ NOTE [Planner model]
           every call; the hooks read two generator states per call, the alarm runs only where
           one moved (costs in benchmarks/RESULTS.md). Under ``torch.compile`` the guard stands
           aside: torch's region gets the region's own contexts, and its partitioner keeps random
-          ops' outputs. Profiling captures the states at each call as the frame does
-          (``ForwardState``) and keeps only the drawing regions' ones; a CPU capture with no
-          random op of the step since the previous capture is that capture's storage, kept if
-          any drawing region sharing it is checkpointed: the frame shares a state identical to
-          its previous capture, and draws only move the stream on. The real run captures
-          fewer states than the profile (draw-free and unplanned regions capture none), so it
-          shares at least where the profile does, unless another thread draws between two
-          drawing regions' calls: the frame then shares less (one CPU state more per such
-          call: under by that, the one place where the count is not over). (A region that
-          moves the stream back, e.g. by reseeding, is counted apart where the frame would
-          share: over, never under.)
+          ops' outputs. Under the debug report (``set_checkpoint_debug_enabled``), whose op loggers
+          are a checkpoint's contexts, the guard stands in as the region's own contexts
+          (``stand_in``) and its hooks check the forward itself: a moved generator raises there
+          (another thread's draws too, while debugging). Profiling captures the states at each call
+          as the frame does (``ForwardState``) and keeps only the drawing regions' ones; a CPU
+          capture with no random op of the step since the previous capture is that capture's
+          storage, kept if any drawing region sharing it is checkpointed: the frame shares a state
+          identical to its previous capture, and draws only move the stream on. The real run
+          captures fewer states than the profile (draw-free and unplanned regions capture none), so
+          it shares at least where the profile does, unless another thread draws between two drawing
+          regions' calls: the frame then shares less (one CPU state more per such call: under by
+          that, the one place where the count is not over). (A region that moves the stream back,
+          e.g. by reseeding, is counted apart where the frame would share: over, never under.)
           Device states (one per accelerator tensor among the positional inputs) are never
           shared.
 

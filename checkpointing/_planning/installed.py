@@ -30,16 +30,18 @@ import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
 
 from .. import _compat, _compiled
+from .._determinism import debug_enabled
+from .._errors import CheckpointError
 from .._frame import NULL_CONTEXT
 from .._kv_caches import drop_caches
 from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
-from .._state import ContextFn, get_device_states, noop_context_fn
+from .._state import ContextFn, get_device_states, is_recomputing, noop_context_fn
 from .._trees import tensors
 from .draws import DrawCall, guarded_replay
 from .profile import input_shapes
@@ -136,9 +138,11 @@ class DrawGuard:
     def remove(self, module: nn.Module) -> None:
         _compat.remove_forward_hooks(module, self.before, self.after)
 
-    def for_compiler(self) -> ContextFn:
-        """What torch's compiled region gets (NOTE [Compiled regions], Rule 2): the region's own
-        contexts; the partitioner keeps random ops' outputs itself."""
+    def stand_in(self) -> ContextFn:
+        """What stands for the guard where its contexts cannot run: torch's compiled region
+        (NOTE [Compiled regions], Rule 2; the partitioner keeps random ops' outputs itself) and
+        the debug report, whose op loggers are the contexts (the hooks then check the forward
+        itself, ``after``): the region's own contexts."""
         return noop_context_fn if self.inner is None else self.inner
 
     def __call__(self) -> tuple[Any, Any]:
@@ -153,6 +157,8 @@ class DrawGuard:
         local = self.local
         call: DrawCall | None = getattr(local, "made", None)
         local.made = None
+        if call is None and debug_enabled(False) and not is_recomputing():
+            call = _DEBUGGED  # the debug report's loggers run instead of our contexts
         checked = call is not None and torch.is_grad_enabled()
         states = _generator_states(args) if checked else None
         running: list[tuple[DrawCall | None, list[bytes] | None]] | None
@@ -169,8 +175,26 @@ class DrawGuard:
         if call is None or states is None:
             return
         now = _generator_states(args, devices=len(states) > 1)
-        if now != states:
-            call.suspect = True  # the recompute's own ops decide (``draws.guarded_replay``)
+        if now == states:
+            return
+        if call is _DEBUGGED:  # no recompute alarm: the forward's move decides, as it can
+            raise CheckpointError(_MSG_DREW_DEBUG.format(name=self.name))
+        call.suspect = True  # the recompute's own ops decide (``draws.guarded_replay``)
+
+
+# The call of a region under the debug report (no ``DrawCall`` made: the loggers are its
+# contexts), checked by its forward alone.
+_DEBUGGED: Final = DrawCall()
+
+_MSG_DREW_DEBUG = (
+    "checkpointing.ActivationPlan: region {name!r} moved the random number generator in forward "
+    "under debug mode, but the plan was profiled with the region drawing none, so it keeps no "
+    "RNG state and its recompute would draw other numbers (a wrong gradient). Under debug mode "
+    "the region's forward is checked instead of its recompute, so another thread drawing at the "
+    "same time raises this too. Typically: the model was planned in eval mode (dropout off) and "
+    "trains in train mode. Fix: plan_checkpointing in the mode you train in (model.train()), "
+    "then apply that plan; or debug with other threads' draws paused."
+)
 
 
 def _generator_states(args: tuple[Any, ...], devices: bool | None = None) -> list[bytes]:
