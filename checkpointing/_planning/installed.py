@@ -40,7 +40,7 @@ from .._determinism import debug_enabled
 from .._errors import CheckpointError
 from .._frame import NULL_CONTEXT
 from .._kv_caches import drop_caches
-from .._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
+from .._module import is_module_checkpointed, remove_checkpoint_module
 from .._state import ContextFn, get_device_states, is_recomputing, noop_context_fn
 from .._trees import tensors
 from .draws import DrawCall, guarded_replay
@@ -123,17 +123,12 @@ class DrawGuard:
     def __reduce__(self) -> tuple[Any, ...]:
         return DrawGuard, (self.name, self.mark, self.inner)
 
-    @classmethod
-    def install(
-        cls, module: nn.Module, name: str, mark: str, inner: ContextFn | None = None
-    ) -> DrawGuard:
-        """Checkpoint ``module`` without RNG state, under the guard (hooks after the
-        checkpoint's: its pre-hook calls the guard for the call's contexts first)."""
-        guard = cls(name, mark, inner)
-        checkpoint_module(module, context_fn=guard, preserve_rng_state=False)
-        module.register_forward_pre_hook(guard.before, with_kwargs=True)
-        module.register_forward_hook(guard.after, always_call=True)
-        return guard
+    def install(self, module: nn.Module) -> None:
+        """The hooks on ``module``, checkpointed with the guard as its ``context_fn`` and no RNG
+        state; after the checkpoint's, whose pre-hook calls the guard for the call's contexts
+        first."""
+        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        module.register_forward_hook(self.after, always_call=True)
 
     def remove(self, module: nn.Module) -> None:
         _compat.remove_forward_hooks(module, self.before, self.after)

@@ -343,11 +343,15 @@ class ActivationPlan:
             for module, context_fn, decision in chosen:
                 if getattr(decision, "draws", True):  # a decision pickled before the field
                     checkpoint_module(module, context_fn=context_fn)
-                else:  # Rule 14: it keeps no RNG state, so its recompute must draw nothing
-                    inner = None if is_noop_context_fn(context_fn) else context_fn
-                    guard = DrawGuard.install(module, decision.name, self._mark, inner)
-                    guards.append((module, guard))
+                    installed.append(module)
+                    continue
+                # Rule 14: it keeps no RNG state, so its recompute must draw nothing
+                inner = None if is_noop_context_fn(context_fn) else context_fn
+                guard = DrawGuard(decision.name, self._mark, inner)
+                checkpoint_module(module, context_fn=guard, preserve_rng_state=False)
                 installed.append(module)
+                guard.install(module)
+                guards.append((module, guard))
             for region, child in trails:  # Rule 24: before the trail's scope starts
                 if is_module_checkpointed(region):
                     ends.append(end_at(region, child))
