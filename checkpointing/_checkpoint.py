@@ -329,7 +329,7 @@ def check_use_reentrant(value: object, api: str, tensor_hint: str = "") -> None:
     """Refuse a ``use_reentrant`` that is neither a bool nor ``None`` (torch would read its truth:
     ``"false"`` is true); ``tensor_hint`` says what a tensor there usually is, where ``api``
     takes it by position."""
-    if value is not None and value.__class__ is not bool:
+    if value is not None and not isinstance(value, bool):  # bool has no subclasses
         hint = (tensor_hint or _HINT_TENSOR) if isinstance(value, torch.Tensor) else ""
         message = _MSG_USE_REENTRANT_NOT_BOOL.format(
             api=api, observed=describe_value(value), hint=hint
