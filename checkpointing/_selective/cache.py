@@ -349,7 +349,9 @@ def _keep_compressed(
     """NOTE [Compressed saves]: ``tensor`` packed (Rule 4 refuses an exact value), its payload
     offloaded with ``how.offload`` (Rule 6); kept as a plain save where it is in the target
     dtype already (Rule 3), offloaded as it is with ``how.offload``."""
-    if _compile_tracing():  # the compiler keeps it uncompressed (Rule 9), said once
+    # The compiler keeps it uncompressed (Rule 9), said once; torch 2.11's AOTAutograd can trace
+    # with is_compiling() false, so a traced (functional) tensor counts as tracing too.
+    if _compile_tracing() or _compat.is_traced_tensor(tensor):
         say_once("compress")
         return _keep_tensor(tensor, _Action.SAVE, stats, None, cache)
     check_packable(tensor, "Compress", op)
