@@ -52,7 +52,7 @@ from typing import Final, cast
 
 import torch
 
-from ._compat import HigherOrderOperator, OpOverload, OpOverloadPacket, TorchDispatchMode
+from ._compat import OpOverload, OpOverloadPacket, TorchDispatchMode
 from ._selective import (
     Asked,
     CheckpointPolicy,
@@ -61,16 +61,15 @@ from ._selective import (
     Policy,
     create_selective_checkpoint_contexts,
     is_composite,
-    never_dispatched,
     policy_factory,
     policy_from,
-    say_composite,
     tag,
     uncalled_factory,
 )
 from ._selective.compressing import compress_ops, compress_these_names
 from ._selective.readable import _ByName, _ByOp, _combined, _Constant
 from ._selective.routing import ROUTING_OPS as _ROUTING_OPS
+from ._selective.unkept import overloads_of
 
 __all__ = [
     "ATTENTION_OPS",
@@ -185,7 +184,7 @@ def save_ops(*ops: Op | OpOverloadPacket) -> Policy:
         >>> policy(None, torch.ops.aten.mm.default), policy(None, torch.ops.aten.relu.default)
         (<CheckpointPolicy.MUST_SAVE: 0>, <CheckpointPolicy.PREFER_RECOMPUTE: 3>)
     """
-    found = _ops_of("save_ops", ops)
+    found = overloads_of("save_ops", ops, ATTENTION_OPS)
     return _ByOp(
         found,
         CheckpointPolicy.MUST_SAVE,
@@ -296,7 +295,7 @@ def recompute_ops(*ops: Op | OpOverloadPacket) -> Policy:
         >>> policy(None, torch.ops.aten.bmm.default), policy(None, torch.ops.aten.mm.default)
         (<CheckpointPolicy.MUST_RECOMPUTE: 2>, <CheckpointPolicy.MUST_SAVE: 0>)
     """
-    found = _ops_of("recompute_ops", ops)
+    found = overloads_of("recompute_ops", ops, ATTENTION_OPS)
     return _ByOp(
         found,
         CheckpointPolicy.MUST_RECOMPUTE,
@@ -318,7 +317,7 @@ def offload_ops(*ops: Op | OpOverloadPacket) -> Policy:
         >>> offload_ops(torch.ops.aten.mm.default)(None, torch.ops.aten.mm.default)
         <CheckpointPolicy.MUST_CPU_OFFLOAD: 4>
     """
-    found = _ops_of("offload_ops", ops)
+    found = overloads_of("offload_ops", ops, ATTENTION_OPS)
     return _ByOp(
         found,
         CheckpointPolicy.MUST_CPU_OFFLOAD,
@@ -470,11 +469,6 @@ def as_context_fn(
 
 # --- Argument checks ---------------------------------------------------------------------------
 
-_MSG_NOT_AN_OP = (
-    "checkpointing.policies.{api}: expected torch operators (e.g. torch.ops.aten.mm.default, "
-    "or torch.ops.aten.mm for all its overloads), got {got!r} of type {type}. Fix: pass the "
-    "op from torch.ops, not a Python function such as torch.mm."
-)
 _MSG_NOT_A_NAME = (
     "checkpointing.policies.{api}: expected tensor names (str), got {got!r} of type {type}. "
     "Fix: pass the names given to tag(tensor, name)."
@@ -499,23 +493,6 @@ _MSG_NO_POLICY = (
     "checkpointing.policies.{api}: expected at least one policy, got none. Fix: pass the "
     "policies to combine, e.g. {api}(save_matmuls(), offload_ops(torch.ops.aten.gelu))."
 )
-
-
-def _ops_of(api: str, ops: Iterable[object]) -> frozenset[Op]:
-    """The overloads ``ops`` stand for (a packet stands for all of its overloads); warns
-    about a composite op, which no policy ever sees (``_selective.unkept``, cause (a))."""
-    found: set[Op] = set()
-    for op in ops:
-        if isinstance(op, OpOverload | HigherOrderOperator):
-            found.add(op)
-        elif isinstance(op, OpOverloadPacket):
-            overloads = op.overloads()  # type: ignore[no-untyped-call]  # untyped in 2.13
-            found.update(getattr(op, name) for name in overloads)
-        else:
-            raise TypeError(_MSG_NOT_AN_OP.format(api=api, got=op, type=type(op).__name__))
-        if never_dispatched(op):
-            say_composite(api, op, ATTENTION_OPS)
-    return frozenset(found)
 
 
 def _names_of(api: str, names: Iterable[object]) -> frozenset[str]:

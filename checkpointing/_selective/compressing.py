@@ -8,10 +8,9 @@ the forward mode does with one, ``forward``'s and ``cache``'s.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from .._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
+from .._compat import OpOverloadPacket
 from .._compression import Compress, Format, Scale, refuse_exact_op
 from .ops import Op
 from .policy import (
@@ -22,7 +21,7 @@ from .policy import (
     SelectiveCheckpointContext,
     policy_factory,
 )
-from .unkept import Asked, never_dispatched, say_composite
+from .unkept import Asked, overloads_of
 
 __all__ = ["compress_ops", "compress_these_names"]
 
@@ -69,11 +68,6 @@ class _CompressByName:
         return self._repr
 
 
-_MSG_NOT_AN_OP = (
-    "checkpointing.policies.compress_ops: expected torch operators (e.g. "
-    "torch.ops.aten.mm.default, or torch.ops.aten.mm for all its overloads), got {got!r} of "
-    "type {type}. Fix: pass the op from torch.ops, not a Python function such as torch.mm."
-)
 _MSG_NOT_A_NAME = (
     "checkpointing.policies.compress_these_names: expected tensor names (str), got {got!r} of "
     "type {type}. Fix: pass the names given to tag(tensor, name)."
@@ -115,7 +109,7 @@ def compress_ops(
         Compress('fp8', scale='row')
     """
     how = Compress(to, scale=scale, offload=offload, api="policies.compress_ops")
-    found = _ops_of(ops)
+    found = overloads_of("compress_ops", ops)
     for op in found:
         refuse_exact_op("policies.compress_ops", op)
     described = ", ".join(str(op) for op in ops)
@@ -153,20 +147,3 @@ def compress_these_names(
     return _CompressByName(
         frozenset(found), how, f"compress_these_names({described}, {_described(how)})"
     )
-
-
-def _ops_of(ops: Iterable[object]) -> frozenset[Op]:
-    """The overloads ``ops`` stand for (a packet: all of its overloads); a composite op, which
-    no policy ever sees, is said once (``unkept``)."""
-    found: set[Op] = set()
-    for op in ops:
-        if isinstance(op, OpOverload | HigherOrderOperator):
-            found.add(op)
-        elif isinstance(op, OpOverloadPacket):
-            overloads = op.overloads()  # type: ignore[no-untyped-call]  # untyped in 2.13
-            found.update(getattr(op, name) for name in overloads)
-        else:
-            raise TypeError(_MSG_NOT_AN_OP.format(got=op, type=type(op).__name__))
-        if never_dispatched(op):
-            say_composite("compress_ops", op, ())
-    return frozenset(found)

@@ -56,7 +56,7 @@ from typing import Final, NamedTuple
 import torch
 
 from .. import _compat
-from .._compat import OpOverload, OpOverloadPacket
+from .._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
 from .cache import _OpRecord
 from .ops import Op
 
@@ -240,6 +240,26 @@ def say_composite(api: str, op: object, attention_ops: Iterable[Op]) -> None:
 # --- Once per process --------------------------------------------------------------------------
 
 
+def overloads_of(
+    api: str, ops: Iterable[object], attention_ops: Iterable[Op] = ()
+) -> frozenset[Op]:
+    """The overloads ``ops`` stand for, as the op-taking policy sentences read them (a packet
+    stands for all of its overloads); a composite op, which no policy ever sees, is said once
+    (cause (a)); anything else is a ``TypeError`` naming ``api``."""
+    found: set[Op] = set()
+    for op in ops:
+        if isinstance(op, OpOverload | HigherOrderOperator):
+            found.add(op)
+        elif isinstance(op, OpOverloadPacket):
+            overloads = op.overloads()  # type: ignore[no-untyped-call]  # untyped in 2.13
+            found.update(getattr(op, name) for name in overloads)
+        else:
+            raise TypeError(_MSG_NOT_AN_OP.format(api=api, got=op, type=type(op).__name__))
+        if never_dispatched(op):
+            say_composite(api, op, attention_ops)
+    return frozenset(found)
+
+
 def say_once(key: tuple[str, ...], text: str, stacklevel: int = 2) -> None:
     """Warn with ``text`` unless a warning with ``key`` was given before in this process
     (``stacklevel`` counts from the caller of this function)."""
@@ -248,3 +268,10 @@ def say_once(key: tuple[str, ...], text: str, stacklevel: int = 2) -> None:
             return
         _said.add(key)
     warnings.warn(text, UserWarning, stacklevel=stacklevel + 1)
+
+
+_MSG_NOT_AN_OP = (
+    "checkpointing.policies.{api}: expected torch operators (e.g. torch.ops.aten.mm.default, "
+    "or torch.ops.aten.mm for all its overloads), got {got!r} of type {type}. Fix: pass the "
+    "op from torch.ops, not a Python function such as torch.mm."
+)
