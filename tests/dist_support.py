@@ -141,3 +141,27 @@ def _then_exit(rank: int, worker: Callable[..., None], port: int, *args: Any) ->
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# Collective launches, counted apart from the package's own list of collectives on purpose: a
+# test that reads the package's list could not see the package's list go wrong.
+_WAITS = frozenset({"wait_tensor", "wait_tensors", "_wrap_tensor_autograd"})
+
+
+def launches_collective(func: Any) -> bool:
+    """A functional collective's launch (not a wait): what a re-run in backward would cost."""
+    namespace = getattr(func, "namespace", "")
+    return namespace.startswith("_c10d_functional") and func.overloadpacket.__name__ not in _WAITS
+
+
+class CollectiveLaunches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the collective launches while it is active (their names in ``launched``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launched: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if launches_collective(func):
+            self.launched.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

@@ -30,7 +30,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_support import WORLD_SIZE, case_result, gloo_group, spawned_results
+from dist_support import (
+    WORLD_SIZE,
+    CollectiveLaunches,
+    case_result,
+    gloo_group,
+    launches_collective,
+    spawned_results,
+)
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import (
@@ -49,27 +56,6 @@ pytestmark = [
 LIMIT = 240.0  # seconds for the whole pair, spawn included
 WIDTH = 4
 SEED = 7
-_WAITS = frozenset({"wait_tensor", "wait_tensors", "_wrap_tensor_autograd"})
-
-
-def _launches(func: Any) -> bool:
-    """A collective launch (not a wait): what a re-run in backward costs. Written apart from
-    the package's own list on purpose."""
-    namespace = getattr(func, "namespace", "")
-    return namespace.startswith("_c10d_functional") and func.overloadpacket.__name__ not in _WAITS
-
-
-class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the collective launches while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.launched: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if _launches(func):
-            self.launched.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _tp_region(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, group: Any) -> torch.Tensor:
@@ -99,7 +85,7 @@ def _collective_recomputed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
     """Keep matmuls, recompute the collectives explicitly, and the rest as one pleases."""
     if op == torch.ops.aten.mm.default:
         return CheckpointPolicy.MUST_SAVE
-    if _launches(op) or getattr(op, "namespace", "") == "_c10d_functional":
+    if launches_collective(op) or getattr(op, "namespace", "") == "_c10d_functional":
         return CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -183,7 +169,7 @@ def _inputs(rank: int) -> tuple[torch.Tensor, ...]:
 def _step(run: Callable[..., torch.Tensor], region: Region, rank: int) -> dict[str, Any]:
     xs = _inputs(rank)
     loss = run(region, xs).sum()
-    counter = _Collectives()
+    counter = CollectiveLaunches()
     with counter:
         loss.backward()
     return {"grads": [x.grad for x in xs], "launched": counter.launched}

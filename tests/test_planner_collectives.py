@@ -20,7 +20,14 @@ from typing import Any
 import pytest
 import torch
 from allocator_support import allocator_step
-from dist_support import SPAWNED_ONCE, WORLD_SIZE, case_result, run_cases, spawned_results
+from dist_support import (
+    SPAWNED_ONCE,
+    WORLD_SIZE,
+    CollectiveLaunches,
+    case_result,
+    run_cases,
+    spawned_results,
+)
 from parallel_support import BlockStack
 from torch import nn
 
@@ -33,26 +40,6 @@ BATCH = 8
 RUN_TIMEOUT = 240.0  # seconds for the whole pair
 
 pytestmark = SPAWNED_ONCE
-_WAITS = frozenset({"wait_tensor", "wait_tensors", "_wrap_tensor_autograd"})
-
-
-def _launches(func: Any) -> bool:
-    """A collective launch (not a wait), written apart from the package's own list."""
-    namespace = getattr(func, "namespace", "")
-    return namespace.startswith("_c10d_functional") and func.overloadpacket.__name__ not in _WAITS
-
-
-class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the collective launches while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.launched: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if _launches(func):
-            self.launched.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 class Block(nn.Module):
@@ -95,7 +82,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     """One step: the collectives its backward launches, and the full gradients."""
     model.zero_grad(set_to_none=True)
     loss = _loss(model(x))
-    counter = _Collectives()
+    counter = CollectiveLaunches()
     with counter:
         loss.backward()
     grads = {}
