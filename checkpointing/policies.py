@@ -53,6 +53,7 @@ from typing import Final, cast
 import torch
 
 from ._compat import OpOverload, OpOverloadPacket, TorchDispatchMode
+from ._compression import exact_value_ops
 from ._selective import (
     Asked,
     CheckpointPolicy,
@@ -112,13 +113,7 @@ _ATTENTION_KERNELS: Final = (
 def _dispatched_overloads(names: Iterable[str]) -> frozenset[OpOverload]:
     """Every overload of the aten ops ``names`` that this torch build has and that reaches a
     dispatch mode (not a composite one, which decomposes before)."""
-    aten = torch.ops.aten
-    found: set[OpOverload] = set()
-    for name in names:
-        if hasattr(aten, name):
-            packet = getattr(aten, name)
-            found.update(getattr(packet, overload) for overload in packet.overloads())
-    return frozenset(op for op in found if not is_composite(op))
+    return frozenset(op for op in exact_value_ops(names) if not is_composite(op))
 
 
 # The ops ``save_routing`` keeps (NOTE [Routing ops], Rule 1).
