@@ -63,6 +63,8 @@ from ._selective import (
     split_backward,
 )
 from ._sequential import checkpoint_sequential, sequential_schedule
+from ._spec import AppliedSpec, apply_spec
+from ._spec_grammar import load_spec
 from ._state import (
     DefaultDeviceType,
     RecomputeStateHook,
@@ -97,6 +99,7 @@ __all__ = [
     "SAC_IGNORED_OPS",
     "ActivationPlan",
     "ActivationWrapper",
+    "AppliedSpec",
     "CheckpointError",
     "CheckpointFunction",
     "CheckpointImpl",
@@ -115,6 +118,7 @@ __all__ = [
     "SequentialSchedule",
     "Tiling",
     "apply_activation_checkpointing",
+    "apply_spec",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_module",
@@ -128,6 +132,7 @@ __all__ = [
     "is_recomputing",
     "keep",
     "keeping",
+    "load_spec",
     "noop_context_fn",
     "offload_wrapper",
     "plan_checkpointing",

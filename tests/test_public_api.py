@@ -30,6 +30,7 @@ PARITY_CLASSES = [n for n in PARITY_NAMES if inspect.isclass(getattr(torch_check
 OWN_NAMES = {
     "ActivationPlan",
     "ActivationWrapper",
+    "AppliedSpec",
     "CheckpointImpl",
     "CheckpointWrapper",
     "Compress",
@@ -41,6 +42,7 @@ OWN_NAMES = {
     "SavedTensorsReport",
     "SequentialSchedule",
     "apply_activation_checkpointing",
+    "apply_spec",
     "checkpoint_module",
     "checkpoint_wrapper",
     "gradient_checkpoint_scope",
@@ -48,6 +50,7 @@ OWN_NAMES = {
     "is_recomputing",
     "keep",
     "keeping",
+    "load_spec",
     "offload_wrapper",
     "plan_checkpointing",
     "remove_checkpoint_module",

@@ -1,0 +1,334 @@
+"""``apply_spec``: one declarative mapping says what each module of a model gets.
+
+Owns matching a spec's keys against a model's module names, the overlap rule, the errors for a
+key that selects nothing, installing the selection (``checkpoint_module`` per module) and the
+printable result, ``AppliedSpec``. The grammar of keys and values belongs to ``_spec_grammar``;
+checkpointing a module through hooks to ``_module``; wrappers chosen by a spec to ``_auto_wrap``,
+which asks ``select`` here.
+
+NOTE [Spec selection]
+  Rule 1. Every key must select at least one module; one that selects none is an error naming
+          the module names nearest to it and, where a leading part of the key matches, the
+          children found there. A typo never silently checkpoints less.
+  Rule 2. A module selected by several keys gets the value of the most specific key (NOTE
+          [Spec grammar], Rule 3); equal specificity with different values is an error naming
+          both keys and the module. A module reached under two names (a shared module) is one
+          module.
+  Rule 3. The root is never selected (checkpoint the model around the call instead); a module
+          already checkpointed (``checkpoint_module``, a wrapper, a plan) is an error: twice
+          would recompute it twice per backward.
+  Rule 4. A module that gets ``full``, ``offload`` or a policy becomes one checkpointed region
+          through ``checkpoint_module`` (names, types and ``state_dict`` keys unchanged).
+          Selected modules may nest (a layer and its MLP): nested regions, as nested
+          ``checkpoint`` calls give. Each region runs without the empty key/value cache it is
+          handed while autograd records (NOTE [Key/value caches]), as transformers' own
+          checkpointing does.
+  Rule 5. ``dry_run=True`` checks and selects exactly as a real call does and installs
+          nothing: what it prints is what the real call will install.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import _compat
+from ._errors import describe_value
+from ._kv_caches import drop_caches
+from ._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
+from ._spec_grammar import (
+    OFFLOAD_EVERYTHING,
+    Action,
+    Selector,
+    flatten,
+    parse_action,
+    parse_selector,
+)
+from ._state import noop_context_fn
+
+__all__ = ["AppliedSpec", "Selected", "apply_spec", "select"]
+
+_MSG_NOTHING = (
+    "checkpointing.{api}: the spec key {key!r} selects no module of {model}.{found} Nearest "
+    "module names: {near}. Fix: correct the key (globs match one name component; a layer "
+    "selector {{0:8}} picks among integer-named children), or remove it."
+)
+_MSG_FOUND = " {prefix!r} matches {count} module(s), whose children are named {children}."
+_MSG_TIE = (
+    "checkpointing.{api}: the module {name!r} is selected by {a!r} ({va}) and by {b!r} ({vb}) "
+    "with equal specificity {spec} (literal components, layer selectors, globs). Fix: make "
+    "one key more specific (a literal name or a layer selector in place of a glob), or give "
+    "both the same value."
+)
+_MSG_ROOT = (
+    "checkpointing.{api}: the spec key {key!r} selects the model itself; a spec selects its "
+    "submodules. Fix: checkpoint the whole model around its call (checkpointing.checkpoint), "
+    "or select its blocks, e.g. 'model.layers.*'."
+)
+_MSG_ALREADY = (
+    "checkpointing.{api}: the module {name!r} ({type}) already checkpoints (checkpoint_module, "
+    "a checkpoint wrapper or an applied plan); a second region would recompute it twice per "
+    "backward. Fix: remove the first (AppliedSpec.remove(), remove_checkpoint_module, "
+    "plan.remove) before applying the spec."
+)
+_MSG_INDEX = (
+    "checkpointing.{api}: the layer index {index} is out of range: the {type} it picks from "
+    "has {n} integer-named children (indices 0 to {last}, or -{n} to -1 from the end). Fix: pick "
+    "an index in that range, or use a slice, which takes what exists."
+)
+_MSG_NOT_MODULE = (
+    "checkpointing.{api}: expected an nn.Module, got {got}. Fix: pass the model, e.g. "
+    "apply_spec(model, spec)."
+)
+
+
+@dataclass(frozen=True)
+class Selected:
+    """One selected module: its name, its class, what it gets and the key that decided."""
+
+    name: str
+    module: nn.Module = field(repr=False, compare=False)
+    action: Action
+    key: str
+
+
+@dataclass
+class AppliedSpec:
+    """What ``apply_spec`` selected (and, unless a dry run, installed): print it to see which
+    module got what; ``remove()`` takes it off again."""
+
+    selected: list[Selected]
+    modules: int
+    dry_run: bool
+    _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
+    _installed: list[nn.Module] = field(default_factory=list, repr=False)
+
+    def actions(self) -> dict[str, str]:
+        """Per selected module name, what it gets, as printed (``'full'``, ``'none'``,
+        ``'offload'``, ``'policy save_matmuls()'``)."""
+        return {s.name: str(s.action) for s in self.selected}
+
+    def remove(self) -> None:
+        """Take the installed regions off: the modules run plainly again."""
+        for module in self._installed:
+            if is_module_checkpointed(module):
+                remove_checkpoint_module(module)
+        for handle in self._handles:
+            handle.remove()
+        self._installed.clear()
+        self._handles.clear()
+
+    def __str__(self) -> str:
+        shown = [s for s in self.selected if s.action.kind != "none"]
+        head = f"checkpointing spec: {len(shown)} of {self.modules} modules checkpointed" + (
+            " (dry run: nothing installed)" if self.dry_run else ""
+        )
+        width = max((len(s.name) for s in self.selected), default=0)
+        kind = max((len(type(s.module).__name__) for s in self.selected), default=0)
+        rows = [
+            f"  {s.name:<{width}}  {type(s.module).__name__:<{kind}}  {s.action}  <- {s.key!r}"
+            for s in self.selected
+        ]
+        return "\n".join([head, *rows])
+
+
+def apply_spec(model: nn.Module, spec: Mapping[str, Any], *, dry_run: bool = False) -> AppliedSpec:
+    """Give each module of ``model`` what ``spec`` says: full recompute, a policy, offload, or
+    nothing; print the result to see which module got what.
+
+    ``spec`` maps module-name patterns to values (a dict, or ``load_spec(text)`` of TOML or
+    YAML). A key is a dotted pattern over ``model.named_modules()`` names: literal
+    components, globs within one component (``*``), ``**`` for any number of components, and
+    layer selectors in braces over integer-named children (``{0:8}``, ``{::2}``, ``{-4:}``,
+    ``{0,3,5}``). A value is ``"full"``, ``"offload"`` (nothing recomputed: what the module
+    saves is kept in host memory), ``"none"``/``None``, a policy name (``"save_matmuls"``) or
+    a policy object. A module selected by several keys gets the most specific key's value
+    (more literal components, then more layer selectors, then more globs); a tie is an
+    error, and so is a key that selects nothing (the message names the nearest modules).
+
+    Args:
+        model: the model; its submodules are selected, never the model itself.
+        spec: the mapping; a nested mapping is a table whose keys join the outer one.
+        dry_run: select, check and return the result without installing anything.
+
+    Returns:
+        An ``AppliedSpec``: ``print(result)``; ``result.actions()``; ``result.remove()``.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+        >>> print(checkpointing.apply_spec(model, {"{::2}": "full", "{-1}": "save_matmuls"}))
+        checkpointing spec: 3 of 4 modules checkpointed
+          0  Linear  full  <- '{::2}'
+          2  Linear  full  <- '{::2}'
+          3  Linear  policy save_matmuls()  <- '{-1}'
+    """
+    api = "apply_spec"
+    chosen = select(model, spec, api)
+    result = AppliedSpec(chosen, sum(1 for _ in model.modules()) - 1, dry_run)
+    if dry_run:
+        return result
+    try:
+        for item in chosen:
+            if item.action.kind == "none":
+                continue
+            policy = OFFLOAD_EVERYTHING if item.action.kind == "offload" else item.action.policy
+            checkpoint_module(item.module, context_fn=noop_context_fn if policy is None else policy)
+            result._installed.append(item.module)
+            handle = item.module.register_forward_pre_hook(
+                drop_caches, with_kwargs=True, prepend=True
+            )
+            result._handles.append(handle)
+    except BaseException:
+        result.remove()  # all or nothing
+        raise
+    return result
+
+
+def select(model: nn.Module, spec: Mapping[str, Any], api: str) -> list[Selected]:
+    """The modules ``spec`` selects, each with its value (Rules 1-3), in the model's order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(_MSG_NOT_MODULE.format(api=api, got=describe_value(model)))
+    flat = flatten(spec, api)
+    entries = [(parse_selector(k, api), parse_action(k, v, api)) for k, v in flat.items()]
+    best: dict[int, tuple[Selector, Action, str, nn.Module]] = {}
+    for selector, action in entries:
+        names = list(_matches(model, selector, api))
+        if not names:
+            raise ValueError(_nothing(model, selector, api))
+        for name, module in names:
+            if not name:
+                raise ValueError(_MSG_ROOT.format(api=api, key=selector.key))
+            _keep_most_specific(best, selector, action, name, module, api)
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    chosen = sorted(best.values(), key=lambda entry: order[id(entry[3])])
+    for _, action, name, module in chosen:
+        if action.kind != "none" and _already(module):
+            raise ValueError(_MSG_ALREADY.format(api=api, name=name, type=type(module).__name__))
+    return [Selected(name, module, action, sel.key) for sel, action, name, module in chosen]
+
+
+def _keep_most_specific(
+    best: dict[int, tuple[Selector, Action, str, nn.Module]],
+    selector: Selector,
+    action: Action,
+    name: str,
+    module: nn.Module,
+    api: str,
+) -> None:
+    """Rule 2: record ``selector``'s value for ``module`` unless a more specific key has it."""
+    held = best.get(id(module))
+    if held is None or selector.specificity > held[0].specificity:
+        best[id(module)] = (selector, action, name, module)
+        return
+    if selector.specificity == held[0].specificity and action != held[1]:
+        raise ValueError(
+            _MSG_TIE.format(
+                api=api,
+                name=held[2],
+                a=held[0].key,
+                va=held[1],
+                b=selector.key,
+                vb=action,
+                spec=selector.specificity,
+            )
+        )
+
+
+def _already(module: nn.Module) -> bool:
+    """Rule 3: hooks of ``checkpoint_module`` (ours, a plan's) or a checkpoint wrapper."""
+    return is_module_checkpointed(module) or isinstance(
+        module, _compat.checkpoint_wrapper.ActivationWrapper
+    )
+
+
+def _matches(model: nn.Module, selector: Selector, api: str) -> Iterator[tuple[str, nn.Module]]:
+    """The (name, module) pairs ``selector`` selects, each module once."""
+    seen: set[int] = set()
+    for name, module in _walk(model, "", selector.parts, api):
+        if id(module) not in seen:
+            seen.add(id(module))
+            yield name, module
+
+
+def _walk(
+    module: nn.Module, prefix: str, parts: tuple[Any, ...], api: str
+) -> Iterator[tuple[str, nn.Module]]:
+    """NOTE [Spec grammar], Rules 1-2, one component at a time."""
+    if not parts:
+        yield prefix, module
+        return
+    head, rest = parts[0], parts[1:]
+    if head == "**":
+        yield from _walk(module, prefix, rest, api)
+        for name, child in module.named_children():
+            yield from _walk(child, _join(prefix, name), parts, api)
+        return
+    if isinstance(head, tuple):
+        children = _layers(module, head, api)
+    else:
+        children = [(n, c) for n, c in module.named_children() if fnmatch.fnmatchcase(n, head)]
+    for name, child in children:
+        yield from _walk(child, _join(prefix, name), rest, api)
+
+
+def _layers(
+    module: nn.Module, items: tuple[slice | int, ...], api: str
+) -> list[tuple[str, nn.Module]]:
+    """NOTE [Spec grammar], Rule 2: the integer-named children that ``items`` pick, by
+    position in increasing order; an index past the end is an error."""
+    numbered = sorted(
+        ((int(n), n, c) for n, c in module.named_children() if n.isdigit()),
+        key=lambda entry: entry[0],
+    )
+    if not numbered:
+        return []
+    picked: dict[int, tuple[str, nn.Module]] = {}
+    for item in items:
+        if isinstance(item, int):
+            if not -len(numbered) <= item < len(numbered):
+                count = len(numbered)
+                raise IndexError(
+                    _MSG_INDEX.format(
+                        api=api, index=item, type=type(module).__name__, n=count, last=count - 1
+                    )
+                )
+            chosen = [numbered[item]]
+        else:
+            chosen = numbered[item]
+        for number, name, child in chosen:
+            picked[number] = (name, child)
+    return [picked[number] for number in sorted(picked)]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _nothing(model: nn.Module, selector: Selector, api: str) -> str:
+    """Rule 1: the error for a key that selects nothing."""
+    names = [name for name, _ in model.named_modules() if name]
+    plain = selector.key.replace("{", "").replace("}", "")
+    near = difflib.get_close_matches(plain, names, n=5, cutoff=0.4) or names[:5]
+    found = ""
+    for cut in range(len(selector.parts) - 1, 0, -1):
+        prefix = Selector(".".join(selector.key.split(".")[:cut]), selector.parts[:cut])
+        hits = list(_matches(model, prefix, api))
+        if hits:
+            children = sorted({n for _, m in hits for n, _ in m.named_children()})
+            shown = ", ".join(map(repr, children[:12])) or "(none)"
+            found = _MSG_FOUND.format(prefix=prefix.key, count=len(hits), children=shown)
+            break
+    return _MSG_NOTHING.format(
+        api=api,
+        key=selector.key,
+        model=type(model).__name__,
+        found=found,
+        near=", ".join(map(repr, near)) or "(the model has no submodules)",
+    )

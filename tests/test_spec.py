@@ -1,0 +1,276 @@
+"""``checkpointing.apply_spec``: one mapping says what each module gets (NOTE [Spec grammar],
+NOTE [Spec selection]).
+
+On tiny GPT-2, Llama and Mixtral models (random weights, dropout on, ``use_cache=False`` in both
+runs, so that the plain and the checkpointed layers are handed the same inputs) the gradients
+equal the plain run's bitwise: every mechanism a spec installs replays the forward's kernels.
+The grammar, the overlap rule and the errors are checked on a stack of linear layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+from hf_support import zoo_member
+from torch import nn
+
+import checkpointing
+from checkpointing import apply_spec, load_spec
+
+
+def _grads(model: nn.Module, step: Any) -> list[torch.Tensor | None]:
+    """One seeded forward and backward of ``model``; every parameter's gradient."""
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    step(model).backward()
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_bitwise(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None and w is not None:
+            assert torch.equal(g, w)
+
+
+def _hf(name: str) -> tuple[nn.Module, Any]:
+    """A zoo member without its key/value cache, and its step as ``model -> loss``."""
+    member = zoo_member(name)
+    member.model.config.use_cache = False
+    return member.model, lambda m: member.loss_fn(m(*member.args, **member.kwargs))
+
+
+HF_SPECS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "gpt2": (
+        {
+            "transformer.h.{0}": "full",
+            "transformer.h.{-1}.attn": "save_matmuls",
+            "transformer.h.{-1}.mlp": "offload",
+        },
+        {
+            "transformer.h.0": "full",
+            "transformer.h.1.attn": "policy save_matmuls()",
+            "transformer.h.1.mlp": "offload",
+        },
+    ),
+    "llama": (
+        {
+            "model.layers.*": "full",
+            "model.layers.{1}": None,
+            "model.layers.{1}.self_attn": "save_attention",
+        },
+        {
+            "model.layers.0": "full",
+            "model.layers.1": "none",
+            "model.layers.1.self_attn": "policy save_attention()",
+        },
+    ),
+    "mixtral": (
+        {"model": {"layers.*.mlp": "save_routing", "layers.{0}.self_attn": "full"}},
+        {
+            "model.layers.0.self_attn": "full",
+            "model.layers.0.mlp": "policy save_routing()",
+            "model.layers.1.mlp": "policy save_routing()",
+        },
+    ),
+}
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("family", sorted(HF_SPECS))
+def test_hf_gradients_equal_the_plain_run(family: str) -> None:
+    """Each family under a mixed spec: what the result says it installed, and the gradients
+    bitwise those of the plain run (dropout drawn alike: the regions preserve the RNG)."""
+    model, step = _hf(family)
+    spec, expected = HF_SPECS[family]
+    plain = _grads(copy.deepcopy(model), step)
+    result = apply_spec(model, spec)
+    assert result.actions() == expected
+    assert str(result).startswith("checkpointing spec: ")
+    for name in expected:
+        assert name in str(result)
+    _assert_bitwise(_grads(model, step), plain)
+    result.remove()
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+    _assert_bitwise(_grads(model, step), plain)
+
+
+def test_hf_spec_from_toml_equals_the_dict() -> None:
+    """The TOML text of a spec selects what the dict selects."""
+    model, _ = _hf("llama")
+    text = """
+    [model.layers]
+    "*" = "full"
+    "{1}" = "none"
+    "{1}.self_attn" = "save_attention"
+    """
+    from_toml = apply_spec(model, load_spec(text, format="toml"), dry_run=True)
+    from_dict = apply_spec(model, HF_SPECS["llama"][0], dry_run=True)
+    assert from_toml.actions() == from_dict.actions()
+
+
+def _stack(n: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(n)])
+
+
+@pytest.mark.parametrize(
+    ("selector", "layers"),
+    [
+        ("{0:3}", [0, 1, 2]),
+        ("{::3}", [0, 3, 6]),
+        ("{1::3}", [1, 4, 7]),
+        ("{:2}", [0, 1]),
+        ("{-2:}", [6, 7]),
+        ("{0,5,-1}", [0, 5, 7]),
+        ("{ 2 , 4:6 }", [2, 4, 5]),
+        ("*", list(range(8))),
+    ],
+)
+def test_layer_selectors(selector: str, layers: list[int]) -> None:
+    """NOTE [Spec grammar], Rule 2: indices, slices and lists pick integer-named children by
+    position."""
+    result = apply_spec(_stack(), {selector: "full"}, dry_run=True)
+    assert list(result.actions()) == [str(i) for i in layers]
+
+
+def test_double_star_and_globs() -> None:
+    """Rule 1: ``**`` spans any number of components, ``*`` exactly one."""
+    model = _stack(3)
+    assert list(apply_spec(model, {"**.0": "full"}, dry_run=True).actions()) == [
+        "0",
+        "0.0",
+        "1.0",
+        "2.0",
+    ]
+    assert list(apply_spec(model, {"*.1": "full"}, dry_run=True).actions()) == [
+        "0.1",
+        "1.1",
+        "2.1",
+    ]
+
+
+def test_most_specific_wins() -> None:
+    """NOTE [Spec grammar], Rule 3: a literal beats a selector beats a glob, whatever the
+    order of the mapping."""
+    model = _stack(4)
+    spec = {"{1}": "offload", "1": "save_matmuls", "*": "full", "{::2}": "none"}
+    got = apply_spec(model, spec, dry_run=True).actions()
+    assert got == {"0": "none", "1": "policy save_matmuls()", "2": "none", "3": "full"}
+    reordered = dict(reversed(list(spec.items())))
+    assert apply_spec(model, reordered, dry_run=True).actions() == got
+
+
+def test_equal_specificity_is_an_error() -> None:
+    """NOTE [Spec selection], Rule 2: two keys of equal specificity with different values on
+    one module name both keys and the module; with the same value they agree."""
+    model = _stack(4)
+    with pytest.raises(ValueError, match=r"'2' is selected by '\{::2\}' \(full\) and by '\{2:\}'"):
+        apply_spec(model, {"{::2}": "full", "{2:}": "offload"}, dry_run=True)
+    same = apply_spec(model, {"{::2}": "full", "{2:}": "full"}, dry_run=True)
+    assert list(same.actions()) == ["0", "2", "3"]
+
+
+def test_nothing_matched_names_the_nearest_modules() -> None:
+    """NOTE [Spec selection], Rule 1: a typo is an error naming the nearest names and the
+    children found where the key's leading part matches."""
+    model, _ = _hf("llama")
+    with pytest.raises(ValueError, match=r"'model.layers.\*.self_atn' selects no module") as info:
+        apply_spec(model, {"model.layers.*.self_atn": "full"})
+    message = str(info.value)
+    assert "'model.layers.0.self_attn'" in message
+    assert "'model.layers.*' matches 2 module(s), whose children are named" in message
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "match"),
+    [
+        ({"*": "ful"}, ValueError, r"unknown value 'ful' \(did you mean 'full'\?\)"),
+        ({"*": 3}, TypeError, r"has the value 3 of type int"),
+        ({"*": checkpointing.policies.save_matmuls}, TypeError, r"call it, save_matmuls\(\)"),
+        ({"{9}": "full"}, IndexError, r"layer index 9 is out of range.*has 4"),
+        ({"{1-3}": "full"}, ValueError, r"layer selector \{1-3\}"),
+        ({"{::0}": "full"}, ValueError, r"step 0"),
+        ({"a{1}": "full"}, ValueError, r"brace inside the component"),
+        ({"0..1": "full"}, ValueError, r"empty component"),
+        ({"**": "full"}, ValueError, r"selects the model itself"),
+        ({3: "full"}, TypeError, r"spec keys are module-name patterns"),
+        (["*"], TypeError, r"expected the spec as a mapping"),
+    ],
+)
+def test_bad_specs_are_clear_errors(spec: Any, error: type[Exception], match: str) -> None:
+    """Unknown values, bad selectors and bad keys say what was expected and the fix; nothing
+    is installed."""
+    model = _stack(4)
+    with pytest.raises(error, match=match):
+        apply_spec(model, spec)
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+
+
+def test_applying_twice_is_an_error() -> None:
+    """NOTE [Spec selection], Rule 3: a module that already checkpoints is refused; after
+    ``remove()`` the spec applies again."""
+    model = _stack(2)
+    first = apply_spec(model, {"*": "full"})
+    with pytest.raises(ValueError, match="already checkpoints"):
+        apply_spec(model, {"{0}": "save_matmuls"})
+    first.remove()
+    apply_spec(model, {"{0}": "save_matmuls"}).remove()
+
+
+def test_dry_run_installs_nothing_and_prints_the_selection() -> None:
+    """NOTE [Spec selection], Rule 5: the dry run prints what the real call installs."""
+    model = _stack(4)
+    spec = {"{::2}": "full", "{-1}": "save_matmuls", "{1}": "none"}
+    dry = apply_spec(model, spec, dry_run=True)
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+    assert str(dry) == (
+        "checkpointing spec: 3 of 12 modules checkpointed (dry run: nothing installed)\n"
+        "  0  Sequential  full  <- '{::2}'\n"
+        "  1  Sequential  none  <- '{1}'\n"
+        "  2  Sequential  full  <- '{::2}'\n"
+        "  3  Sequential  policy save_matmuls()  <- '{-1}'"
+    )
+    real = apply_spec(model, spec)
+    assert str(real) == str(dry).replace(" (dry run: nothing installed)", "")
+    real.remove()
+
+
+def test_a_stack_trains_like_the_plain_one() -> None:
+    """Full recompute, a policy by name and by object, and offload on one stack: gradients
+    bitwise the plain run's."""
+    model = _stack(4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).square().sum()
+
+    plain = _grads(copy.deepcopy(model), step)
+    spec = {
+        "{0}": "full",
+        "{1}": "offload",
+        "{2}": checkpointing.policies.save_ops(torch.ops.aten.addmm),
+        "{3}.0": "save_matmuls",
+    }
+    result = apply_spec(model, spec)
+    _assert_bitwise(_grads(model, step), plain)
+    result.remove()
+
+
+def test_load_spec_formats(tmp_path: pathlib.Path) -> None:
+    """TOML by the standard library, from text or a file; an unknown format is refused; YAML
+    where PyYAML is installed."""
+    path = tmp_path / "spec.toml"
+    path.write_text('"layers.{0:2}" = "full"\n')
+    assert load_spec(path) == {"layers.{0:2}": "full"}
+    with pytest.raises(ValueError, match="format must be 'toml' or 'yaml'"):
+        load_spec('"x" = "full"')
+    yaml = pytest.importorskip("yaml")
+    del yaml
+    assert load_spec("layers:\n  '{0:2}': full\n", format="yaml") == {"layers": {"{0:2}": "full"}}
