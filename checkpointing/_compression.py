@@ -36,9 +36,12 @@ NOTE [Compressed saves]
   Rule 5. A packed tensor is a snapshot made when the op ran, in stream order: the restore is
           a fresh tensor with the original dtype, shape and (dense) strides, so an in-place
           change of the original after packing is not seen, and recompute replays it.
-  Rule 6. With ``offload=True`` the packed payload (not the original) goes to host memory: the
-          link moves the compressed bytes only (half for bf16, a quarter for fp8 and int8 of
-          float32). The scale stays on the device (one float per tensor or row).
+  Rule 6. With ``offload=True`` the packed tensor (not the original) goes to host memory, its
+          scale with it: ``pack`` writes the float32 scale and the payload into one byte buffer
+          (the scale first, so both views of it stay aligned), one transfer that leaves nothing
+          of the tensor on the device. The link moves the packed bytes, payload and scale (half
+          of float32 for bf16, a quarter plus 4 bytes per tensor or row for fp8 and int8), and
+          ``OffloadStats`` counts exactly the bytes the report calls offloaded.
   Rule 7. Under ``torch.compile`` nothing is compressed: the compiler's partitioner decides
           what its graph keeps, and keeps a compressed answer's output as a save (said once).
 
@@ -49,6 +52,7 @@ raise on in-place changes (it keeps the original alive, the memory compression f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Final, Literal, TypeAlias
 
@@ -292,19 +296,42 @@ def refuse_exact_op(api: str, op: object) -> None:
 
 class Packed:
     """One compressed tensor (Rules 1, 5): the payload, its scale (or None), and what the
-    restore makes: the original dtype, shape, strides where they were dense, and device."""
+    restore makes: the original dtype, shape, strides where they were dense, and device. With
+    ``joined`` (Rule 6) ``payload`` is one byte buffer holding the scale, then the payload, and
+    ``scale`` is None; ``split`` reads them back out of it."""
 
-    __slots__ = ("device", "dtype", "nbytes", "payload", "scale", "shape", "stride")
+    __slots__ = (
+        "device",
+        "dtype",
+        "joined",
+        "nbytes",
+        "payload",
+        "payload_dtype",
+        "payload_shape",
+        "scale",
+        "scale_shape",
+        "shape",
+        "stride",
+    )
 
     def __init__(
         self,
         payload: torch.Tensor,
         scale: torch.Tensor | None,
         original: torch.Tensor,
+        *,
+        joined: bool = False,
+        payload_dtype: torch.dtype | None = None,
+        payload_shape: tuple[int, ...] = (),
+        scale_shape: tuple[int, ...] = (),
     ) -> None:
         # None once the payload went to host memory (Rule 6): its holder hands it back.
         self.payload: torch.Tensor | None = payload
         self.scale = scale
+        self.joined = joined
+        self.payload_dtype = payload.dtype if payload_dtype is None else payload_dtype
+        self.payload_shape = tuple(payload.shape) if not joined else payload_shape
+        self.scale_shape = scale_shape if joined or scale is None else tuple(scale.shape)
         self.dtype = original.dtype
         self.shape = original.shape
         self.device = original.device
@@ -312,6 +339,16 @@ class Packed:
         extra = 0 if scale is None else scale.numel() * scale.element_size()
         self.nbytes = payload.numel() * payload.element_size() + extra
         """The bytes it keeps: payload and scale."""
+
+    def split(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The payload and scale of a joined ``buffer`` (Rule 6), as views of it; a buffer that
+        is not joined is the payload, with the scale kept here."""
+        if not self.joined:
+            return buffer, self.scale
+        scale_bytes = 4 * math.prod(self.scale_shape)
+        scale = buffer[:scale_bytes].view(torch.float32).view(self.scale_shape)
+        payload = buffer[scale_bytes:].view(self.payload_dtype).view(self.payload_shape)
+        return payload, scale
 
 
 def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -353,10 +390,25 @@ def pack(tensor: torch.Tensor, how: Compress) -> Packed | None:
     scale = _scale(largest, fmt)
     scaled = _keep_sign(values / scale, fmt)
     if fmt == "int8":
-        payload = scaled.round_().clamp_(-127, 127).to(torch.int8)
-    else:
-        payload = scaled.to(how.dtype)
-    return Packed(payload, scale, tensor)
+        scaled = scaled.round_().clamp_(-127, 127)
+    if how.offload:  # Rule 6: scale and payload in one buffer, cast into it
+        scale_bytes = 4 * scale.numel()
+        width = torch.empty((), dtype=how.dtype).element_size()
+        buffer = torch.empty(
+            scale_bytes + scaled.numel() * width, dtype=torch.uint8, device=scaled.device
+        )
+        buffer[:scale_bytes].view(torch.float32).copy_(scale.reshape(-1))
+        buffer[scale_bytes:].view(how.dtype).copy_(scaled.reshape(-1))
+        return Packed(
+            buffer,
+            None,
+            tensor,
+            joined=True,
+            payload_dtype=how.dtype,
+            payload_shape=tuple(scaled.shape),
+            scale_shape=tuple(scale.shape),
+        )
+    return Packed(scaled.to(how.dtype), scale, tensor)
 
 
 def _scale(largest: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -379,10 +431,10 @@ def _keep_sign(values: torch.Tensor, fmt: Format) -> torch.Tensor:
 def unpack(packed: Packed, payload: torch.Tensor | None = None) -> torch.Tensor:
     """A fresh tensor with the original's dtype, shape, device and dense strides (Rule 5).
     ``payload``: the packed payload brought back from host memory (Rule 6)."""
-    data = packed.payload if payload is None else payload
-    if data is None:
+    held = packed.payload if payload is None else payload
+    if held is None:
         internal_error("a compressed tensor restored with neither its payload nor a host copy")
-    scale = packed.scale
+    data, scale = packed.split(held)
     values = data if scale is None else data.float() * scale
     restored = values.to(packed.dtype).reshape(packed.shape)
     stride = packed.stride

@@ -17,7 +17,7 @@ NOTE [Compressed spans]
           runs its forward under ``RefusingExactOps``, which raises at such an op, naming it.
           The mode costs a Python call per op, in compressing spans only.
   Rule 3. A packed tensor is restored afresh at every unpack (a retained graph's second
-          backward unpacks again); with ``offload`` its payload's host copy stays for that.
+          backward unpacks again); with ``offload`` its host copy stays for that.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ _packing = threading.local()  # set while a tensor is packed, in the thread that
 
 
 class KeptCompressed:
-    """A tensor a span keeps compressed: the packed tensor, and its payload's host copy with
-    ``offload``."""
+    """A tensor a span keeps compressed: the packed tensor, and with ``offload`` the host copy
+    of its payload and scale (one buffer, Rule 6 of NOTE [Compressed saves])."""
 
     __slots__ = ("host", "packed")
 
@@ -54,7 +54,7 @@ class KeptCompressed:
 def compress_kept(
     tensor: torch.Tensor, how: Compress, stats: OffloadStats | bool, owner: object
 ) -> KeptCompressed | None:
-    """``tensor`` packed as ``how`` says (its payload offloaded in ``owner``'s group with
+    """``tensor`` packed as ``how`` says (payload and scale offloaded in ``owner``'s group with
     ``how.offload``), or None where it is kept as it is (Rule 1; Rule 3 of NOTE [Compressed
     saves]: already in the target dtype)."""
     if (

@@ -211,20 +211,60 @@ def test_tag_names_a_compressed_tensor() -> None:
 # --- Offload and the report --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("to", "fraction"), [("bf16", 2), ("fp8", 4), ("int8", 4)])
-def test_offload_moves_the_compressed_bytes(to: str, fraction: int) -> None:
-    """Rule 6: compress, then offload: the host receives half (bf16) or a quarter (fp8, int8)
-    of the float32 bytes that offload_ops moves, and gradients match compressing alone."""
+# The two mm outputs of ``_grads`` (12 x 32 and 12 x 8, 1,920 float32 bytes): the packed bytes
+# each format moves, payload plus float32 scales (one per tensor, or one per row: 24 rows).
+_ON_HOST = {
+    ("bf16", None): 960,
+    ("fp16", None): 960 + 2 * 4,
+    ("fp8", None): 480 + 2 * 4,
+    ("fp8", "row"): 480 + 24 * 4,
+    ("int8", None): 480 + 24 * 4,
+}
+
+
+@pytest.mark.parametrize(("to", "scale"), list(_ON_HOST))
+def test_offload_moves_the_packed_bytes_scales_included(to: str, scale: str | None) -> None:
+    """Rule 6: compress, then offload: the host receives the payload (half or a quarter of the
+    float32 bytes offload_ops moves) and the scales; OffloadStats and the report count the same
+    bytes, and gradients match compressing on the device bit for bit."""
     plain, compressed = checkpointing.OffloadStats(), checkpointing.OffloadStats()
     _grads(as_context_fn(offload_ops(*MATMUL_OPS), offload_stats=plain))
-    on_host = _grads(
-        as_context_fn(compress_ops(*MATMUL_OPS, to=to, offload=True), offload_stats=compressed)
-    )
-    on_device = _grads(as_context_fn(compress_ops(*MATMUL_OPS, to=to)))
-    assert compressed.offloaded_bytes * fraction == plain.offloaded_bytes
+    policy = compress_ops(*MATMUL_OPS, to=to, scale=scale, offload=True)
+    with checkpointing.saved_tensors_report() as report:
+        on_host = _grads(as_context_fn(policy, offload_stats=compressed))
+    on_device = _grads(as_context_fn(compress_ops(*MATMUL_OPS, to=to, scale=scale)))
+    assert plain.offloaded_bytes == 1920
+    assert compressed.offloaded_bytes == _ON_HOST[(to, scale)]
+    assert report.bytes_by_decision()["offloaded"] == compressed.offloaded_bytes
     assert compressed.restored_bytes == compressed.offloaded_bytes
     for a, b in zip(on_host, on_device, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("to", "scale"), list(_ON_HOST))
+@pytest.mark.parametrize("shape", [(), (5,), (3, 7), (2, 3, 4)])
+def test_a_joined_buffer_restores_what_the_device_copy_restores(
+    to: str, scale: str | None, shape: tuple[int, ...]
+) -> None:
+    """Rule 6: the one buffer offload moves (scale, then payload) holds exactly the packed
+    bytes and restores bit for bit what the packed tensor kept on the device restores,
+    whatever the shape (a scalar, transposed strides) and at fp16's range limit."""
+    torch.manual_seed(0)
+    tensor = torch.randn(shape) * 1e5
+    if tensor.dim() > 1:
+        tensor = tensor.transpose(0, -1)
+    on_device = pack(tensor, Compress(to, scale=scale))  # type: ignore[arg-type]
+    joined = pack(tensor, Compress(to, scale=scale, offload=True))  # type: ignore[arg-type]
+    assert on_device is not None
+    assert joined is not None
+    assert joined.payload is not None
+    assert joined.nbytes == on_device.nbytes == joined.payload.nbytes
+    assert joined.payload.dtype == (torch.bfloat16 if to == "bf16" else torch.uint8)
+    buffer = joined.payload.clone()
+    joined.payload = None
+    restored = unpack(joined, buffer)
+    assert torch.equal(restored, unpack(on_device))
+    assert restored.stride() == unpack(on_device).stride()
 
 
 def test_report_has_a_compressed_column() -> None:
@@ -430,17 +470,23 @@ def test_span_compressed_to_its_own_dtype_is_bitwise() -> None:
         assert torch.equal(a, b)
 
 
-def test_span_offloads_the_compressed_bytes() -> None:
-    """``Compress(..., offload=True)`` on a span: the host receives the compressed bytes."""
+@pytest.mark.parametrize("to", ["bf16", "fp8"])
+def test_span_offloads_the_compressed_bytes(to: str) -> None:
+    """``Compress(..., offload=True)`` on a span: the host receives the compressed bytes (half
+    for bf16; a quarter and the scales for fp8), as many as the report calls offloaded."""
     plain, compressed = checkpointing.OffloadStats(), checkpointing.OffloadStats()
     offloading = checkpointing.keeping(
         policy=CheckpointPolicy.MUST_CPU_OFFLOAD, offload_stats=plain
     )
     _span_grads(offloading)
-    _span_grads(
-        checkpointing.keeping(compress=Compress("bf16", offload=True), offload_stats=compressed)
-    )
-    assert compressed.offloaded_bytes * 2 == plain.offloaded_bytes > 0
+    how = Compress(to, offload=True)  # type: ignore[arg-type]
+    _, report = _span_grads(checkpointing.keeping(compress=how, offload_stats=compressed))
+    assert report.bytes_by_decision()["offloaded"] == compressed.offloaded_bytes > 0
+    if to == "bf16":
+        assert compressed.offloaded_bytes * 2 == plain.offloaded_bytes
+    else:  # fp8 per tensor: a quarter, and one 4-byte scale per kept tensor
+        kept = sum(r.decision == "offloaded" for r in report.records)
+        assert compressed.offloaded_bytes == plain.offloaded_bytes // 4 + 4 * kept
 
 
 def test_span_refuses_an_op_that_compares_its_result() -> None:

@@ -152,7 +152,8 @@ class _HostCopy(HostCopy):
 
 class _Shrunk:
     """A compressed output (NOTE [Compressed saves]): the packed tensor, and with ``offload``
-    the host copy of its payload (Rule 6), which a restore brings back before unpacking."""
+    the host copy of its payload and scale (one buffer, Rule 6), which a restore brings back
+    before unpacking."""
 
     __slots__ = ("host", "packed")
 
