@@ -8,23 +8,30 @@ Two measurements, each decision side by side with the exact one in the same proc
    kept compressed; ``OffloadStats`` gives the bytes an offloading policy moves to host memory,
    exact (``offload_ops``) and compressed (``compress_ops(..., offload=True)``).
 2. Accuracy: 300 Adam steps (learning rate 3e-3, gradients clipped to norm 1) of a smaller
-   GPT (2 layers, width 64) on a synthetic task (``--task copy``, the default, or ``reverse``
-   a sequence of 16 digits, a fifth of the target digits noisy), the same seed, data and
-   initial weights for every decision; the final loss (on 32 held-out batches, and the mean
-   training loss of the last 20 steps) against the exact run's, and the loss curves drawn to
-   ``docs/compression_loss.png`` (``--plot``).
+   GPT (2 layers, width 64) on two synthetic tasks (``copy`` and ``reverse`` a sequence of 16
+   digits, a fifth of the target digits noisy), per seed the same initial weights and data for
+   every decision; seeds 0 .. ``--seeds`` - 1. The final loss of a run is the mean training loss
+   of its last 20 steps, and the loss on 32 held-out batches; a decision's gap is the mean over
+   the seeds of its final loss minus the exact run's (same seed), in percent of the exact runs'
+   mean, with the standard error of that mean. A single run's final loss is a noisy measure:
+   two runs whose numerics differ at all part ways as training goes on. The control row, the
+   exact run with its initial weights nudged by one part in a million, shows how far that
+   alone moves the final loss. ``--plot`` draws each decision's mean curve to
+   ``docs/compression_loss.png``.
 
-Run: ``PYTHONPATH=. python benchmarks/compression.py --plot`` (about 10 minutes on 2 busy CPU cores;
-nothing is timed, so no lock is needed).
+Run: ``PYTHONPATH=. python benchmarks/compression.py --plot`` (about 1 minute per training run
+on a busy CPU core, 70 runs; ``--save runs.json`` keeps every finished run, ``--load`` resumes
+from them; nothing is timed, so no lock is needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +46,10 @@ from checkpointing.policies import (
     save_matmuls,
 )
 
+EXACT, NUDGED = "exact (save_matmuls)", "exact, weights nudged"
 DECISIONS: dict[str, Any] = {
-    "exact (save_matmuls)": None,
+    EXACT: None,
+    NUDGED: None,  # the control: the exact run, its initial weights times (1 + 1e-6)
     "bf16": {"to": "bf16"},
     "fp16": {"to": "fp16"},
     "fp8, per tensor": {"to": "fp8"},
@@ -127,18 +136,18 @@ def measure_bytes(kwargs: dict[str, Any] | None) -> Bytes:
 
 STEPS, BATCH, DIGITS, VOCAB = 300, 32, 16, 12  # tokens 0-9, 10 = separator
 NOISE = 0.2
-TASK = "copy"
+TASKS = ("copy", "reverse")
 
 
-def digits_task(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def digits_task(task: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``digits SEP digits`` (copy) or ``digits SEP reversed(digits)`` (reverse); the loss is
-    on the second half, where a fifth of the
-    target digits are replaced by random ones (``NOISE``): the loss has a floor (the targets'
-    entropy), so a run that has learned the task sits on it instead of sliding towards zero,
-    where any two runs differ by large ratios of tiny numbers."""
+    on the second half, where a fifth of the target digits are replaced by random ones
+    (``NOISE``): the loss has a floor (the targets' entropy), so a run that has learned the task
+    sits on it instead of sliding towards zero, where any two runs differ by large ratios of
+    tiny numbers."""
     digits = torch.randint(0, 10, (BATCH, DIGITS), generator=generator)
     separator = torch.full((BATCH, 1), 10)
-    answer = digits.flip(1) if TASK == "reverse" else digits
+    answer = digits.flip(1) if task == "reverse" else digits
     sequence = torch.cat([digits, separator, answer], dim=1)
     targets = sequence[:, 1:].clone()
     noisy = torch.rand(targets[:, DIGITS:].shape, generator=generator) < NOISE
@@ -147,15 +156,24 @@ def digits_task(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]
     return sequence[:, :-1], targets
 
 
-def train(kwargs: dict[str, Any] | None) -> tuple[list[float], float]:
-    torch.manual_seed(0)
+def train(
+    task: str, kwargs: dict[str, Any] | None, seed: int, nudged: bool = False
+) -> tuple[list[float], float]:
+    """300 steps from the initial weights of ``seed`` on the batches of ``seed`` (the same for
+    every decision; ``nudged``: each weight times 1 + 1e-6, a few float32 roundings); the
+    training losses, and the held-out loss after them."""
+    torch.manual_seed(seed)
     model = GPT(vocab=VOCAB, width=64, layers=2, heads=4, length=2 * DIGITS + 1)
+    if nudged:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1 + 1e-6)
     model.context_fn = as_context_fn(policy_for(kwargs))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1 + seed)
     losses = []
     for _ in range(STEPS):
-        inputs, targets = digits_task(generator)
+        inputs, targets = digits_task(task, generator)
         logits = model(inputs)[:, DIGITS:]
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[:, DIGITS:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
@@ -163,78 +181,128 @@ def train(kwargs: dict[str, Any] | None) -> tuple[list[float], float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
-    return losses, held_out_loss(model)
+    return losses, held_out_loss(task, model)
 
 
-def held_out_loss(model: GPT) -> float:
-    """The loss on 32 batches the training never saw (the same for every decision), without
-    gradients (checkpointing then runs the blocks plainly): the final loss, free of one batch's
-    sampling noise."""
-    generator = torch.Generator().manual_seed(2)
+def held_out_loss(task: str, model: GPT) -> float:
+    """The loss on 32 batches the training never saw (the same for every decision and seed),
+    without gradients (checkpointing then runs the blocks plainly)."""
+    generator = torch.Generator().manual_seed(12345)
     total = 0.0
     with torch.no_grad():
         for _ in range(32):
-            inputs, targets = digits_task(generator)
+            inputs, targets = digits_task(task, generator)
             logits = model(inputs)[:, DIGITS:]
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[:, DIGITS:].reshape(-1))
             total += loss.item() / 32
     return total
 
 
-def final(losses: list[float]) -> float:
+def last_steps(losses: list[float]) -> float:
+    """The mean training loss of the last 20 steps."""
     return sum(losses[-20:]) / 20
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+# A run: (training losses, held-out loss); runs[task][decision] lists one run per seed.
+Runs: TypeAlias = dict[str, dict[str, list[tuple[list[float], float]]]]
+
+
+def summarise(task: str, runs: dict[str, list[tuple[list[float], float]]]) -> None:
+    """Per decision, over the seeds: the mean final loss (last 20 steps, held-out) and its gap
+    to the exact run's mean in percent, with the standard error of that gap from the per-seed
+    paired differences; the exact row gives the seed-to-seed spread (standard deviation)."""
+    seeds = min(len(decision) for decision in runs.values())
+    runs = {name: decision[:seeds] for name, decision in runs.items()}
+    exact = runs[EXACT]
+    print(f"\n{task} task, {STEPS} steps, {seeds} seeds: mean final loss over the seeds")
+    print(
+        f"{'decision':<22} {'last 20 steps':>14} {'vs exact (se)':>16} "
+        f"{'held-out':>9} {'vs exact (se)':>16}"
+    )
+    for name, decision in runs.items():
+        cells = []
+        for measure in (lambda run: last_steps(run[0]), lambda run: run[1]):
+            mine = [measure(run) for run in decision]
+            base = [measure(run) for run in exact]
+            mean, sd = mean_sd(mine)
+            if decision is exact:
+                cells.append(f"{mean:>14.4f} {f'sd {sd / mean:.2%}':>16}")
+                continue
+            scale = mean_sd(base)[0]
+            gaps = [(a - b) / scale for a, b in zip(mine, base, strict=True)]
+            gap, gap_sd = mean_sd(gaps)
+            cells.append(f"{mean:>14.4f} {f'{gap:+.2%} ({gap_sd / math.sqrt(seeds):.2%})':>16}")
+        print(f"{name:<22} {cells[0]} {cells[1]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", action="store_true", help="draw docs/compression_loss.png")
     parser.add_argument("--only", nargs="*", help="train only these decisions (and the exact)")
-    parser.add_argument("--task", choices=("reverse", "copy"), default="copy")
+    parser.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. SEEDS-1 per decision")
+    parser.add_argument("--no-bytes", action="store_true", help="skip the bytes table")
+    parser.add_argument("--save", help="write every run's losses to this JSON file")
+    parser.add_argument("--load", help="start from the runs in this JSON file (--save's)")
     args = parser.parse_args()
-    global TASK
-    TASK = args.task
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print("\n1. Bytes kept, one step (2 layers, width 128, sequence 64, batch 16)")
-    print(f"{'decision':<22} {'activations':>12} {'compressed':>11} {'to host':>10}")
-    for name, kwargs in DECISIONS.items():
-        if args.only is None:
+    if not args.no_bytes:
+        print("\n1. Bytes kept, one step (2 layers, width 128, sequence 64, batch 16)")
+        print(f"{'decision':<22} {'activations':>12} {'compressed':>11} {'to host':>10}")
+        for name, kwargs in DECISIONS.items():
             b = measure_bytes(kwargs)
             print(f"{name:<22} {b.activations:>12,} {b.compressed:>11,} {b.to_host:>10,}")
-    print(
-        f"\n2. {TASK} task, {STEPS} steps: held-out loss after training (32 unseen batches), "
-        "and the mean training loss of the last 20 steps"
-    )
-    curves: dict[str, list[float]] = {}
-    finals: dict[str, float] = {}
-    for name, kwargs in DECISIONS.items():
-        if args.only is not None and kwargs is not None and name not in args.only:
-            continue
-        curves[name], finals[name] = train(kwargs)
-        exact = next(iter(DECISIONS))
-        print(
-            f"{name:<22} held-out {finals[name]:.4f} ({finals[name] / finals[exact] - 1:+.2%})  "
-            f"last 20 steps {final(curves[name]):.4f} "
-            f"({final(curves[name]) / final(curves[exact]) - 1:+.2%})"
-        )
+    runs: Runs = {task: {} for task in args.tasks}
+    if args.load is not None:
+        with open(args.load) as file:
+            runs = json.load(file)
+    for seed in range(args.seeds):  # seed by seed: a run cut short has whole seeds
+        for task in args.tasks:
+            for name, kwargs in DECISIONS.items():
+                if args.only is not None and name != EXACT and name not in args.only:
+                    continue
+                done = runs.setdefault(task, {}).setdefault(name, [])
+                if len(done) > seed:
+                    continue
+                done.append(train(task, kwargs, seed, nudged=name == NUDGED))
+                print(f"  seed {seed} {task} {name}: {last_steps(done[-1][0]):.4f}", flush=True)
+                if args.save:
+                    with open(args.save, "w") as file:
+                        json.dump(runs, file)
+    print("\n2. Accuracy (the gap's standard error, from the per-seed paired differences)")
+    for task, decisions in runs.items():
+        summarise(task, decisions)
     if args.plot:
-        draw(curves)
+        draw(runs)
 
 
-def draw(curves: dict[str, list[float]]) -> None:
+def draw(runs: Runs) -> None:
+    """One panel per task: each decision's training loss averaged over the seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for name, losses in curves.items():
-        axes.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
-    axes.set_yscale("log")
-    axes.set_xlabel("step")
-    axes.set_ylabel("training loss (log scale)")
-    axes.set_title(f"{TASK} task, small GPT: matmul outputs kept exactly or compressed")
-    axes.legend()
+    figure, panels = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    for axes, (task, decisions) in zip(panels[0], runs.items(), strict=False):
+        for name, decision in decisions.items():
+            steps = zip(*(run[0] for run in decision), strict=True)
+            mean = [sum(step) / len(step) for step in steps]
+            axes.plot(range(1, len(mean) + 1), mean, label=name, linewidth=1)
+        seeds = len(next(iter(decisions.values())))
+        axes.set_yscale("log")
+        axes.set_xlabel("step")
+        axes.set_ylabel(f"training loss, mean of {seeds} seeds (log)")
+        axes.set_title(f"{task} task, small GPT: matmul outputs exact or compressed")
+        axes.legend()
     figure.tight_layout()
     figure.savefig("docs/compression_loss.png", dpi=120)
     print("drew docs/compression_loss.png")
