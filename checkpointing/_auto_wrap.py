@@ -26,11 +26,19 @@ NOTE [Applied wrappers]
           Rule 6). For our wrapper the call's options are checked once, up front, and errors
           name this function; ``recompute_state_hooks`` are read once, so a generator serves
           every wrapper (NOTE [Module wrapper], Rule 8).
+  Rule 4. With ``spec=`` the spec picks the modules (NOTE [Spec selection]: its keys, its
+          overlap rule, its errors, all before any module is wrapped) and a module's value its
+          options: ``"full"`` the call's options as they are, a policy (or ``"offload"``, every
+          op's output kept in host memory) ``context_fn=`` that policy, ``"none"`` no wrapper.
+          Wrapped deepest first, so a selected module inside a selected one is wrapped before
+          its parent (nested checkpoints, as with ``check_fn``). ``check_fn``,
+          ``auto_wrap_policy`` or a ``context_fn`` of the call's beside a spec are refused: two
+          answers to one question.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from torch import nn
@@ -38,6 +46,8 @@ from torch import nn
 from . import _compat
 from ._checkpoint import hooks_read_once
 from ._module import is_module_checkpointed
+from ._spec import select
+from ._spec_grammar import OFFLOAD_EVERYTHING
 from ._wrappers import CheckpointImpl, CheckpointWrapper, checked_options, checkpoint_wrapper
 
 __all__ = ["apply_activation_checkpointing"]
@@ -54,14 +64,31 @@ _MSG_BAD_POLICY = (
     "auto_wrap_policy=ModuleWrapPolicy({{Block}}), or check_fn=lambda m: isinstance(m, Block)."
 )
 
+_MSG_SPEC_AND = (
+    "checkpointing.apply_activation_checkpointing: spec= picks the modules and their policies, "
+    "so {other} cannot be given beside it. Fix: drop {other}, or write it into the spec "
+    "(e.g. {{'model.layers.*': 'save_matmuls'}})."
+)
+
 Wrap = Callable[..., nn.Module]
+
+
+def _every_module(_: nn.Module) -> bool:
+    return True
+
+
+# torch's default ``check_fn`` is an anonymous ``lambda _: True``; ours is named so that a
+# spec can tell it from one the caller gave, and given torch's name for the signature's sake.
+_every_module.__name__ = _every_module.__qualname__ = "<lambda>"
 
 
 def apply_activation_checkpointing(
     model: nn.Module,
     checkpoint_wrapper_fn: Wrap = checkpoint_wrapper,
-    check_fn: Callable[[nn.Module], bool] = lambda _: True,
+    check_fn: Callable[[nn.Module], bool] = _every_module,
     auto_wrap_policy: object = None,
+    *,
+    spec: Mapping[str, Any] | None = None,
     **checkpoint_options: Any,
 ) -> None:
     """Replace, in place, the submodules of ``model`` that ``check_fn`` (or ``auto_wrap_policy``)
@@ -82,6 +109,9 @@ def apply_activation_checkpointing(
         check_fn: picks a submodule when it returns True (ignored given ``auto_wrap_policy``).
         auto_wrap_policy: a torch FSDP wrap policy (``ModuleWrapPolicy({Block})``,
             ``CustomPolicy``) or a callable ``(module, recurse, nonwrapped_numel) -> bool``.
+        spec: instead of ``check_fn``, a spec as ``checkpointing.apply_spec`` reads it: which
+            modules get a wrapper and, per module, the policy its wrapper runs
+            (``checkpointing.apply_spec(model, spec, dry_run=True)`` prints the selection).
         **checkpoint_options: passed to every ``checkpoint_wrapper_fn`` call.
 
     Example:
@@ -99,7 +129,9 @@ def apply_activation_checkpointing(
     def wrap(module: nn.Module, **extra: Any) -> nn.Module:
         return checkpoint_wrapper_fn(module, **_merged(options, extra))
 
-    if auto_wrap_policy is None:
+    if spec is not None:
+        _wrap_by_spec(model, spec, wrap, check_fn, auto_wrap_policy, checkpoint_options)
+    elif auto_wrap_policy is None:
         _wrap_by_policy(model, _check_fn_policy(check_fn), wrap, is_root=True)
     elif callable(auto_wrap_policy):
         _wrap_by_policy(model, auto_wrap_policy, wrap, is_root=True)
@@ -110,6 +142,31 @@ def apply_activation_checkpointing(
             raise ValueError(_MSG_BAD_POLICY.format(got=got))
         targets.pop(model, None)  # the root is never wrapped
         _wrap_targets(model, targets, wrap)
+
+
+def _wrap_by_spec(
+    model: nn.Module,
+    spec: Mapping[str, Any],
+    wrap: Wrap,
+    check_fn: object,
+    auto_wrap_policy: object,
+    options: dict[str, Any],
+) -> None:
+    """Rule 4: the modules ``spec`` selects wrapped, deepest first, each with its policy."""
+    for other, given in (
+        ("check_fn", check_fn is not _every_module),
+        ("auto_wrap_policy", auto_wrap_policy is not None),
+        ("context_fn", "context_fn" in options),
+    ):
+        if given:
+            raise ValueError(_MSG_SPEC_AND.format(other=other))
+    chosen = [item for item in select(model, spec, _API) if item.action.kind != "none"]
+    for item in reversed(chosen):  # children before their parents
+        parent_name, _, attribute = item.name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        policy = OFFLOAD_EVERYTHING if item.action.kind == "offload" else item.action.policy
+        extra = {} if policy is None else {"context_fn": policy}
+        setattr(parent, attribute, wrap(item.module, **extra))
 
 
 def _checked(wrapper_fn: Wrap, options: dict[str, Any]) -> dict[str, Any]:

@@ -274,3 +274,48 @@ def test_load_spec_formats(tmp_path: pathlib.Path) -> None:
     yaml = pytest.importorskip("yaml")
     del yaml
     assert load_spec("layers:\n  '{0:2}': full\n", format="yaml") == {"layers": {"{0:2}": "full"}}
+
+
+def test_apply_activation_checkpointing_takes_a_spec() -> None:
+    """NOTE [Applied wrappers], Rule 4: the spec's modules get wrappers, each with its policy,
+    nested ones deepest first; gradients bitwise the plain run's; keys unchanged."""
+    model = _stack(4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).square().sum()
+
+    plain = _grads(copy.deepcopy(model), step)
+    keys = sorted(model.state_dict())
+    spec = {"{0}": "full", "{0}.0": "save_matmuls", "{2:}": "offload", "3": None}
+    checkpointing.apply_activation_checkpointing(model, spec=spec)
+    wrapped = {n: m.checkpoint_options.get("context_fn") for n, m in _wrappers(model)}
+    assert sorted(wrapped) == ["0", "0._checkpoint_wrapped_module.0", "2"]
+    assert "save_matmuls" in repr(wrapped["0._checkpoint_wrapped_module.0"])
+    assert "offload" in repr(wrapped["2"])
+    assert sorted(model.state_dict()) == keys
+    _assert_bitwise(_grads(model, step), plain)
+
+
+def _wrappers(model: nn.Module) -> list[tuple[str, Any]]:
+    return [
+        (n, m) for n, m in model.named_modules() if isinstance(m, checkpointing.CheckpointWrapper)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "other"),
+    [
+        ({"check_fn": lambda m: True}, "check_fn"),
+        ({"auto_wrap_policy": lambda module, recurse, nonwrapped_numel: True}, "auto_wrap_policy"),
+        ({"context_fn": "save_matmuls"}, "context_fn"),
+    ],
+)
+def test_apply_activation_checkpointing_spec_refuses_a_second_answer(
+    given: dict[str, Any], other: str
+) -> None:
+    """Rule 4: ``check_fn``, ``auto_wrap_policy`` or ``context_fn`` beside a spec is refused."""
+    model = _stack(2)
+    with pytest.raises(ValueError, match=f"so {other} cannot be given beside it"):
+        checkpointing.apply_activation_checkpointing(model, spec={"*": "full"}, **given)
+    assert not _wrappers(model)
