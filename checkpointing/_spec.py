@@ -52,7 +52,16 @@ from ._spec_grammar import (
 )
 from ._state import noop_context_fn
 
-__all__ = ["AppliedSpec", "Selected", "apply_spec", "select"]
+__all__ = [
+    "AppliedSpec",
+    "Selected",
+    "apply_spec",
+    "carries_spec",
+    "install",
+    "remove_found",
+    "select",
+    "spec_drops_caches",
+]
 
 _MSG_NOTHING = (
     "checkpointing.{api}: the spec key {key!r} selects no module of {model}.{found} Nearest "
@@ -169,26 +178,53 @@ def apply_spec(model: nn.Module, spec: Mapping[str, Any], *, dry_run: bool = Fal
           2  Linear  full  <- '{::2}'
           3  Linear  policy save_matmuls()  <- '{-1}'
     """
-    api = "apply_spec"
-    chosen = select(model, spec, api)
+    chosen = select(model, spec, "apply_spec")
     result = AppliedSpec(chosen, sum(1 for _ in model.modules()) - 1, dry_run)
-    if dry_run:
-        return result
+    if not dry_run:
+        install(result)
+    return result
+
+
+def install(result: AppliedSpec) -> None:
+    """Rule 4: each selected module that gets something becomes a region; all or nothing."""
     try:
-        for item in chosen:
+        for item in result.selected:
             if item.action.kind == "none":
                 continue
             policy = OFFLOAD_EVERYTHING if item.action.kind == "offload" else item.action.policy
-            checkpoint_module(item.module, context_fn=noop_context_fn if policy is None else policy)
+            context_fn = noop_context_fn if policy is None else policy
+            checkpoint_module(item.module, context_fn=context_fn)
             result._installed.append(item.module)
             handle = item.module.register_forward_pre_hook(
-                drop_caches, with_kwargs=True, prepend=True
+                spec_drops_caches, with_kwargs=True, prepend=True
             )
             result._handles.append(handle)
     except BaseException:
-        result.remove()  # all or nothing
+        result.remove()
         raise
-    return result
+
+
+def spec_drops_caches(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Rule 4: ``drop_caches`` under the spec's own name, by which ``carries_spec`` finds the
+    regions a spec installed (on the model or on a copy of it)."""
+    return drop_caches(module, args, kwargs)
+
+
+def carries_spec(model: nn.Module) -> bool:
+    """Whether a spec's regions are installed on ``model`` (or on the model it was copied
+    from): a module carries ``spec_drops_caches``."""
+    return any(spec_drops_caches in _compat.forward_pre_hooks(m) for m in model.modules())
+
+
+def remove_found(model: nn.Module) -> None:
+    """Take off every region a spec installed on ``model``, found from the model itself."""
+    for module in model.modules():
+        if spec_drops_caches in _compat.forward_pre_hooks(module):
+            _compat.remove_forward_hooks(module, spec_drops_caches, spec_drops_caches)
+            if is_module_checkpointed(module):
+                remove_checkpoint_module(module)
 
 
 def select(model: nn.Module, spec: Mapping[str, Any], api: str) -> list[Selected]:

@@ -49,7 +49,15 @@ from ._selective import CheckpointPolicy, Policy, uncalled_factory
 from ._selective.readable import _Constant
 from .policies import _NAMED, _named
 
-__all__ = ["Action", "Selector", "flatten", "load_spec", "parse_action", "parse_selector"]
+__all__ = [
+    "Action",
+    "Selector",
+    "check_spec",
+    "flatten",
+    "load_spec",
+    "parse_action",
+    "parse_selector",
+]
 
 _WORDS: Final = ("full", "offload", "none")
 _SUFFIXES: Final[dict[str, Literal["toml", "yaml"]]] = {
@@ -269,3 +277,11 @@ def _yaml(text: str) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(_MSG_YAML_TOP.format(got=f"a {type(loaded).__name__}"))
     return loaded
+
+
+def check_spec(spec: object, api: str) -> None:
+    """Every key and value of ``spec`` parsed, without a model: the grammar's errors now (for
+    callers that meet the model later, such as a ``Trainer`` callback)."""
+    for key, value in flatten(spec, api).items():
+        parse_selector(key, api)
+        parse_action(key, value, api)

@@ -319,3 +319,101 @@ def test_apply_activation_checkpointing_spec_refuses_a_second_answer(
     with pytest.raises(ValueError, match=f"so {other} cannot be given beside it"):
         checkpointing.apply_activation_checkpointing(model, spec={"*": "full"}, **given)
     assert not _wrappers(model)
+
+
+# --- integrations.transformers: enable(spec=...) and CheckpointingCallback(spec=...) ----------
+
+
+def test_enable_takes_a_spec() -> None:
+    """Rule 14 of NOTE [transformers integration]: ``enable(model, spec=...)`` installs the
+    spec's regions (gradients bitwise the plain run's), transformers' flags tell the truth,
+    other checkpointing is refused until ``disable``, which takes everything off (on a deep
+    copy too)."""
+    from checkpointing.integrations import transformers as hf
+
+    model, step = _hf("llama")
+    plain = _grads(copy.deepcopy(model), step)
+    result = hf.enable(
+        model, spec={"model.layers.{0}.mlp": "save_matmuls", "model.layers.1": "full"}
+    )
+    assert result.actions() == {
+        "model.layers.0.mlp": "policy save_matmuls()",
+        "model.layers.1": "full",
+    }
+    assert model.is_activation_checkpointing
+    _assert_bitwise(_grads(model, step), plain)
+    with pytest.raises(ValueError, match=r"enable\(model, spec=\.\.\.\)"):
+        hf.enable(model, policy="save_matmuls")
+    with pytest.raises(ValueError, match=r"budget plan"):
+        model.activation_checkpointing_enable()
+    copied = copy.deepcopy(model)
+    for each in (model, copied):
+        hf.disable(each)
+        assert not each.is_activation_checkpointing
+        assert not any(checkpointing._module.is_module_checkpointed(m) for m in each.modules())
+    _assert_bitwise(_grads(model, step), plain)
+
+
+def test_enable_spec_keeps_the_routing_of_experts() -> None:
+    """Rule 14 (as Rule 13): on a model with experts, ``full`` runs ``save_routing()`` and a
+    policy ``either(policy, save_routing())``."""
+    from checkpointing.integrations import transformers as hf
+
+    model, _ = _hf("mixtral")
+    result = hf.enable(model, spec={"model.layers.0": "full", "model.layers.1": "save_matmuls"})
+    assert result.actions() == {
+        "model.layers.0": "policy save_routing()",
+        "model.layers.1": "policy either(save_matmuls(), save_routing())",
+    }
+    hf.disable(model)
+
+
+@pytest.mark.parametrize(
+    "others",
+    [{"policy": "save_matmuls"}, {"budget": 0.5}, {"every_n_layers": 2}, {"use_reentrant": False}],
+)
+def test_enable_spec_refuses_other_options(others: dict[str, Any]) -> None:
+    """Rule 14: the spec says everything; another option beside it is an error naming it."""
+    from checkpointing.integrations import transformers as hf
+
+    model, _ = _hf("llama")
+    name = next(iter(others))
+    with pytest.raises(ValueError, match=f"so {name}= cannot be given with it"):
+        hf.enable(model, spec={"model.layers.*": "full"}, **others)
+    with pytest.raises(ValueError, match=f"so {name}= cannot be given with it"):
+        hf.CheckpointingCallback(spec={"model.layers.*": "full"}, **others)
+    assert not model.is_activation_checkpointing
+
+
+def test_callback_checks_its_spec_when_made() -> None:
+    """NOTE [Trainer callback], Rule 5: a bad value fails when the callback is made."""
+    from checkpointing.integrations import transformers as hf
+
+    with pytest.raises(ValueError, match="unknown value 'save_matmul'"):
+        hf.CheckpointingCallback(spec={"model.layers.*": "save_matmul"})
+
+
+@pytest.mark.once
+def test_callback_installs_its_spec_at_train_begin(tmp_path: pathlib.Path) -> None:
+    """Rule 5: the ``Trainer`` trains the model with the spec's regions installed."""
+    import transformers
+
+    from checkpointing.integrations import transformers as hf
+
+    model, _ = _hf("llama")
+    ids = torch.randint(64, (8,))
+    args = transformers.TrainingArguments(
+        str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    callback = hf.CheckpointingCallback(spec={"model.layers.{-1}": "full"})
+    data = [{"input_ids": ids, "labels": ids}] * 2
+    transformers.Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
+    assert callback.applied is not None
+    assert callback.applied.actions() == {"model.layers.1": "full"}
+    assert checkpointing._module.is_module_checkpointed(model.model.layers[1])

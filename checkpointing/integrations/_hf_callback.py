@@ -26,6 +26,10 @@ NOTE [Trainer callback]
   Rule 4. A second ``train()`` keeps the plan the first one installed (planning again would be
           refused, Rule 8 of NOTE [transformers integration]); without a budget, ``enable``
           runs again and replaces ours with the same.
+  Rule 5. ``spec=`` is checked when the callback is made (its keys and values; the modules it
+          names are matched at train begin, on the model) and installed by
+          ``enable(model, spec=...)``; like a budget, it is an error beside the ``Trainer``'s
+          own checkpointing, and a second ``train()`` keeps what the first installed.
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ from transformers.trainer_callback import TrainerCallback, TrainerControl, Train
 from transformers.training_args import TrainingArguments
 
 from .._planning import ActivationPlan
+from .._spec import AppliedSpec
+from .._spec_grammar import check_spec
 from ..policies import Policy
 from ._hf_budget import has_plan
-from ._hf_enable import check_options, enable, unwrap
+from ._hf_enable import check_options, check_spec_alone, enable, unwrap
+from ._hf_spec import has_spec
 
 __all__ = ["CheckpointingCallback"]
 
@@ -53,6 +60,12 @@ _MSG_BUDGET_AND_TRAINER = (
     "before training began, and it would run inside the plan's regions, checkpointing the "
     "layers twice. Fix: TrainingArguments(gradient_checkpointing=False); the plan checkpoints "
     "the layers it chooses."
+)
+_MSG_SPEC_AND_TRAINER = (
+    _API + ": spec= cannot run with TrainingArguments(gradient_checkpointing=True) (or "
+    "activation_checkpointing=True): the Trainer switched on transformers' own checkpointing "
+    "before training began, and the spec's regions would be checkpointed twice. Fix: "
+    "TrainingArguments(gradient_checkpointing=False); the spec says what is checkpointed."
 )
 _MSG_NO_EXAMPLE = (
     _API + "(budget=...) profiles one training step: without example_kwargs= it collates the "
@@ -97,9 +110,13 @@ class CheckpointingCallback(TrainerCallback):
             switches its own checkpointing on first, and the layers would be checkpointed
             twice).
         example_inputs, example_kwargs, loss_fn: as ``enable``; only with ``budget``.
+        spec: instead of all the above, as ``enable``: a spec (``checkpointing.apply_spec``'s
+            mapping) installed at train begin; checked when the callback is made. Leave the
+            ``Trainer``'s ``gradient_checkpointing`` off with a spec (it is an error).
 
     Attributes:
         plan: the ``ActivationPlan`` installed at train begin with ``budget``, else ``None``.
+        applied: the ``AppliedSpec`` installed at train begin with ``spec``, else ``None``.
 
     Example:
         >>> import tempfile, torch, transformers
@@ -129,11 +146,19 @@ class CheckpointingCallback(TrainerCallback):
         example_inputs: Any = None,
         example_kwargs: Mapping[str, Any] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        spec: Mapping[str, Any] | None = None,
         **checkpoint_options: Any,
     ) -> None:
         profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
         profiling["loss_fn="] = loss_fn
+        if spec is not None:  # Rule 5
+            given = {"policy=": policy, "budget=": budget, **profiling}
+            given["every_n_layers="] = None if every_n_layers == 1 else every_n_layers
+            check_spec_alone(_API, given, checkpoint_options)
+            check_spec(spec, _API.removeprefix("checkpointing."))
         check_options(_API, policy, budget, every_n_layers, profiling, checkpoint_options)
+        self.spec = spec
+        self.applied: AppliedSpec | None = None
         self.policy = policy
         self.budget = budget
         self.every_n_layers = every_n_layers
@@ -155,6 +180,12 @@ class CheckpointingCallback(TrainerCallback):
         replaces the ``Trainer``'s (a warning names the ``gradient_checkpointing_kwargs`` not
         applied); with a budget the ``Trainer``'s flag is an error."""
         model: nn.Module = kwargs["model"]
+        if self.spec is not None:  # Rule 5
+            if args.activation_checkpointing:
+                raise ValueError(_MSG_SPEC_AND_TRAINER)
+            if self.applied is None or not has_spec(unwrap(model, _API)):
+                self.applied = enable(model, spec=self.spec)
+            return
         if self.budget is None:
             if args.activation_checkpointing and args.activation_checkpointing_kwargs:
                 message = _MSG_TRAINER_KWARGS.format(kwargs=args.activation_checkpointing_kwargs)

@@ -94,6 +94,17 @@ NOTE [transformers integration]
           way to recompute the routing), ``use_reentrant=True`` or ``debug=True`` (neither
           runs a policy), nor with ``budget=`` (the plan decides per op). A dense model's
           layers run plain checkpointing, as before.
+  Rule 14. ``spec=`` (``_hf_spec``) gives each module what a ``checkpointing.apply_spec``
+          spec says, through ``checkpoint_module`` hooks (names and ``state_dict`` keys
+          unchanged, so PEFT saves its adapters), instead of the model's hook: a spec picks any
+          module (an attention, an MLP), not only the blocks transformers checkpoints. It
+          excludes ``policy``, ``budget``, ``every_n_layers``, ``tile_mlp`` and checkpoint
+          options (the spec says all of it). As with a budget (Rule 6), transformers' flags go
+          on with ``_RunLayer`` when a region is installed, every region drops its empty cache
+          while autograd records (Rule 7), and a model with a spec takes no other
+          checkpointing until ``disable`` (Rule 8); with experts (Rule 13), ``full`` runs
+          ``save_routing()`` and a policy ``either(policy, save_routing())``. What a spec
+          installed is found from the model (Rule 11).
 """
 
 from __future__ import annotations
@@ -113,6 +124,7 @@ from transformers.modeling_utils import PreTrainedModel
 from .._checkpoint import CHECKPOINT_OPTIONS, check_use_reentrant, checkpoint
 from .._errors import internal_error
 from .._planning import ActivationPlan
+from .._spec import AppliedSpec
 from .._state import ContextFn
 from ..policies import (
     _NAMED,
@@ -123,9 +135,16 @@ from ..policies import (
     save_routing,
 )
 from ._hf_budget import check_no_plan, has_plan, install_plan, remove_plan
+from ._hf_spec import check_no_spec, has_spec, install_spec, remove_spec
 from ._hf_tiling import check_tile_mlp, tile_layers, untile_layers
 
-__all__ = ["check_options", "disable", "enable", "unwrap"]
+__all__ = [
+    "check_options",
+    "check_spec_alone",
+    "disable",
+    "enable",
+    "unwrap",
+]
 
 _API = "checkpointing.integrations.transformers.enable"
 _FIX_BLOCKS = (
@@ -199,12 +218,18 @@ _CALLED_BY = (
     "gradient_checkpointing_enable(), by the Trainer's gradient_checkpointing=True or by PEFT's "
     "prepare_model_for_kbit_training)"
 )
+_MSG_SPEC_WITH = (
+    "{api}: spec= says which module gets what, so {what} cannot be given with it. Fix: drop "
+    "{what}, or write it into the spec (a policy per pattern, e.g. "
+    "{{'model.layers.*': 'save_matmuls'}})."
+)
 _MSG_PLAN_AND_FLAGS = (
     "checkpointing.integrations.transformers: " + _CALLED_BY + " on a model with a budget plan "
-    "from enable(model, budget=...): transformers' checkpointing would run inside the plan's "
-    "regions, checkpointing the layers twice, and the plan would no longer describe the step. "
-    "The model was left as it was. Fix: leave transformers' checkpointing off (the plan "
-    "already checkpoints): TrainingArguments(gradient_checkpointing=False), "
+    "from enable(model, budget=...) (or the regions of enable(model, spec=...)): transformers' "
+    "checkpointing would run inside the plan's regions, checkpointing the layers twice, and "
+    "the plan would no longer describe the step. The model was left as it was. Fix: leave "
+    "transformers' checkpointing off (the plan or spec already checkpoints): "
+    "TrainingArguments(gradient_checkpointing=False), "
     "prepare_model_for_kbit_training(model, use_gradient_checkpointing=False); or call "
     "checkpointing.integrations.transformers.disable(model) first."
 )
@@ -268,7 +293,7 @@ class _Switches:
     ) -> None:
         """A later enable: ours stays, or is refused over a plan; with ours off, theirs."""
         model = self.model()
-        if has_plan(model):
+        if has_plan(model) or has_spec(model):
             raise ValueError(_MSG_PLAN_AND_FLAGS.format(cls=type(model).__name__))
         ours = _our_layer_checkpoint(model)
         if ours is None:  # switched off some other way: transformers' own, as if never ours
@@ -307,6 +332,10 @@ class _Switches:
 
 
 @overload
+def enable(model: nn.Module, *, spec: Mapping[str, Any]) -> AppliedSpec: ...
+
+
+@overload
 def enable(
     model: nn.Module,
     *,
@@ -340,8 +369,9 @@ def enable(
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     tile_mlp: int | None = None,
+    spec: Mapping[str, Any] | None = None,
     **checkpoint_options: Any,
-) -> ActivationPlan | None:
+) -> ActivationPlan | AppliedSpec | None:
     """Make ``model``'s layers checkpoint with ``checkpointing.checkpoint`` (and ``policy``), or
     fit a memory budget (``budget``).
 
@@ -380,10 +410,16 @@ def enable(
         tile_mlp: a number of chunks: each layer's MLP (or an MoE layer's experts) becomes a
             sequence-tiled region (``checkpointing.tiled_mlp``; NOTE [transformers tiling]),
             for long context. Not with ``budget``.
+        spec: instead of all the above, a spec as ``checkpointing.apply_spec`` reads it (which
+            module gets full recompute, a policy, offload or nothing, e.g.
+            ``{"model.layers.{0:8}.self_attn": "save_matmuls"}``), installed through
+            ``checkpoint_module`` hooks; on a model with experts the routing is kept.
 
     Returns:
         With ``budget``, the installed ``checkpointing.ActivationPlan`` (``print(plan)`` shows
-        per layer the decision, kept bytes and recompute time); otherwise ``None``.
+        per layer the decision, kept bytes and recompute time); with ``spec``, the
+        ``checkpointing.AppliedSpec`` (``print`` it to see which module got what); otherwise
+        ``None``.
 
     Raises:
         TypeError: ``model`` is not a ``PreTrainedModel`` (nor a PEFT model of one), or an
@@ -415,6 +451,18 @@ def enable(
     base = unwrap(model, "enable")
     profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
     profiling["loss_fn="] = loss_fn
+    if spec is not None:  # Rule 14
+        given = {"policy=": policy, "budget=": budget, "tile_mlp=": tile_mlp, **profiling}
+        given["every_n_layers="] = None if every_n_layers == 1 else every_n_layers
+        check_spec_alone(_API, given, checkpoint_options)
+        input_hooks = _require_input_grads(base)
+        try:
+            result = install_spec(base, spec, routing=_has_experts(base))
+        except BaseException:
+            _remove_input_hooks(base, input_hooks)
+            raise
+        _install_switches(base, input_hooks)
+        return result
     if budget is None and _has_experts(base) and _runs_a_policy(checkpoint_options):
         policy = _with_routing(policy)  # Rule 13
     layer_options = check_options(
@@ -424,6 +472,7 @@ def enable(
     if budget is None:
         layer_checkpoint = _LayerCheckpoint(layer_options, every_n_layers)
         check_no_plan(base, "checkpointing through its hook")
+        check_no_spec(base, "enable")
         _install(base, layer_checkpoint, every_n_layers)
         _install_switches(base, _require_input_grads(base))
         if tile_mlp is not None:
@@ -453,6 +502,7 @@ def disable(model: nn.Module) -> None:
     untile_layers(base)
     switches = _remove_switches(base)
     remove_plan(base)
+    remove_spec(base)
     base._set_gradient_checkpointing(enable=False)
     if switches is not None:
         _remove_input_hooks(base, switches.input_hooks)
@@ -509,6 +559,17 @@ def check_options(
     if options["use_reentrant"] and ("context_fn" in options or options.get("debug")):
         raise ValueError(_MSG_REENTRANT_CONTEXT.format(api=api))
     return options
+
+
+def check_spec_alone(
+    api: str, given: dict[str, object], checkpoint_options: dict[str, Any]
+) -> None:
+    """Rule 14: nothing beside ``spec=`` (``given``: the other arguments by name, None where
+    not given)."""
+    others = [name for name, value in given.items() if value is not None]
+    others += [f"{name}=" for name in checkpoint_options]
+    if others:
+        raise ValueError(_MSG_SPEC_WITH.format(api=api, what=", ".join(others)))
 
 
 def _has_experts(model: PreTrainedModel) -> bool:
