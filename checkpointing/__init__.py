@@ -44,6 +44,7 @@ from ._determinism import set_checkpoint_debug_enabled
 from ._errors import CheckpointError
 from ._frame import GraphExecGroup, set_checkpoint_early_stop
 from ._keep import keep, keeping
+from ._megatron import megatron_spec
 from ._module import checkpoint_module, remove_checkpoint_module
 from ._reentrant import CheckpointFunction
 from ._report import (
@@ -133,6 +134,7 @@ __all__ = [
     "keep",
     "keeping",
     "load_spec",
+    "megatron_spec",
     "noop_context_fn",
     "offload_wrapper",
     "plan_checkpointing",

@@ -51,6 +51,7 @@ OWN_NAMES = {
     "keep",
     "keeping",
     "load_spec",
+    "megatron_spec",
     "offload_wrapper",
     "plan_checkpointing",
     "remove_checkpoint_module",
