@@ -54,6 +54,7 @@ import torch
 
 from ._compat import OpOverload, OpOverloadPacket, TorchDispatchMode
 from ._compression import exact_value_ops
+from ._presets import MAXTEXT_PRESETS, maxtext_placements
 from ._selective import (
     Asked,
     CheckpointPolicy,
@@ -82,6 +83,7 @@ __all__ = [
     "compress_ops",
     "compress_these_names",
     "either",
+    "maxtext",
     "offload_ops",
     "offload_these_names",
     "recompute_ops",
@@ -363,6 +365,57 @@ def offload_these_names(*names: str) -> Policy:
     )
 
 
+@policy_factory
+def maxtext(remat_policy: str, /, **custom: str) -> Policy:
+    """The policy MaxText's ``remat_policy: <name>`` stands for, over MaxText's tensor names.
+
+    MaxText (a JAX trainer) names a decoder layer's tensors with ``checkpoint_name``
+    (``query_proj``, ``key_proj``, ``value_proj``, ``qkv_proj``, ``out_proj``, ``context``,
+    ``mlpwi_0``, ``mlpwi_1``, ``mlpwi``, ``mlpwo``; ``decoder_layer_input``) and picks by
+    ``remat_policy`` which of them are kept on the device or moved to host memory. This is the
+    same choice over the tensors named with ``tag(tensor, name)``, name for name: a preset that
+    saves becomes ``save_only_these_names(...)``, one that offloads
+    ``offload_these_names(...)``, ``"full"`` is ``save_nothing()`` (NOTE [MaxText presets] in
+    ``checkpointing/_presets.py``; docs/guide/presets.md puts each beside MaxText's definition).
+    ``checkpointing.integrations.transformers.enable`` tags a transformers model's layers with
+    these names; in your own model, tag the tensors yourself.
+
+    Args:
+        remat_policy: ``"minimal_with_context"``, ``"minimal"``,
+            ``"save_dot_with_context_except_mlp"``, ``"save_dot_except_mlpwi"``,
+            ``"save_dot_except_mlp"``, ``"save_qkv_proj"``, ``"qkv_proj_offloaded"``,
+            ``"minimal_offloaded"``, ``"save_out_proj"``, ``"full"`` or ``"custom"``. Each but
+            ``"custom"`` is also a policy name: ``context_fn="maxtext:minimal"``.
+        **custom: only with ``"custom"``: MaxText's per-tensor options, each ``"remat"``
+            (the default), ``"device"`` or ``"offload"``, e.g. ``query_proj="offload"``.
+            ``decoder_layer_input`` (the layer's input, which checkpointing keeps on the device)
+            may only be ``"device"``.
+
+    Example:
+        >>> import torch, checkpointing
+        >>> from checkpointing.policies import as_context_fn, maxtext, tag
+        >>> maxtext("save_qkv_proj")
+        save_only_these_names('query_proj', 'value_proj', 'key_proj', 'qkv_proj')
+        >>> maxtext("custom", query_proj="offload", out_proj="device")
+        either(save_only_these_names('out_proj'), offload_these_names('query_proj'))
+        >>> def attention_in(x, w):
+        ...     return tag(x @ w, "query_proj").softmax(-1)
+        >>> w = torch.randn(4, 4, requires_grad=True)
+        >>> y = checkpointing.checkpoint(attention_in, torch.randn(2, 4), w, use_reentrant=False,
+        ...                              context_fn="maxtext:save_qkv_proj")
+        >>> y.sum().backward()
+    """
+    saved, offloaded = maxtext_placements(remat_policy, custom)
+    parts = []
+    if saved:
+        parts.append(save_only_these_names(*saved))
+    if offloaded:
+        parts.append(offload_these_names(*offloaded))
+    if not parts:
+        return save_nothing()
+    return parts[0] if len(parts) == 1 else either(*parts)
+
+
 # --- Combinators -------------------------------------------------------------------------------
 
 
@@ -400,14 +453,16 @@ def both(*policies: Policy) -> Policy:
     return _combined(_policies_of("both", policies), min, "both")
 
 
-# The policies a name stands for: those that take no arguments. The one table of names, read
-# by ``as_context_fn("save_matmuls")``, by every ``context_fn="save_matmuls"`` and by
+# The policies a name stands for: those that take no arguments, and others' names for policies
+# (``"maxtext:<remat_policy>"``, NOTE [MaxText presets]). The one table of names, read by
+# ``as_context_fn("save_matmuls")``, by every ``context_fn="save_matmuls"`` and by
 # ``integrations.transformers.enable(policy="save_matmuls")``: a configuration file or a command
 # line can carry a name where it cannot carry an object.
 _NAMED: Final[dict[str, Callable[[], Policy]]] = {
     factory.__name__: factory
     for factory in (save_attention, save_everything, save_matmuls, save_nothing, save_routing)
 }
+_NAMED.update({f"maxtext:{name}": functools.partial(maxtext, name) for name in MAXTEXT_PRESETS})
 
 
 def _named(api: str, name: str, parameter: str = "policy") -> Policy:
@@ -433,10 +488,11 @@ def as_context_fn(
     Shorthand for ``functools.partial(create_selective_checkpoint_contexts, policy, ...)``,
     validated now rather than at the first forward. ``policy`` may also be the name of a policy
     that takes no arguments (``"save_matmuls"``, ``"save_attention"``, ``"save_routing"``,
-    ``"save_everything"``, ``"save_nothing"``: the names ``integrations.transformers.enable``
-    takes too); an unknown name is an error listing them. Default: mutation of a saved output is an
-    error (as in torch), and offloaded bytes go to a fresh ``OffloadStats`` per region unless
-    you pass one to add them up.
+    ``"save_everything"``, ``"save_nothing"``, and MaxText's remat policies as
+    ``"maxtext:minimal"`` and the like (``maxtext``): the names
+    ``integrations.transformers.enable`` takes too); an unknown name is an error listing them.
+    Default: mutation of a saved output is an error (as in torch), and offloaded bytes go to a
+    fresh ``OffloadStats`` per region unless you pass one to add them up.
 
     Example:
         >>> import torch, checkpointing
@@ -480,7 +536,8 @@ _GOT_FACTORY = (
 )
 _MSG_POLICY_NAME = (
     "{api}: unknown policy name {got!r}; expected one of {names} (the policies of "
-    "checkpointing.policies that take no arguments) or a policy object. Fix: pass e.g. "
+    "checkpointing.policies that take no arguments, and MaxText's remat_policy values as "
+    "'maxtext:<name>') or a policy object. Fix: pass e.g. "
     "{parameter}='save_attention', or a policy with arguments as an object, e.g. "
     "{parameter}=checkpointing.policies.save_ops(torch.ops.aten.mm)."
 )

@@ -19,6 +19,12 @@ def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     return list(module._forward_pre_hooks.values())
 
 
+def forward_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks registered on ``module`` (2.11-2.15: ``nn.Module._forward_hooks``; there
+    is no public accessor)."""
+    return list(module._forward_hooks.values())
+
+
 def remove_forward_hooks(
     module: torch.nn.Module, pre_hook: Callable[..., Any], hook: Callable[..., Any]
 ) -> None:

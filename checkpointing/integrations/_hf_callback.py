@@ -49,6 +49,7 @@ from .._spec_grammar import check_spec
 from ..policies import Policy
 from ._hf_budget import has_plan
 from ._hf_enable import check_options, check_spec_alone, enable, unwrap
+from ._hf_kwargs import from_hf_kwargs
 from ._hf_spec import has_spec
 
 __all__ = ["CheckpointingCallback"]
@@ -79,7 +80,7 @@ _MSG_TRAINER_KWARGS = (
     "(TrainingArguments(gradient_checkpointing=True)) with checkpointing's; its "
     "activation_checkpointing_kwargs (gradient_checkpointing_kwargs) {kwargs!r} were not "
     "applied. Fix: pass them to "
-    "CheckpointingCallback(...) (every_n_layers=..., use_reentrant=...) and leave "
+    "CheckpointingCallback(gradient_checkpointing_kwargs=...) and leave "
     "gradient_checkpointing off."
 )
 
@@ -97,9 +98,10 @@ class CheckpointingCallback(TrainerCallback):
     one installed; without a budget, ``enable`` runs again and installs the same.
 
     Args:
-        policy, every_n_layers, **checkpoint_options: as ``enable`` (a policy, or the name of
-            one, run in every checkpointed layer; which layers; options of
-            ``checkpointing.checkpoint``).
+        policy, every_n_layers, gradient_checkpointing_kwargs, **checkpoint_options: as
+            ``enable`` (a policy, or the name of one, run in every checkpointed layer; which
+            layers; transformers' ``gradient_checkpointing_kwargs`` dict, as
+            ``TrainingArguments`` takes it; options of ``checkpointing.checkpoint``).
         budget: as ``enable``: the activation bytes a step may keep (a fraction or bytes);
             the plan is made on the first batch of the training set unless ``example_inputs``
             or ``example_kwargs`` give one: its first ``per_device_train_batch_size``
@@ -147,8 +149,10 @@ class CheckpointingCallback(TrainerCallback):
         example_kwargs: Mapping[str, Any] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         spec: Mapping[str, Any] | None = None,
+        gradient_checkpointing_kwargs: Mapping[str, Any] | None = None,
         **checkpoint_options: Any,
     ) -> None:
+        checkpoint_options = from_hf_kwargs(_API, gradient_checkpointing_kwargs, checkpoint_options)
         profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
         profiling["loss_fn="] = loss_fn
         if spec is not None:  # Rule 5

@@ -83,7 +83,9 @@ NOTE [transformers integration]
           policy when ``enable`` checks its options (Rule 4), and an unknown name is an error
           listing the names. A policy with arguments is passed as the object. The table of
           names is ``checkpointing.policies``' own: ``as_context_fn`` and every ``context_fn=``
-          take the same names.
+          take the same names. A name given as ``context_fn=`` (or in
+          ``gradient_checkpointing_kwargs``, NOTE [gradient_checkpointing_kwargs]) is read as
+          ``policy=``, so that it is tagged (Rule 15) and keeps the routing (Rule 13).
   Rule 13. A model with experts (its text config counts more than one in
           ``num_local_experts``, ``num_experts``, ``n_routed_experts`` or ``moe_num_experts``)
           keeps its routing (NOTE [Routing ops]): its layers run under ``save_routing()``, or
@@ -105,6 +107,11 @@ NOTE [transformers integration]
           checkpointing until ``disable`` (Rule 8); with experts (Rule 13), ``full`` runs
           ``save_routing()`` and a policy ``either(policy, save_routing())``. What a spec
           installed is found from the model (Rule 11).
+  Rule 15. A policy that keeps tensors by MaxText's names (``"maxtext:minimal"``,
+          ``policies.maxtext(...)``, or ``save_only_these_names("query_proj", ...)``) finds
+          them tagged: ``enable`` puts tag hooks on the layers' projections for the names the
+          policy asks for, and ``disable`` removes them (NOTE [transformers tags] in
+          ``_hf_tags``).
 """
 
 from __future__ import annotations
@@ -127,7 +134,6 @@ from .._planning import ActivationPlan
 from .._spec import AppliedSpec
 from .._state import ContextFn
 from ..policies import (
-    _NAMED,
     Policy,
     _named,
     as_context_fn,
@@ -135,7 +141,9 @@ from ..policies import (
     save_routing,
 )
 from ._hf_budget import check_no_plan, has_plan, install_plan, remove_plan
+from ._hf_kwargs import from_hf_kwargs
 from ._hf_spec import check_no_spec, has_spec, install_spec, remove_spec
+from ._hf_tags import tag_layers, untag_layers
 from ._hf_tiling import check_tile_mlp, tile_layers, untile_layers
 
 __all__ = [
@@ -189,8 +197,9 @@ _MSG_POLICY_AND_CONTEXT_FN = (
 )
 _MSG_REENTRANT_CONTEXT = (
     "{api}: use_reentrant=True cannot run a policy, a context_fn or debug=True (the reentrant "
-    "variant has no saved-tensor hooks). Fix: leave use_reentrant out (False, transformers' "
-    "default too)."
+    "variant has no saved-tensor hooks); a gradient_checkpointing_kwargs dict without "
+    "use_reentrant means True, as torch reads it. Fix: use_reentrant=False (transformers' "
+    "default, and ours when left out)."
 )
 _MSG_EVERY_N_LAYERS = (
     "{api}: every_n_layers must be a positive int (1 checkpoints every layer, 2 every second "
@@ -343,6 +352,7 @@ def enable(
     budget: None = None,
     every_n_layers: int = 1,
     tile_mlp: int | None = None,
+    gradient_checkpointing_kwargs: Mapping[str, Any] | None = None,
     **checkpoint_options: Any,
 ) -> None: ...
 
@@ -370,6 +380,7 @@ def enable(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     tile_mlp: int | None = None,
     spec: Mapping[str, Any] | None = None,
+    gradient_checkpointing_kwargs: Mapping[str, Any] | None = None,
     **checkpoint_options: Any,
 ) -> ActivationPlan | AppliedSpec | None:
     """Make ``model``'s layers checkpoint with ``checkpointing.checkpoint`` (and ``policy``), or
@@ -391,7 +402,9 @@ def enable(
             ``offload_ops(...)``, ...) run in every checkpointed layer; offload decisions move
             the outputs to host memory. The name of one that takes no arguments works too
             (``"save_attention"``, ``"save_matmuls"``, ``"save_everything"``,
-            ``"save_nothing"``). ``None``: plain checkpointing (keep only the inputs).
+            ``"save_nothing"``, and MaxText's remat policies as ``"maxtext:minimal"`` and the
+            like: the layers' projections are then tagged with MaxText's names, NOTE
+            [transformers tags]). ``None``: plain checkpointing (keep only the inputs).
         budget: the activation bytes the training step may keep, as ``plan_checkpointing``
             reads it: a float in (0, 1] (a fraction of what the model keeps without
             checkpointing) or an int (bytes). Needs ``example_inputs`` or ``example_kwargs``;
@@ -407,6 +420,10 @@ def enable(
         **checkpoint_options: passed to ``checkpointing.checkpoint`` for every layer
             (``use_reentrant`` (default ``False``), ``context_fn``, ``determinism_check``,
             ``debug``, ``early_stop``, ``preserve_rng_state``).
+        gradient_checkpointing_kwargs: the dict transformers'
+            ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` takes, read as
+            transformers reads it (NOTE [gradient_checkpointing_kwargs]): torch's checkpoint
+            options, e.g. ``{"use_reentrant": False}``; a key that is none of them is an error.
         tile_mlp: a number of chunks: each layer's MLP (or an MoE layer's experts) becomes a
             sequence-tiled region (``checkpointing.tiled_mlp``; NOTE [transformers tiling]),
             for long context. Not with ``budget``.
@@ -449,6 +466,7 @@ def enable(
         >>> model(**batch).loss.backward()
     """
     base = unwrap(model, "enable")
+    checkpoint_options = from_hf_kwargs(_API, gradient_checkpointing_kwargs, checkpoint_options)
     profiling = {"example_inputs=": example_inputs, "example_kwargs=": example_kwargs}
     profiling["loss_fn="] = loss_fn
     if spec is not None:  # Rule 14
@@ -463,6 +481,10 @@ def enable(
             raise
         _install_switches(base, input_hooks)
         return result
+    if policy is None and isinstance(checkpoint_options.get("context_fn"), str):
+        policy = checkpoint_options.pop("context_fn")  # a name is its policy (Rule 12)
+    if isinstance(policy, str):
+        policy = _named(_API, policy)  # Rule 12
     if budget is None and _has_experts(base) and _runs_a_policy(checkpoint_options):
         policy = _with_routing(policy)  # Rule 13
     layer_options = check_options(
@@ -474,6 +496,7 @@ def enable(
         check_no_plan(base, "checkpointing through its hook")
         check_no_spec(base, "enable")
         _install(base, layer_checkpoint, every_n_layers)
+        tag_layers(base, policy)
         _install_switches(base, _require_input_grads(base))
         if tile_mlp is not None:
             tile_layers(base, tile_mlp)
@@ -500,6 +523,7 @@ def disable(model: nn.Module) -> None:
     """
     base = unwrap(model, "disable")
     untile_layers(base)
+    untag_layers(base)
     switches = _remove_switches(base)
     remove_plan(base)
     remove_spec(base)
@@ -556,7 +580,7 @@ def check_options(
             raise ValueError(_MSG_POLICY_AND_CONTEXT_FN.format(api=api))
         context_fn: ContextFn = as_context_fn(policy)
         options["context_fn"] = context_fn
-    if options["use_reentrant"] and ("context_fn" in options or options.get("debug")):
+    if _reentrant(options) and ("context_fn" in options or options.get("debug")):
         raise ValueError(_MSG_REENTRANT_CONTEXT.format(api=api))
     return options
 
@@ -589,20 +613,23 @@ def _runs_a_policy(checkpoint_options: dict[str, Any]) -> bool:
     not reentrant, no debug."""
     return not (
         "context_fn" in checkpoint_options
-        or checkpoint_options.get("use_reentrant")
+        or _reentrant(checkpoint_options)
         or checkpoint_options.get("debug")
     )
 
 
-def _with_routing(policy: Policy | str | None) -> Policy | str:
-    """Rule 13: ``policy`` keeping the routing too (a name is left to ``check_options`` to
-    report when unknown)."""
+def _reentrant(options: dict[str, Any]) -> bool:
+    """Whether ``options`` run the reentrant variant: ``use_reentrant`` true, or ``None`` (torch's
+    default, which a ``gradient_checkpointing_kwargs`` dict without it stands for); ours when
+    left out is False."""
+    value = options.get("use_reentrant", False)
+    return value is None or bool(value)
+
+
+def _with_routing(policy: Policy | None) -> Policy:
+    """Rule 13: ``policy`` keeping the routing too."""
     if policy is None:
         return save_routing()
-    if isinstance(policy, str):
-        if policy not in _NAMED:
-            return policy
-        policy = _NAMED[policy]()
     return either(policy, save_routing())
 
 

@@ -1,0 +1,171 @@
+"""MaxText's tensor names on a transformers model's layers: the tags a name-based policy reads.
+
+Owns ``tag_layers(model, policy)`` and ``untag_layers(model)``: forward hooks on the submodules
+of a model's ``GradientCheckpointingLayer`` blocks that name their outputs (and the attention
+output projection's input) with ``checkpointing.policies.tag``, by MaxText's names
+(``query_proj``, ``out_proj``, ``mlpwi_0``, ...; NOTE [MaxText presets] in
+``checkpointing/_presets.py``), so that ``policies.maxtext(...)`` and any
+``save_only_these_names``/``offload_these_names`` over those names keep them. ``_hf_enable``
+calls both; the tags' meaning is the policies'.
+
+NOTE [transformers tags]
+  Rule 1. A layer's submodule is named by its attribute name (the last part of its path), the
+          names transformers' Llama-style layers use: ``q_proj`` -> ``query_proj``, ``k_proj``
+          -> ``key_proj``, ``v_proj`` -> ``value_proj``, ``qkv_proj`` -> ``qkv_proj``, ``o_proj``
+          -> ``out_proj`` (and its input -> ``context``), ``gate_proj`` -> ``mlpwi_0``,
+          ``up_proj`` -> ``mlpwi_1``, ``gate_up_proj`` -> ``mlpwi``, ``down_proj`` ->
+          ``mlpwo``. A module inside a named one (PEFT's ``q_proj.base_layer``) is not named
+          again: the outer module's output is the projection's, adapter included.
+  Rule 2. Only the names the policy asks for are tagged (``tag`` costs a dispatch per call). A
+          MaxText name the policy asks for that no submodule of the model makes (a mixture of
+          experts' fused experts have no ``gate_proj``) is said once per ``enable`` in a
+          warning, naming them: they are recomputed, not kept. MaxText keeps nothing for a name
+          its model never tags either, but our user asked through a model they did not write.
+          Not said: a fused name whose unfused names the policy asks for and the model makes
+          (``qkv_proj`` beside ``query_proj``, ``mlpwi`` beside ``mlpwi_0``), and the reverse:
+          MaxText lists both forms in every preset, for either kind of model.
+  Rule 3. The hooks are instances of our classes, found on the model and removed through
+          ``_compat.modules`` (NOTE [transformers integration], Rule 11: ``disable`` works on a
+          ``copy.deepcopy`` of an enabled model, whose hooks are copies). A later ``enable``
+          removes the previous tags first.
+  Rule 4. A hook only tags: ``tag`` returns its tensor and the hooks return None, so the
+          forward computes what it computed untagged (outside a selective checkpoint, a tag is
+          a no-op dispatch).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Final
+
+import torch
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .. import _compat
+from .._presets import MAXTEXT_NAMES
+from .._selective.unkept import asked_of
+from ..policies import Policy, tag
+
+__all__ = ["tag_layers", "untag_layers"]
+
+# Rule 1: a submodule's attribute name -> the MaxText name of its output.
+_OUTPUT_NAMES: Final = {
+    "q_proj": "query_proj",
+    "k_proj": "key_proj",
+    "v_proj": "value_proj",
+    "qkv_proj": "qkv_proj",
+    "o_proj": "out_proj",
+    "gate_proj": "mlpwi_0",
+    "up_proj": "mlpwi_1",
+    "gate_up_proj": "mlpwi",
+    "down_proj": "mlpwo",
+}
+# Rule 1: a submodule's attribute name -> the MaxText name of its first input.
+_INPUT_NAMES: Final = {"o_proj": "context"}
+# Rule 2: MaxText's lists name the fused and the unfused projections both; a model has one.
+_ALTERNATIVES: Final = {
+    "qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    "query_proj": ("qkv_proj",),
+    "key_proj": ("qkv_proj",),
+    "value_proj": ("qkv_proj",),
+    "mlpwi": ("mlpwi_0", "mlpwi_1"),
+    "mlpwi_0": ("mlpwi",),
+    "mlpwi_1": ("mlpwi",),
+}
+_MSG_UNTAGGED = (
+    "checkpointing.integrations.transformers.enable: the policy {policy!r} keeps MaxText's "
+    "tensor name(s) {names}, which no submodule of {cls}'s layers makes (MaxText's names are "
+    "given to the outputs of submodules named {modules}): those tensors are recomputed, not "
+    "kept. Fix: pick a preset over names this model has, or tag the tensors in the model's "
+    "code with checkpointing.policies.tag(tensor, name)."
+)
+
+
+class _TagOutput:
+    """A forward hook naming its module's output (Rule 4: it returns None)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            tag(output, self.name)
+
+    def __repr__(self) -> str:
+        return f"checkpointing's tag {self.name!r} (output)"
+
+
+class _TagInput:
+    """A forward pre-hook naming its module's first input (Rule 4: it returns None)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            tag(args[0], self.name)
+
+    def __repr__(self) -> str:
+        return f"checkpointing's tag {self.name!r} (input)"
+
+
+def tag_layers(model: nn.Module, policy: Policy | None) -> None:
+    """Tag the MaxText names ``policy`` asks for on ``model``'s layers (Rules 1-3); none when it
+    asks for none. Warns of asked names no submodule makes (Rule 2)."""
+    untag_layers(model)
+    asked = set(asked_of(policy).names & MAXTEXT_NAMES.keys())
+    if not asked:
+        return
+    made: set[str] = set()
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            made |= _tag_layer(layer, asked)
+    missing = sorted(
+        name
+        for name in asked - made - {"decoder_layer_input"}  # an input: kept anyway
+        if not made.intersection(_ALTERNATIVES.get(name, ()))
+    )
+    if missing:
+        modules = ", ".join(sorted(_OUTPUT_NAMES))
+        message = _MSG_UNTAGGED.format(
+            policy=policy, names=missing, cls=type(model).__name__, modules=modules
+        )
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _tag_layer(layer: nn.Module, asked: set[str]) -> set[str]:
+    """Hook the submodules of ``layer`` whose names' tags are ``asked`` (Rule 1); the names."""
+    made: set[str] = set()
+    named: list[str] = []
+    for path, module in layer.named_modules():
+        if any(path.startswith(outer + ".") for outer in named):
+            continue  # Rule 1: inside a named module
+        attribute = path.rpartition(".")[2]
+        output_name = _OUTPUT_NAMES.get(attribute)
+        if output_name is None:
+            continue
+        named.append(path)
+        if output_name in asked:
+            module.register_forward_hook(_TagOutput(output_name))
+            made.add(output_name)
+        input_name = _INPUT_NAMES.get(attribute)
+        if input_name is not None and input_name in asked:
+            module.register_forward_pre_hook(_TagInput(input_name))
+            made.add(input_name)
+    return made
+
+
+def untag_layers(model: nn.Module) -> None:
+    """Remove every tag hook ``tag_layers`` put on ``model`` (Rule 3)."""
+    for module in model.modules():
+        for hook in _compat.forward_hooks(module):
+            if isinstance(hook, _TagOutput):
+                _compat.remove_forward_hooks(module, hook, hook)
+        for pre_hook in _compat.forward_pre_hooks(module):
+            if isinstance(pre_hook, _TagInput):
+                _compat.remove_forward_hooks(module, pre_hook, pre_hook)
