@@ -405,6 +405,31 @@ MISTAKES: dict[str, Mistake] = {
         ValueError,
         ("policies.as_context_fn: unknown policy name 'save_attn'", "'save_matmuls'", "Fix"),
     ),
+    "maxtext: an unknown remat_policy": Mistake(
+        lambda m: policies.maxtext("minimall"),
+        ValueError,
+        ("policies.maxtext: unknown MaxText remat_policy 'minimall'", "'minimal'", "Fix"),
+    ),
+    "maxtext: per-tensor options without custom": Mistake(
+        lambda m: policies.maxtext("minimal", query_proj="offload"),
+        TypeError,
+        ("'minimal' takes no per-tensor options", "maxtext('custom', query_proj='offload')"),
+    ),
+    "maxtext: an unknown tensor name": Mistake(
+        lambda m: policies.maxtext("custom", q_proj="offload"),
+        TypeError,
+        ("unknown tensor name(s) q_proj", "query_proj", "Fix"),
+    ),
+    "maxtext: a placement MaxText has not": Mistake(
+        lambda m: policies.maxtext("custom", out_proj="host"),
+        ValueError,
+        ("out_proj='host'", "expected 'remat', 'device' or 'offload'", "Fix"),
+    ),
+    "maxtext: the layer input offloaded": Mistake(
+        lambda m: policies.maxtext("custom", decoder_layer_input="offload"),
+        ValueError,
+        ("decoder_layer_input='offload' cannot be honoured", "offload_wrapper", "Fix"),
+    ),
     "context_fn: a policy factory passed uncalled": Mistake(
         lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=False, context_fn=save_matmuls),
         TypeError,
@@ -958,6 +983,27 @@ HF_MISTAKES: dict[str, Mistake] = {
             "Fix: pass e.g. policy='save_attention'",
             "a policy with arguments as an object",
         ),
+    ),
+    "transformers: unknown gradient_checkpointing_kwargs key": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), gradient_checkpointing_kwargs={"reentrant": False}),
+        TypeError,
+        (
+            "enable: unknown gradient_checkpointing_kwargs key(s) ['reentrant']",
+            "'use_reentrant'",
+            "Fix",
+        ),
+    ),
+    "transformers: gradient_checkpointing_kwargs not a dict": Mistake(
+        lambda hf: hf.enable(_tiny_llama(), gradient_checkpointing_kwargs=False),
+        TypeError,
+        ("gradient_checkpointing_kwargs must be a dict", "Fix"),
+    ),
+    "transformers: an option given twice": Mistake(
+        lambda hf: hf.enable(
+            _tiny_llama(), debug=True, gradient_checkpointing_kwargs={"debug": False}
+        ),
+        TypeError,
+        ("['debug'] given both in gradient_checkpointing_kwargs and as keyword", "Fix"),
     ),
     "transformers: budget with a policy": Mistake(
         lambda hf: hf.enable(
