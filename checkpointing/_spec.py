@@ -120,7 +120,7 @@ class AppliedSpec:
 
     def actions(self) -> dict[str, str]:
         """Per selected module name, what it gets, as printed (``'full'``, ``'none'``,
-        ``'offload'``, ``'policy save_matmuls()'``)."""
+        ``'offload'``, or the policy's repr, ``'save_matmuls()'``)."""
         return {s.name: str(s.action) for s in self.selected}
 
     def remove(self) -> None:
@@ -135,13 +135,15 @@ class AppliedSpec:
 
     def __str__(self) -> str:
         shown = [s for s in self.selected if s.action.kind != "none"]
-        head = f"checkpointing spec: {len(shown)} of {self.modules} modules checkpointed" + (
+        head = f"apply_spec: {len(shown)} of {self.modules} modules checkpointed" + (
             " (dry run: nothing installed)" if self.dry_run else ""
         )
         width = max((len(s.name) for s in self.selected), default=0)
         kind = max((len(type(s.module).__name__) for s in self.selected), default=0)
+        gets = max((len(str(s.action)) for s in self.selected), default=0)
         rows = [
-            f"  {s.name:<{width}}  {type(s.module).__name__:<{kind}}  {s.action}  <- {s.key!r}"
+            f"  {s.name:<{width}}  {type(s.module).__name__:<{kind}}  {s.action!s:<{gets}}"
+            f"  <- {s.key!r}"
             for s in self.selected
         ]
         return "\n".join([head, *rows])
@@ -173,10 +175,10 @@ def apply_spec(model: nn.Module, spec: Mapping[str, Any], *, dry_run: bool = Fal
         >>> import torch, checkpointing
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
         >>> print(checkpointing.apply_spec(model, {"{::2}": "full", "{-1}": "save_matmuls"}))
-        checkpointing spec: 3 of 4 modules checkpointed
-          0  Linear  full  <- '{::2}'
-          2  Linear  full  <- '{::2}'
-          3  Linear  policy save_matmuls()  <- '{-1}'
+        apply_spec: 3 of 4 modules checkpointed
+          0  Linear  full            <- '{::2}'
+          2  Linear  full            <- '{::2}'
+          3  Linear  save_matmuls()  <- '{-1}'
     """
     chosen = select(model, spec, "apply_spec")
     result = AppliedSpec(chosen, sum(1 for _ in model.modules()) - 1, dry_run)

@@ -126,9 +126,7 @@ class Action:
     policy: Policy | None = None
 
     def __str__(self) -> str:
-        if self.kind == "policy":
-            return f"policy {self.policy!r}"
-        return self.kind
+        return repr(self.policy) if self.kind == "policy" else self.kind
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,8 @@ CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
          "model.layers.1.post_attention_layernorm": "full",
      }),
     ("mixtral", {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
-     {"model.layers.0.mlp": "policy save_routing()",
-      "model.layers.1.mlp": "policy save_routing()"}),
+     {"model.layers.0.mlp": "save_routing()",
+      "model.layers.1.mlp": "save_routing()"}),
     ("mixtral", {"recompute_granularity": "selective", "recompute_modules": ["moe_act"]},
      {"model.layers.0.mlp.experts": "act", "model.layers.1.mlp.experts": "act"}),
 ]  # fmt: skip
@@ -64,9 +64,9 @@ CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
 
 def _shown(action: str) -> str:
     """The two ``recompute_ops`` policies by what they recompute."""
-    if action == "policy save_ops(aten.mm, aten.addmm)":
+    if action == "save_ops(aten.mm, aten.addmm)":
         return "core"
-    if action.startswith("policy save_ops(aten.mm, aten.addmm, aten.bmm"):
+    if action.startswith("save_ops(aten.mm, aten.addmm, aten.bmm"):
         return "act"
     return action
 
