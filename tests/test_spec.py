@@ -417,3 +417,16 @@ def test_callback_installs_its_spec_at_train_begin(tmp_path: pathlib.Path) -> No
     assert callback.applied is not None
     assert callback.applied.actions() == {"model.layers.1": "full"}
     assert checkpointing._module.is_module_checkpointed(model.model.layers[1])
+
+
+def test_a_name_added_to_the_policy_table_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Spec grammar], Rule 4: names resolve through ``checkpointing.policies``' one table,
+    so a name added to it is a value at once (and one never added lists the table's names)."""
+    from checkpointing.policies import _NAMED, save_ops
+
+    monkeypatch.setitem(_NAMED, "test:save_mm", lambda: save_ops(torch.ops.aten.mm))
+    model = _stack(2)
+    got = apply_spec(model, {"{0}": "test:save_mm"}, dry_run=True).actions()
+    assert got == {"0": "save_ops(aten.mm)"}
+    with pytest.raises(ValueError, match=r"'test:save_mm'"):
+        apply_spec(model, {"{0}": "test:save_m"})
