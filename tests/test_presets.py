@@ -210,6 +210,21 @@ def test_rule4_tagged_bytes_are_the_projections(llama: transformers.PreTrainedMo
     assert report.bytes_by_decision()["offloaded"] == 2 * BATCH * SEQ * (32 + 16 + 16) * 4
 
 
+def test_rule5_offload_stats_count_the_projections(
+    llama: transformers.PreTrainedModel, plain: tuple[Any, list[Any], Any]
+) -> None:
+    """A preset given as ``context_fn=as_context_fn(..., offload_stats=stats)`` is tagged as
+    ``policy=`` is: the stats count the three projections of both layers, moved and brought
+    back, and the gradients are the plain run's."""
+    stats = checkpointing.OffloadStats()
+    context_fn = as_context_fn(maxtext("qkv_proj_offloaded"), offload_stats=stats)
+    ours = _step(llama, context_fn=context_fn)
+    _assert_same(ours, plain)
+    projections = 2 * BATCH * SEQ * (32 + 16 + 16) * 4
+    assert stats.offloaded_bytes == stats.restored_bytes == projections
+    assert stats.offloaded_tensors == 2 * 3
+
+
 def test_rule1_tags_any_name_based_policy(llama: transformers.PreTrainedModel) -> None:
     """A policy object over MaxText's names is tagged too, and a name given as ``context_fn``
     is read as the policy."""

@@ -110,8 +110,8 @@ NOTE [transformers integration]
   Rule 15. A policy that keeps tensors by MaxText's names (``"maxtext:minimal"``,
           ``policies.maxtext(...)``, or ``save_only_these_names("query_proj", ...)``) finds
           them tagged: ``enable`` puts tag hooks on the layers' projections for the names the
-          policy asks for, and ``disable`` removes them (NOTE [transformers tags] in
-          ``_hf_tags``).
+          policy asks for (given as ``policy=``, its name, or a ``context_fn=`` running it), and
+          ``disable`` removes them (NOTE [transformers tags] in ``_hf_tags``).
 """
 
 from __future__ import annotations
@@ -496,7 +496,7 @@ def enable(
         check_no_plan(base, "checkpointing through its hook")
         check_no_spec(base, "enable")
         _install(base, layer_checkpoint, every_n_layers)
-        tag_layers(base, policy)
+        tag_layers(base, layer_options.get("context_fn"))  # Rule 15
         _install_switches(base, _require_input_grads(base))
         if tile_mlp is not None:
             tile_layers(base, tile_mlp)

@@ -31,10 +31,15 @@ NOTE [transformers tags]
   Rule 4. A hook only tags: ``tag`` returns its tensor and the hooks return None, so the
           forward computes what it computed untagged (outside a selective checkpoint, a tag is
           a no-op dispatch).
+  Rule 5. The names are read from the policy each layer runs, however it was given:
+          ``policy=`` (or its name), a policy given as ``context_fn=``, or
+          ``as_context_fn(policy, ...)`` (with an ``OffloadStats``, say). A ``context_fn`` of
+          any other kind names nothing, and nothing is tagged.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Final
 
@@ -44,8 +49,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .. import _compat
 from .._presets import MAXTEXT_NAMES
+from .._selective import create_selective_checkpoint_contexts
 from .._selective.unkept import asked_of
-from ..policies import Policy, tag
+from ..policies import tag
 
 __all__ = ["tag_layers", "untag_layers"]
 
@@ -114,10 +120,11 @@ class _TagInput:
         return f"checkpointing's tag {self.name!r} (input)"
 
 
-def tag_layers(model: nn.Module, policy: Policy | None) -> None:
-    """Tag the MaxText names ``policy`` asks for on ``model``'s layers (Rules 1-3); none when it
-    asks for none. Warns of asked names no submodule makes (Rule 2)."""
+def tag_layers(model: nn.Module, context_fn: object) -> None:
+    """Tag the MaxText names that the policy ``context_fn`` runs asks for on ``model``'s layers
+    (Rules 1-3); none when it asks for none. Warns of asked names no submodule makes (Rule 2)."""
     untag_layers(model)
+    policy = _policy_in(context_fn)
     asked = set(asked_of(policy).names & MAXTEXT_NAMES.keys())
     if not asked:
         return
@@ -136,6 +143,18 @@ def tag_layers(model: nn.Module, policy: Policy | None) -> None:
             policy=policy, names=missing, cls=type(model).__name__, modules=modules
         )
         warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _policy_in(context_fn: object) -> object:
+    """Rule 5: the policy a layer's ``context_fn`` runs: ``as_context_fn``'s partial of one, or
+    a policy given as ``context_fn`` (anything else asks for no name)."""
+    if (
+        isinstance(context_fn, functools.partial)
+        and context_fn.func is create_selective_checkpoint_contexts
+        and context_fn.args
+    ):
+        return context_fn.args[0]
+    return context_fn
 
 
 def _tag_layer(layer: nn.Module, asked: set[str]) -> set[str]:
