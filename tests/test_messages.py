@@ -49,6 +49,13 @@ def _seq() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
 
 
+def _layered() -> torch.nn.Module:
+    """A model whose layers are a ``ModuleList`` (what ``megatron_spec`` looks for)."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(3, 3) for _ in range(4))
+    return model
+
+
 def _non_reentrant(m: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return m.checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
@@ -768,6 +775,60 @@ MISTAKES: dict[str, Mistake] = {
         ),
         CheckpointError,
         ("checkpointing.keeping(compress=...)", "'peak' runs aten.amax.default", "Fix"),
+    ),
+    "spec key selects nothing": Mistake(
+        lambda m: m.apply_spec(_seq(), {"lin*": "full"}),
+        ValueError,
+        ("checkpointing.apply_spec", "'lin*' selects no module", "Nearest module names", "Fix"),
+    ),
+    "spec keys tie on one module": Mistake(
+        lambda m: m.apply_spec(_seq(), {"{0:2}": "full", "{::2}": "offload"}),
+        ValueError,
+        ("checkpointing.apply_spec", "'0' is selected by", "equal specificity", "Fix"),
+    ),
+    "spec value unknown": Mistake(
+        lambda m: m.apply_spec(_seq(), {"*": "save_matmul"}),
+        ValueError,
+        ("checkpointing.apply_spec", "unknown value 'save_matmul'", "'save_matmuls'", "Fix"),
+    ),
+    "spec layer selector malformed": Mistake(
+        lambda m: m.apply_spec(_seq(), {"{0-2}": "full"}),
+        ValueError,
+        ("checkpointing.apply_spec", "{0-2}", "{0:8} (layers 0-7)", "Fix"),
+    ),
+    "spec layer index past the end": Mistake(
+        lambda m: m.apply_spec(_seq(), {"{5}": "full"}),
+        IndexError,
+        ("checkpointing.apply_spec", "layer index 5 is out of range", "has 3", "Fix"),
+    ),
+    "spec beside check_fn": Mistake(
+        lambda m: m.apply_activation_checkpointing(
+            _seq(), check_fn=lambda _: True, spec={"*": "full"}
+        ),
+        ValueError,
+        ("checkpointing.apply_activation_checkpointing", "check_fn cannot be given", "Fix"),
+    ),
+    "load_spec without a format": Mistake(
+        lambda m: m.load_spec('"*" = "full"'),
+        ValueError,
+        ("checkpointing.load_spec", "format must be 'toml' or 'yaml'", "Fix"),
+    ),
+    "megatron_spec unknown module name": Mistake(
+        lambda m: m.megatron_spec(
+            _layered(), recompute_granularity="selective", recompute_modules=["attn"]
+        ),
+        ValueError,
+        ("checkpointing.megatron_spec", "'attn'", "known names: 'core_attn'", "Fix"),
+    ),
+    "megatron_spec uniform over several layers": Mistake(
+        lambda m: m.megatron_spec(
+            _layered(),
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=2,
+        ),
+        ValueError,
+        ("checkpointing.megatron_spec", "runs of 2 layers", "recompute_num_layers=1", "Fix"),
     ),
 }
 
