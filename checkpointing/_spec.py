@@ -22,7 +22,12 @@ NOTE [Spec selection]
           Selected modules may nest (a layer and its MLP): nested regions, as nested
           ``checkpoint`` calls give. Each region runs without the empty key/value cache it is
           handed while autograd records (NOTE [Key/value caches]), as transformers' own
-          checkpointing does.
+          checkpointing does; and while autograd records, a model whose ``forward`` takes
+          ``use_cache`` is called with ``use_cache=False`` unless the caller hands it a cache
+          (transformers' own checkpointing switches the cache off too). Without that, a
+          model's cache would reach a selected layer holding the keys of the layers before it,
+          which a region can neither keep (it would be updated twice) nor drop (NOTE [Key/value
+          caches], Rule 3).
   Rule 5. ``dry_run=True`` checks and selects exactly as a real call does and installs
           nothing: what it prints is what the real call will install.
 """
@@ -31,16 +36,18 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _compat
 from ._errors import describe_value
-from ._kv_caches import drop_caches
+from ._kv_caches import drop_caches, is_cache
 from ._module import checkpoint_module, is_module_checkpointed, remove_checkpoint_module
 from ._spec_grammar import (
     OFFLOAD_EVERYTHING,
@@ -183,13 +190,18 @@ def apply_spec(model: nn.Module, spec: Mapping[str, Any], *, dry_run: bool = Fal
     chosen = select(model, spec, "apply_spec")
     result = AppliedSpec(chosen, sum(1 for _ in model.modules()) - 1, dry_run)
     if not dry_run:
-        install(result)
+        install(result, model)
     return result
 
 
-def install(result: AppliedSpec) -> None:
+def install(result: AppliedSpec, model: nn.Module) -> None:
     """Rule 4: each selected module that gets something becomes a region; all or nothing."""
     try:
+        if _takes_use_cache(model) and any(s.action.kind != "none" for s in result.selected):
+            handle = model.register_forward_pre_hook(
+                spec_turns_cache_off, with_kwargs=True, prepend=True
+            )
+            result._handles.append(handle)
         for item in result.selected:
             if item.action.kind == "none":
                 continue
@@ -214,6 +226,26 @@ def spec_drops_caches(
     return drop_caches(module, args, kwargs)
 
 
+def spec_turns_cache_off(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Rule 4: the model's call without a key/value cache while autograd records, unless the
+    caller hands it one (then the regions drop it, or refuse a filled one)."""
+    if not torch.is_grad_enabled() or kwargs.get("use_cache") is False:
+        return None
+    if any(is_cache(value) for value in (*args, *kwargs.values())):
+        return None
+    return args, {**kwargs, "use_cache": False}
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether ``model.forward`` has a ``use_cache`` parameter (a transformers model)."""
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature
+        return False
+
+
 def carries_spec(model: nn.Module) -> bool:
     """Whether a spec's regions are installed on ``model`` (or on the model it was copied
     from): a module carries ``spec_drops_caches``."""
@@ -223,6 +255,8 @@ def carries_spec(model: nn.Module) -> bool:
 def remove_found(model: nn.Module) -> None:
     """Take off every region a spec installed on ``model``, found from the model itself."""
     for module in model.modules():
+        if spec_turns_cache_off in _compat.forward_pre_hooks(module):
+            _compat.remove_forward_hooks(module, spec_turns_cache_off, spec_turns_cache_off)
         if spec_drops_caches in _compat.forward_pre_hooks(module):
             _compat.remove_forward_hooks(module, spec_drops_caches, spec_drops_caches)
             if is_module_checkpointed(module):

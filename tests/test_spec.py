@@ -100,6 +100,30 @@ def test_hf_gradients_equal_the_plain_run(family: str) -> None:
     _assert_bitwise(_grads(model, step), plain)
 
 
+@pytest.mark.once
+def test_hf_default_cache_is_turned_off_while_training() -> None:
+    """NOTE [Spec selection], Rule 4: with transformers' default ``use_cache=True``, a spec on
+    a later layer (handed a cache holding the earlier layers' keys without it) trains like
+    the ``use_cache=False`` run, bitwise; under ``no_grad`` the cache works as usual."""
+    member = zoo_member("llama")
+    model = member.model
+    assert model.config.use_cache
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return member.loss_fn(m(*member.args, **member.kwargs))
+
+    reference = copy.deepcopy(model)
+    reference.config.use_cache = False
+    plain = _grads(reference, step)
+    result = apply_spec(model, {"model.layers.1": "full"})
+    _assert_bitwise(_grads(model, step), plain)
+    with torch.no_grad():
+        assert model(*member.args).past_key_values is not None
+    result.remove()
+    assert not checkpointing._spec.carries_spec(model)
+    assert not model._forward_pre_hooks
+
+
 def test_hf_spec_from_toml_equals_the_dict() -> None:
     """The TOML text of a spec selects what the dict selects."""
     model, _ = _hf("llama")

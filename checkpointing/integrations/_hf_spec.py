@@ -61,7 +61,7 @@ def install_spec(
     if routing:
         chosen = [_keeping_routing(item) for item in chosen]
     result = AppliedSpec(chosen, sum(1 for _ in model.modules()) - 1, dry_run=False)
-    install(result)
+    install(result, model)
     # A pre-4.35 hook takes ``value`` and no function: its flags stay off.
     modern_hook = "value" not in inspect.signature(model._set_gradient_checkpointing).parameters
     if modern_hook and any(item.action.kind != "none" for item in chosen):
