@@ -31,6 +31,21 @@ def _no_saved_tensors_hook_left_behind() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _thread_counts_restored() -> Iterator[None]:
+    """Every test leaves torch's thread counts as it found them. A test (or a benchmark's
+    ``main`` run in-process) that calls ``torch.set_num_threads`` would otherwise change them
+    for every later test: a thread started later takes the intra-op count at its first parallel
+    op, so its first step could run other kernels than the steps before the change."""
+    intra, interop = torch.get_num_threads(), torch.get_num_interop_threads()
+    yield
+    if torch.get_num_threads() != intra:
+        torch.set_num_threads(intra)
+    if torch.get_num_interop_threads() != interop:
+        # torch refuses this once parallel work has started: the error then names the test.
+        torch.set_num_interop_threads(interop)
+
+
+@pytest.fixture(autouse=True)
 def _seeded() -> None:
     """Every test starts from the same CPU RNG state."""
     torch.manual_seed(0)

@@ -16,6 +16,10 @@ from types import ModuleType
 import pytest
 from structure_support import ROOT, load_structure
 
+# Run in CI's first stage only (the `once` marker): these checks read the source tree, the same
+# on every torch release.
+pytestmark = pytest.mark.once
+
 _MARK = "# annotations only"
 # The design notes' name as a word, or a section sign before a number (built in two parts so that
 # this file does not match itself).

@@ -9,6 +9,10 @@ from types import ModuleType
 import pytest
 from structure_support import ROOT, load_structure
 
+# Run in CI's first stage only (the `once` marker): these checks read the source tree, the same
+# on every torch release.
+pytestmark = pytest.mark.once
+
 
 @pytest.fixture(scope="module")
 def structure() -> ModuleType:

@@ -34,6 +34,10 @@ from checkpointing._module import is_module_checkpointed
 from checkpointing.integrations import transformers as hf_checkpointing
 from checkpointing.policies import MATMUL_OPS, offload_ops, save_attention, save_matmuls
 
+# Run in CI's first stage only (the `once` marker): an optional integration, whose checkpoint
+# mechanisms the rest of the suite tests on every release.
+pytestmark = pytest.mark.once
+
 # A model whose checkpointing is switched by a setup function (None: plain).
 Setup = Callable[[transformers.PreTrainedModel], None] | None
 

@@ -40,6 +40,9 @@ from checkpointing.integrations.transformers import CheckpointingCallback  # noq
 from checkpointing.policies import save_matmuls  # noqa: E402
 
 pytestmark = [
+    # Run in CI's first stage only (the `once` marker): an optional integration, whose checkpoint
+    # mechanisms the rest of the suite tests on every release.
+    pytest.mark.once,
     # PEFT reads model.is_gradient_checkpointing, which transformers 5.23 deprecates; and the
     # routes of issue 29 call the deprecated gradient_checkpointing_enable on purpose.
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
