@@ -68,6 +68,7 @@ from ._selective import (
     tag,
     uncalled_factory,
 )
+from ._selective.alternating import TorchtitanOp
 from ._selective.compressing import compress_ops, compress_these_names
 from ._selective.readable import _ByName, _ByOp, _combined, _Constant
 from ._selective.routing import ROUTING_OPS as _ROUTING_OPS
@@ -463,6 +464,8 @@ _NAMED: Final[dict[str, Callable[[], Policy]]] = {
     for factory in (save_attention, save_everything, save_matmuls, save_nothing, save_routing)
 }
 _NAMED.update({f"maxtext:{name}": functools.partial(maxtext, name) for name in MAXTEXT_PRESETS})
+# torchtitan's "op" policy: keeps the dear ops, recomputes every second matmul of each region.
+_NAMED["torchtitan:op"] = TorchtitanOp
 
 
 def _named(api: str, name: str, parameter: str = "policy") -> Policy:

@@ -8,7 +8,8 @@ on the site:
   from the Hub). ``SKIPPED`` pins how many such blocks each page has, so a mark cannot be added
   or forgotten unnoticed; a CUDA-only block without one fails here, on a machine without a GPU.
 - ``<!-- docs-test: requires NAME -->``: run only where ``checkpointing.NAME`` exists (an entry
-  point still landing; ``NAME`` may be dotted, ``policies.save_attention``), skipped otherwise.
+  point still landing; ``NAME`` may be dotted, ``policies.save_attention``, or a module that
+  needs an optional package, ``integrations.torchtitan``), skipped otherwise.
 
 A hidden set-up block (``<!-- docs-test: setup`` then code then ``-->``) runs where it stands,
 for the tiny model or tensors that a fragment on the page assumes.
@@ -45,6 +46,7 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 # Blocks marked "skip" per page (relative path): each one says why on its mark.
 SKIPPED: dict[str, int] = {
     "docs/guide/transformers.md": 1,
+    "docs/migrate/torchtitan.md": 1,
 }
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^\n`]*)$")
@@ -103,9 +105,14 @@ def _blocks(path: Path) -> list[Block]:
 def _has(dotted: str) -> bool:
     """Whether ``checkpointing.<dotted>`` exists (e.g. ``policies.save_attention``)."""
     target: object = checkpointing
-    for part in dotted.split("."):
+    for index, part in enumerate(dotted.split(".")):
         if not hasattr(target, part):
-            return False
+            try:  # a module not imported yet (an integration): there if it imports
+                importlib.import_module(".".join(["checkpointing", *dotted.split(".")[: index + 1]]))
+            except ImportError:
+                return False
+            if not hasattr(target, part):
+                return False
         target = getattr(target, part)
     return True
 

@@ -29,6 +29,8 @@ One concept per module; each imports only from the ones listed before it:
 - ``readable``: the objects behind ``checkpointing.policies``' sentences: a constant answer,
   an answer by op set or by tensor name, and combinations in the keep order.
 - ``skip``: skipping ops in the replay: when a call may be skipped, and the replay's taint.
+- ``alternating``: ``TorchtitanOp``, torchtitan's "op" policy (every second matmul), and NOTE
+  [Per-region policies]: a policy that counts is copied fresh for each region call.
 - ``forward``: the forward (caching) mode.
 - ``recompute``: the recompute (cached) mode.
 - ``contexts``: ``create_selective_checkpoint_contexts``, which builds the pair.

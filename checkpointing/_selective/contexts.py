@@ -2,7 +2,8 @@
 
 The one place that knows both modes: it checks its arguments (the policy through
 ``policy.policy_from``), makes the region's ``cache._Cache`` and hands it to a ``forward`` and a
-``recompute`` mode. Entering them around forward and recompute is the frame's job (``_frame``,
+``recompute`` mode; a policy that counts within a region is copied fresh for each (NOTE
+[Per-region policies]). Entering them around forward and recompute is the frame's job (``_frame``,
 through ``context_fn``).
 """
 
@@ -61,6 +62,9 @@ def create_selective_checkpoint_contexts(
         >>> y.sum().backward()
     """
     policy = policy_from(policy_fn_or_list)
+    fresh = getattr(policy, "for_region", None)
+    if callable(fresh):  # NOTE [Per-region policies], Rule 1 (in ``alternating``)
+        policy = fresh()
     if offload_stats is not None and not isinstance(offload_stats, OffloadStats):
         raise TypeError(_MSG_NOT_STATS.format(got=offload_stats, type=type(offload_stats).__name__))
     cache = _Cache(offload_stats)
