@@ -200,6 +200,7 @@ def test_rule_2_as_context_fn_takes_the_names_enable_takes() -> None:
         "save_matmuls",
         "save_nothing",
         "save_routing",
+        "torchtitan:op",
     ]
     for name in names:
         context_fn = as_context_fn(name)

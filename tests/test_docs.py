@@ -105,10 +105,11 @@ def _blocks(path: Path) -> list[Block]:
 def _has(dotted: str) -> bool:
     """Whether ``checkpointing.<dotted>`` exists (e.g. ``policies.save_attention``)."""
     target: object = checkpointing
-    for index, part in enumerate(dotted.split(".")):
+    parts = dotted.split(".")
+    for index, part in enumerate(parts):
         if not hasattr(target, part):
             try:  # a module not imported yet (an integration): there if it imports
-                importlib.import_module(".".join(["checkpointing", *dotted.split(".")[: index + 1]]))
+                importlib.import_module(".".join(["checkpointing", *parts[: index + 1]]))
             except ImportError:
                 return False
             if not hasattr(target, part):

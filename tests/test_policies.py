@@ -424,3 +424,31 @@ def test_tag_checks_its_arguments() -> None:
     exc = raised(lambda: tag(torch.ones(1), 3))  # type: ignore[arg-type]
     assert isinstance(exc, TypeError)
     assert "tag(h, 'attn_out')" in str(exc)
+
+
+def test_torchtitan_op_counts_each_region_from_zero() -> None:
+    """NOTE [Per-region policies], Rule 1: under the one object the name stands for, each region
+    keeps the 1st and 3rd of its three matmuls (not a count carried over from the region
+    before), and the gradients are the plain run's."""
+    weights = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        for w in weights:
+            x = torch.tanh(x @ w)
+        return x
+
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x
+    with checkpointing.saved_tensors_report() as report:
+        for _ in range(2):
+            h = checkpointing.checkpoint(block, h, use_reentrant=False, context_fn="torchtitan:op")
+        h.sum().backward()
+    # one label for both regions (one function): 2 + 2 matmuls kept; a count carried over would
+    # keep the 1st and 3rd, then only the 5th (3 in all)
+    kept = [r.kept_ops for r in report.regions().values()]
+    assert kept == [{"mm": (4, 4 * 4 * 8 * 4)}], kept
+    got = [w.grad.clone() for w in weights]
+    for w in weights:
+        w.grad = None
+    block(block(x)).sum().backward()
+    assert all(torch.equal(g, w.grad) for g, w in zip(got, weights, strict=True))
