@@ -233,6 +233,25 @@ def test_rule1_tags_any_name_based_policy(llama: transformers.PreTrainedModel) -
     assert _kept(by_object[2]) == _kept(by_context_fn[2]) == {("out_proj", "saved"): 2}
 
 
+def test_rule6_a_spec_tags_under_its_modules(
+    llama: transformers.PreTrainedModel, plain: tuple[Any, list[Any], Any]
+) -> None:
+    """``enable(spec=...)`` tags under each module the spec gives a MaxText preset: a layer's
+    attention keeps its projections, the other layer (``full``) keeps none; gradients equal the
+    plain run's; ``disable`` removes the tags."""
+    spec = {"model.layers.{0}.self_attn": "maxtext:save_qkv_proj", "model.layers.1": "full"}
+    ours = _step(llama, spec=spec)
+    _assert_same(ours, plain)
+    named = {key: n for key, n in _kept(ours[2]).items() if key[0] is not None}
+    assert named == {(name, "saved"): 1 for name in ("query_proj", "key_proj", "value_proj")}
+    model = copy.deepcopy(llama)
+    hf_checkpointing.enable(model, spec=spec)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert any(isinstance(h, _TagOutput) for h in q_proj._forward_hooks.values())
+    hf_checkpointing.disable(model)
+    assert not any(isinstance(h, _TagOutput) for h in q_proj._forward_hooks.values())
+
+
 def test_rule3_disable_removes_the_tags(llama: transformers.PreTrainedModel) -> None:
     """``disable`` removes every tag hook, on the model and on a deep copy of it; a second
     ``enable`` replaces the first one's tags."""

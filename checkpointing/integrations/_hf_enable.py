@@ -110,8 +110,9 @@ NOTE [transformers integration]
   Rule 15. A policy that keeps tensors by MaxText's names (``"maxtext:minimal"``,
           ``policies.maxtext(...)``, or ``save_only_these_names("query_proj", ...)``) finds
           them tagged: ``enable`` puts tag hooks on the layers' projections for the names the
-          policy asks for (given as ``policy=``, its name, or a ``context_fn=`` running it), and
-          ``disable`` removes them (NOTE [transformers tags] in ``_hf_tags``).
+          policy asks for (given as ``policy=``, its name, or a ``context_fn=`` running it; with
+          ``spec=``, under each module the spec gives such a policy), and ``disable`` removes
+          them (NOTE [transformers tags] in ``_hf_tags``).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ from ..policies import (
 from ._hf_budget import check_no_plan, has_plan, install_plan, remove_plan
 from ._hf_kwargs import from_hf_kwargs
 from ._hf_spec import check_no_spec, has_spec, install_spec, remove_spec
-from ._hf_tags import tag_layers, untag_layers
+from ._hf_tags import tag_layers, tag_spec, untag_layers
 from ._hf_tiling import check_tile_mlp, tile_layers, untile_layers
 
 __all__ = [
@@ -480,6 +481,7 @@ def enable(
             _remove_input_hooks(base, input_hooks)
             raise
         _install_switches(base, input_hooks)
+        tag_spec(base, result)  # Rule 15
         return result
     if policy is None and isinstance(checkpoint_options.get("context_fn"), str):
         policy = checkpoint_options.pop("context_fn")  # a name is its policy (Rule 12)

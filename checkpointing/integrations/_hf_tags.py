@@ -1,12 +1,13 @@
 """MaxText's tensor names on a transformers model's layers: the tags a name-based policy reads.
 
-Owns ``tag_layers(model, policy)`` and ``untag_layers(model)``: forward hooks on the submodules
-of a model's ``GradientCheckpointingLayer`` blocks that name their outputs (and the attention
+Owns ``tag_layers(model, context_fn)``, ``tag_spec(model, applied)`` and ``untag_layers(model)``:
+forward hooks on the submodules of a model's ``GradientCheckpointingLayer`` blocks (or of the
+modules a spec gave a policy) that name their outputs (and the attention
 output projection's input) with ``checkpointing.policies.tag``, by MaxText's names
 (``query_proj``, ``out_proj``, ``mlpwi_0``, ...; NOTE [MaxText presets] in
 ``checkpointing/_presets.py``), so that ``policies.maxtext(...)`` and any
 ``save_only_these_names``/``offload_these_names`` over those names keep them. ``_hf_enable``
-calls both; the tags' meaning is the policies'.
+calls them; the tags' meaning is the policies'.
 
 NOTE [transformers tags]
   Rule 1. A layer's submodule is named by its attribute name (the last part of its path), the
@@ -35,12 +36,17 @@ NOTE [transformers tags]
           ``policy=`` (or its name), a policy given as ``context_fn=``, or
           ``as_context_fn(policy, ...)`` (with an ``OffloadStats``, say). A ``context_fn`` of
           any other kind names nothing, and nothing is tagged.
+  Rule 6. With ``enable(spec=...)``, each module the spec gives a policy is tagged under it
+          with the names that policy asks for (the module itself too: a spec may pick
+          ``q_proj``), as a layer is under ``policy=``; modules under two such policies are
+          hooked once per name.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
@@ -51,9 +57,10 @@ from .. import _compat
 from .._presets import MAXTEXT_NAMES
 from .._selective import create_selective_checkpoint_contexts
 from .._selective.unkept import asked_of
+from .._spec import AppliedSpec
 from ..policies import tag
 
-__all__ = ["tag_layers", "untag_layers"]
+__all__ = ["tag_layers", "tag_spec", "untag_layers"]
 
 # Rule 1: a submodule's attribute name -> the MaxText name of its output.
 _OUTPUT_NAMES: Final = {
@@ -123,26 +130,50 @@ class _TagInput:
 def tag_layers(model: nn.Module, context_fn: object) -> None:
     """Tag the MaxText names that the policy ``context_fn`` runs asks for on ``model``'s layers
     (Rules 1-3); none when it asks for none. Warns of asked names no submodule makes (Rule 2)."""
-    untag_layers(model)
     policy = _policy_in(context_fn)
-    asked = set(asked_of(policy).names & MAXTEXT_NAMES.keys())
-    if not asked:
-        return
+    roots = [
+        (name, layer, policy)
+        for name, layer in model.named_modules()
+        if isinstance(layer, GradientCheckpointingLayer)
+    ]
+    _tag(model, roots)
+
+
+def tag_spec(model: nn.Module, applied: AppliedSpec) -> None:
+    """Rule 6: tag, under each module a spec gave a policy, the MaxText names that policy asks
+    for (the module itself included, when it is a named projection)."""
+    roots = [
+        (selected.name, selected.module, selected.action.policy)
+        for selected in applied.selected
+        if selected.action.kind == "policy"
+    ]
+    _tag(model, roots)
+
+
+def _tag(model: nn.Module, roots: Sequence[tuple[str, nn.Module, object]]) -> None:
+    """Rules 1-3: the previous tags removed, each root's asked names tagged under it (once per
+    module and name), a warning for the names asked that nothing made."""
+    untag_layers(model)
+    asked_anywhere: set[str] = set()
     made: set[str] = set()
-    for layer in model.modules():
-        if isinstance(layer, GradientCheckpointingLayer):
-            made |= _tag_layer(layer, asked)
+    hooked: set[tuple[int, str]] = set()
+    for prefix, root, policy in roots:
+        asked = set(asked_of(policy).names & MAXTEXT_NAMES.keys())
+        asked_anywhere |= asked
+        if asked:
+            made |= _tag_under(prefix, root, asked, hooked)
     missing = sorted(
         name
-        for name in asked - made - {"decoder_layer_input"}  # an input: kept anyway
+        for name in asked_anywhere - made - {"decoder_layer_input"}  # an input: kept anyway
         if not made.intersection(_ALTERNATIVES.get(name, ()))
     )
     if missing:
+        policies = ", ".join(sorted({repr(policy) for _, _, policy in roots}))
         modules = ", ".join(sorted(_OUTPUT_NAMES))
         message = _MSG_UNTAGGED.format(
-            policy=policy, names=missing, cls=type(model).__name__, modules=modules
+            policy=policies, names=missing, cls=type(model).__name__, modules=modules
         )
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def _policy_in(context_fn: object) -> object:
@@ -157,11 +188,14 @@ def _policy_in(context_fn: object) -> object:
     return context_fn
 
 
-def _tag_layer(layer: nn.Module, asked: set[str]) -> set[str]:
-    """Hook the submodules of ``layer`` whose names' tags are ``asked`` (Rule 1); the names."""
+def _tag_under(
+    prefix: str, root: nn.Module, asked: set[str], hooked: set[tuple[int, str]]
+) -> set[str]:
+    """Hook ``root`` and its submodules whose names' tags are ``asked`` (Rule 1), each module
+    and name once (``hooked``); the names made."""
     made: set[str] = set()
     named: list[str] = []
-    for path, module in layer.named_modules():
+    for path, module in root.named_modules(prefix=prefix):
         if any(path.startswith(outer + ".") for outer in named):
             continue  # Rule 1: inside a named module
         attribute = path.rpartition(".")[2]
@@ -169,13 +203,18 @@ def _tag_layer(layer: nn.Module, asked: set[str]) -> set[str]:
         if output_name is None:
             continue
         named.append(path)
-        if output_name in asked:
-            module.register_forward_hook(_TagOutput(output_name))
-            made.add(output_name)
         input_name = _INPUT_NAMES.get(attribute)
-        if input_name is not None and input_name in asked:
-            module.register_forward_pre_hook(_TagInput(input_name))
-            made.add(input_name)
+        for name, is_input in ((output_name, False), (input_name, True)):
+            if name is None or name not in asked:
+                continue
+            made.add(name)
+            if (id(module), name) in hooked:
+                continue
+            hooked.add((id(module), name))
+            if is_input:
+                module.register_forward_pre_hook(_TagInput(name))
+            else:
+                module.register_forward_hook(_TagOutput(name))
     return made
 
 
