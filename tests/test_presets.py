@@ -133,6 +133,8 @@ def test_a_preset_by_name_on_tagged_code_keeps_the_tensor() -> None:
 
 
 # --- On Hugging Face models ----------------------------------------------------------------
+# Marked ``once`` (CI's first stage only), as the other tests of the optional transformers
+# integration: the policies and tags they run are tested above on every release.
 
 
 def _ids() -> torch.Tensor:
@@ -184,6 +186,7 @@ def plain(llama: transformers.PreTrainedModel) -> tuple[Any, list[Any], Any]:
     return _step(llama)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("preset", sorted(MAXTEXT))
 def test_preset_on_llama_keeps_maxtexts_tensors(
     preset: str, llama: transformers.PreTrainedModel, plain: tuple[Any, list[Any], Any]
@@ -203,6 +206,7 @@ def test_preset_on_llama_keeps_maxtexts_tensors(
     assert (offloaded_bytes > 0) == bool(offloaded)
 
 
+@pytest.mark.once
 def test_rule4_tagged_bytes_are_the_projections(llama: transformers.PreTrainedModel) -> None:
     """``qkv_proj_offloaded`` moves exactly the three projections' outputs (pre-rotary, as
     Rule 4 says) to host: per layer 2x16 tokens x (32 + 16 + 16) float32 features."""
@@ -210,6 +214,7 @@ def test_rule4_tagged_bytes_are_the_projections(llama: transformers.PreTrainedMo
     assert report.bytes_by_decision()["offloaded"] == 2 * BATCH * SEQ * (32 + 16 + 16) * 4
 
 
+@pytest.mark.once
 def test_rule5_offload_stats_count_the_projections(
     llama: transformers.PreTrainedModel, plain: tuple[Any, list[Any], Any]
 ) -> None:
@@ -225,6 +230,7 @@ def test_rule5_offload_stats_count_the_projections(
     assert stats.offloaded_tensors == 2 * 3
 
 
+@pytest.mark.once
 def test_rule1_tags_any_name_based_policy(llama: transformers.PreTrainedModel) -> None:
     """A policy object over MaxText's names is tagged too, and a name given as ``context_fn``
     is read as the policy."""
@@ -233,6 +239,7 @@ def test_rule1_tags_any_name_based_policy(llama: transformers.PreTrainedModel) -
     assert _kept(by_object[2]) == _kept(by_context_fn[2]) == {("out_proj", "saved"): 2}
 
 
+@pytest.mark.once
 def test_rule6_a_spec_tags_under_its_modules(
     llama: transformers.PreTrainedModel, plain: tuple[Any, list[Any], Any]
 ) -> None:
@@ -252,6 +259,7 @@ def test_rule6_a_spec_tags_under_its_modules(
     assert not any(isinstance(h, _TagOutput) for h in q_proj._forward_hooks.values())
 
 
+@pytest.mark.once
 def test_rule3_disable_removes_the_tags(llama: transformers.PreTrainedModel) -> None:
     """``disable`` removes every tag hook, on the model and on a deep copy of it; a second
     ``enable`` replaces the first one's tags."""
@@ -292,6 +300,7 @@ def _mixtral() -> transformers.PreTrainedModel:
     return transformers.MixtralForCausalLM(config).train()
 
 
+@pytest.mark.once
 def test_rule2_mixtral_says_which_names_it_lacks() -> None:
     """On a Mixtral (fused experts: no per-projection modules), ``minimal_with_context`` keeps
     the attention's tensors and the routing, warns that MaxText's MLP names are recomputed,
@@ -327,6 +336,7 @@ def _hf_step(model: transformers.PreTrainedModel, kwargs: Any) -> tuple[Any, lis
     return loss.detach(), [p.grad for p in model.parameters()], None
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -349,6 +359,7 @@ def test_rule1_hf_kwargs_match_hf_own(kwargs: Any, llama: transformers.PreTraine
     _assert_same(ours, _hf_step(llama, kwargs))
 
 
+@pytest.mark.once
 def test_rule1_a_dict_without_use_reentrant_is_torchs_default(
     llama: transformers.PreTrainedModel,
 ) -> None:
@@ -366,6 +377,7 @@ def test_rule1_a_dict_without_use_reentrant_is_torchs_default(
         hf_checkpointing.enable(model, policy="save_matmuls", gradient_checkpointing_kwargs={})
 
 
+@pytest.mark.once
 def test_rule2_unknown_keys_list_the_known_ones(llama: transformers.PreTrainedModel) -> None:
     """A key that is no checkpoint option, a non-dict and an option given twice are errors
     (Rules 2 and 3), from ``enable`` and from the callback alike."""
@@ -389,6 +401,7 @@ def test_rule2_unknown_keys_list_the_known_ones(llama: transformers.PreTrainedMo
         )
 
 
+@pytest.mark.once
 def test_callback_takes_hf_kwargs(llama: transformers.PreTrainedModel, tmp_path: Any) -> None:
     """``CheckpointingCallback(gradient_checkpointing_kwargs=kw)`` installs what ``enable`` with
     the same dict installs, when training begins."""
