@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import gc
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,20 +25,9 @@ from torch import nn
 pytest.importorskip("torchtitan")
 pytest.importorskip("triton")  # torchtitan's model code imports it (its MoE kernels)
 
+from titan_support import build, ours, theirs
+
 import checkpointing
-
-# On torch 2.13, torchtitan's imports reach torch.utils.mkldnn, whose TorchScript decorators warn
-# that they are deprecated (pytest turns warnings into errors).
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from torchtitan.distributed import activation_checkpoint as theirs
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-    from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3
-    from torchtitan.models.llama3 import model_registry as llama3
-
-    from checkpointing.integrations import torchtitan as ours
-
-REGISTRIES = {"llama3": llama3, "deepseek_v3": deepseek_v3}
 
 pytestmark = [
     pytest.mark.once,
@@ -51,23 +38,9 @@ pytestmark = [
 FAMILIES = ("llama3", "deepseek_v3")
 
 
-@functools.cache
-def _build(family: str) -> nn.Module:
-    """torchtitan's debug model of ``family``: 2 blocks, eager SDPA, seeded weights (built once;
-    the tests run deep copies of it)."""
-    spec = REGISTRIES[family]("debugmodel")
-    spec.model.layers = spec.model.layers[:2]
-    for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
-        setattr(parent, attr, ScaledDotProductAttention.Config())
-    torch.manual_seed(0)
-    model = spec.model.build()
-    model.init_states()
-    return model
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def base(request: pytest.FixtureRequest) -> nn.Module:
-    return _build(request.param)
+    return build(request.param)
 
 
 TOKENS = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -172,7 +145,7 @@ def test_names_are_unchanged(base: nn.Module) -> None:
 
 def test_layer_mode_checkpoints_every_kth_block() -> None:
     """Rule 2: ``selective_ac_option="2"`` recomputes the 2nd block whole, leaves the 1st."""
-    base = _build("llama3")
+    base = build("llama3")
     model = _applied(base, ours.SelectiveAC.Config(selective_ac_option="2"))
     with checkpointing.saved_tensors_report(model=model) as report:
         _loss(model).backward()
@@ -208,7 +181,7 @@ def test_budget_mode_fits_its_budget_without_compile() -> None:
     eager mode; that step and the next give the plain gradients, and the planned step keeps no
     more than torchtitan's reading of the budget: half way from what full checkpointing keeps
     to what the plain step keeps (all three counted alike, the same loss)."""
-    base = _build("llama3")
+    base = build("llama3")
     plain = _step(copy.deepcopy(base))
     full = _step(_applied(base, ours.FullAC.Config()))
     model = copy.deepcopy(base)
@@ -240,7 +213,7 @@ def _grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_keep_spans_inside_blocks_are_honoured() -> None:
     """Code inside a block that says what to keep (``keeping``) is kept under our configurables:
     the plain gradients, and more bytes kept than without the span."""
-    base = _build("llama3")
+    base = build("llama3")
     plain = _grads_of(copy.deepcopy(base))
     without = _step(_applied(base, ours.FullAC.Config()))
     model = _applied(base, ours.FullAC.Config())
@@ -254,7 +227,7 @@ def test_keep_spans_inside_blocks_are_honoured() -> None:
 
 def test_spec_mode_delegates_to_apply_spec() -> None:
     """``SpecAC`` checkpoints what its ``apply_spec`` mapping says, by name."""
-    base = _build("llama3")
+    base = build("llama3")
     model = _applied(base, ours.SpecAC.Config(spec={"layers.{-1}": "torchtitan:op"}))
     with checkpointing.saved_tensors_report(model=model) as report:
         _loss(model).backward()
