@@ -9,6 +9,7 @@ the determinism and debug machinery lives in ``_determinism``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import warnings
@@ -20,10 +21,10 @@ import torch
 from . import _compat, _compiled
 from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._errors import describe_value
-from ._frame import checkpoint_without_reentrant_generator_impl, run_generator
+from ._frame import frame_generator, run_generator
+from ._options import DEFAULTS, CheckpointOptions
 from ._reentrant import CheckpointFunction
 from ._state import (
-    ContextFn,
     RecomputeStateHook,
     is_noop_context_fn,
     noop_context_fn,
@@ -203,126 +204,87 @@ def checkpoint(
             raise ValueError(_MSG_DECORATOR_KWARGS.format(names=",".join(kwargs)))
         if recompute_state_hooks is not None:
             recompute_state_hooks = hooks_read_once(recompute_state_hooks, _API)
-        return functools.partial(
-            CheckpointedFunction,
-            use_reentrant=use_reentrant,
-            preserve_rng_state=preserve_rng_state,
-            context_fn=context_fn,
-            determinism_check=determinism_check,
-            debug=debug,
-            early_stop=early_stop,
-            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-            recompute_state_hooks=recompute_state_hooks,
-            tile=tile,
+        options = CheckpointOptions(
+            use_reentrant,
+            preserve_rng_state,
+            context_fn,
+            determinism_check,
+            debug,
+            early_stop,
+            respect_saved_tensors_hooks,
+            recompute_state_hooks,
+            tile,
         )
-    if tile is not None and not _compiled.compiling():  # NOTE [Tiled regions]
-        return checkpoint_call(
-            function,
-            args,
-            kwargs,
-            use_reentrant=bool(use_reentrant),  # no warning: a tiled region is not reentrant
-            preserve_rng_state=preserve_rng_state,
-            context_fn=context_fn,
-            determinism_check=determinism_check,
-            debug=debug,
-            early_stop=early_stop,
-            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-            recompute_state_hooks=recompute_state_hooks,
-            tile=tile,
-        )
-    run: Callable[..., Any] = checkpoint_call
+        return functools.partial(CheckpointedFunction, options=options)
+    run: Callable[[Any, tuple[Any, ...], dict[str, Any], CheckpointOptions], Any] = checkpoint_call
     if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
         run = _compiled.torch_region  # a tiled region too, untiled (NOTE [Tiled regions], 9)
+    elif tile is not None:  # NOTE [Tiled regions]
+        use_reentrant = bool(use_reentrant)  # no warning: a tiled region is not reentrant
     elif use_reentrant is None:
         # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
-    return run(
-        function,
-        args,
-        kwargs,
-        use_reentrant=use_reentrant,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
-        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-        recompute_state_hooks=recompute_state_hooks,
+    if (  # See NOTE [Checkpoint options], Rule 2
+        preserve_rng_state is True
+        and context_fn is noop_context_fn
+        and determinism_check == "default"
+        and debug is False
+        and early_stop is True
+        and respect_saved_tensors_hooks is None
+        and recompute_state_hooks is None
+        and tile is None
+    ):
+        return run(function, args, kwargs, DEFAULTS[use_reentrant])
+    options = CheckpointOptions(
+        use_reentrant,
+        preserve_rng_state,
+        context_fn,
+        determinism_check,
+        debug,
+        early_stop,
+        respect_saved_tensors_hooks,
+        recompute_state_hooks,
+        tile,
     )
+    return run(function, args, kwargs, options)
 
 
 @_compat.skip_dynamo_in_code
 def checkpoint_call(
-    function: object,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    use_reentrant: bool,
-    preserve_rng_state: bool,
-    context_fn: ContextFn,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    respect_saved_tensors_hooks: bool | None,
-    recompute_state_hooks: object = None,
-    tile: Tiling | None = None,
+    function: object, args: tuple[Any, ...], kwargs: dict[str, Any], options: CheckpointOptions
 ) -> Any:
     """One checkpointed call of ``function(*args, **kwargs)`` with the options resolved (no
     ``None`` for ``use_reentrant``): what ``checkpoint`` and its decorator both run. ``kwargs``
     stay ``function``'s own, so a function may take a keyword named like an option."""
     if not callable(function):
         raise TypeError(_MSG_NOT_CALLABLE.format(type_name=type(function).__name__))
-    if tile is not None:  # NOTE [Tiled regions]
-        check_tile_options(
-            _API,
-            use_reentrant=use_reentrant,
-            context_fn=context_fn,
-            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-            recompute_state_hooks=recompute_state_hooks,
-        )
-        return run_tiled(
-            function,
-            args,
-            kwargs,
-            tile,
-            preserve_rng_state=preserve_rng_state,
-            determinism_check=determinism_check,
-            debug=debug,
-        )
-    if use_reentrant:
+    if options.tile is not None:  # NOTE [Tiled regions]
+        check_tile_options(_API, options)
+        return run_tiled(function, args, kwargs, options)
+    if options.use_reentrant:
         if kwargs:
             raise ValueError(_MSG_UNEXPECTED_KWARGS.format(names=",".join(kwargs)))
-        if (
-            not is_noop_context_fn(context_fn)
-            or debug is not False
-            or respect_saved_tensors_hooks is not None
-        ):
-            what = (
-                "context_fn"
-                if not is_noop_context_fn(context_fn)
-                else "debug=True"
-                if debug is not False
-                else f"respect_saved_tensors_hooks={respect_saved_tensors_hooks!r}"
-            )
-            raise ValueError(_MSG_REENTRANT_ONLY_DEFAULTS.format(what=what))
-        hooks = state_hooks_from(recompute_state_hooks, _API)
+        _refuse_non_reentrant_options(options)
+        hooks = state_hooks_from(options.recompute_state_hooks, _API)
         if hooks:
             function = _RestoringState(function, hooks)
-        return CheckpointFunction.apply(function, preserve_rng_state, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
-    gen = checkpoint_without_reentrant_generator_impl(
-        function,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
-        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-        recompute_state_hooks=recompute_state_hooks,
-    )
+        return CheckpointFunction.apply(function, options.preserve_rng_state, *args)  # type: ignore[no-untyped-call]  # Function.apply is untyped
+    gen = frame_generator(function, args, kwargs, options)
     return run_generator(gen, function, *args, **kwargs)
+
+
+def _refuse_non_reentrant_options(options: CheckpointOptions) -> None:
+    """The options that only the non-reentrant variant has, refused for the reentrant one."""
+    if not is_noop_context_fn(options.context_fn):
+        what = "context_fn"
+    elif options.debug is not False:
+        what = "debug=True"
+    elif options.respect_saved_tensors_hooks is not None:
+        what = f"respect_saved_tensors_hooks={options.respect_saved_tensors_hooks!r}"
+    else:
+        return
+    raise ValueError(_MSG_REENTRANT_ONLY_DEFAULTS.format(what=what))
 
 
 def check_use_reentrant(value: object, api: str, tensor_hint: str = "") -> None:
@@ -380,24 +342,30 @@ class CheckpointedFunction:
     and module, and as a method decorator binds ``self`` (the bound method is checkpointed
     with the same options)."""
 
-    def __init__(self, function: Callable[..., Any], **options: Any) -> None:
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        options: CheckpointOptions,
+        eager: CheckpointOptions | None = None,
+    ) -> None:
         self.function = function
-        self.options = options
+        self.options = options  # as the decorator was given them (NOTE [Checkpoint options], 4)
+        if eager is None:  # what an eager call runs: an omitted use_reentrant resolved
+            eager = options
+            if options.use_reentrant is None:  # tiled: no reentrant form; else torch's default
+                eager = dataclasses.replace(options, use_reentrant=options.tile is None)
+        self.eager = eager
         functools.update_wrapper(self, function, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         options = self.options
         if _compiled.compiling():  # dynamo is tracing: torch's region ([Compiled regions])
-            traced = {k: v for k, v in options.items() if k != "tile"}  # untiled (Rule 9)
-            return _compiled.torch_region(self.function, args, kwargs, **traced)
-        if options["use_reentrant"] is None and options.get("tile") is not None:
-            options = {**options, "use_reentrant": False}  # tiled: no reentrant form
-        elif options["use_reentrant"] is None:
+            return _compiled.torch_region(self.function, args, kwargs, options)  # untiled (9)
+        if options.use_reentrant is None and options.tile is None:
             # Warned here, so that the warning points at the caller's line, not at this one.
             warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
-            options = {**options, "use_reentrant": True}
         # The call's keywords stay the function's, even one named like an option (as torch).
-        return checkpoint_call(self.function, args, kwargs, **options)
+        return checkpoint_call(self.function, args, kwargs, self.eager)
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:
@@ -408,4 +376,4 @@ class CheckpointedFunction:
         bind = getattr(self.function, "__get__", None)
         if bind is None:
             return self
-        return type(self)(bind(instance, owner), **self.options)
+        return type(self)(bind(instance, owner), self.options, self.eager)

@@ -74,6 +74,7 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _compat
+from ._options import CheckpointOptions
 from ._state import (
     ContextFn,
     RecomputeStateHook,
@@ -176,37 +177,30 @@ def torch_region(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    use_reentrant: bool | None,
-    preserve_rng_state: bool,
-    context_fn: ContextFn,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    respect_saved_tensors_hooks: bool | None,
-    recompute_state_hooks: object = None,
+    options: CheckpointOptions,
 ) -> Any:
-    """One checkpointed call as torch's region (Rule 2); only reached while dynamo traces."""
-    if debug:
+    """One checkpointed call as torch's region (Rule 2); only reached while dynamo traces.
+    ``options.tile`` is not read: the compiled region is untiled (NOTE [Tiled regions], 9)."""
+    if options.debug:
         say_once("debug")
-    hooks = state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint")
+    hooks = state_hooks_from(options.recompute_state_hooks, "checkpointing.checkpoint")
     if hooks:
         say_once("state hooks")
-    options: dict[str, Any] = {}
-    if use_reentrant is not None:
-        options["use_reentrant"] = use_reentrant
-    if not preserve_rng_state:
-        options["preserve_rng_state"] = False
-    if determinism_check != "default":
-        options["determinism_check"] = determinism_check
-    if not early_stop:
-        options["early_stop"] = False
-    if not is_noop_context_fn(context_fn):
-        options["context_fn"] = context_fn
-    if respect_saved_tensors_hooks is not None and _TORCH_HAS_RESPECT:
-        options["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
+    given: dict[str, Any] = {}
+    if options.use_reentrant is not None:
+        given["use_reentrant"] = options.use_reentrant
+    if not options.preserve_rng_state:
+        given["preserve_rng_state"] = False
+    if options.determinism_check != "default":
+        given["determinism_check"] = options.determinism_check
+    if not options.early_stop:
+        given["early_stop"] = False
+    if not is_noop_context_fn(options.context_fn):
+        given["context_fn"] = options.context_fn
+    if options.respect_saved_tensors_hooks is not None and _TORCH_HAS_RESPECT:
+        given["respect_saved_tensors_hooks"] = options.respect_saved_tensors_hooks
     region = _EagerFallback(function, hooks)  # Rule 7
-    return _torch_checkpoint.checkpoint(region, *args, **options, **kwargs)
+    return _torch_checkpoint.checkpoint(region, *args, **given, **kwargs)
 
 
 class _EagerFallback:

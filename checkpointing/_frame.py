@@ -92,6 +92,7 @@ from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
 from ._hook_marks import mark_recompute, unmark_recompute
 from ._kept_span import Span
+from ._options import CheckpointOptions
 from ._recompute_context import declared, hand_respect
 from ._regions import region_label
 from ._selective import replay_taint
@@ -116,6 +117,7 @@ __all__ = [
     "checkpoint_without_reentrant_generator",
     "checkpoint_without_reentrant_generator_impl",
     "early_stop_enabled",
+    "frame_generator",
     "run_generator",
     "set_checkpoint_early_stop",
     "stop_recompute",
@@ -519,18 +521,17 @@ def checkpoint_without_reentrant_generator(
     """Torch's positional form of the generator (``fn``, the options, then ``fn``'s arguments),
     kept for code written against torch 2.13 and older; see
     ``checkpoint_without_reentrant_generator_impl``."""
-    return checkpoint_without_reentrant_generator_impl(
-        fn,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
-        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-        recompute_state_hooks=recompute_state_hooks,
+    options = CheckpointOptions(
+        False,
+        preserve_rng_state,
+        context_fn,
+        determinism_check,
+        debug,
+        early_stop,
+        respect_saved_tensors_hooks,
+        recompute_state_hooks,
     )
+    return frame_generator(fn, args, kwargs, options)
 
 
 def checkpoint_without_reentrant_generator_impl(
@@ -552,19 +553,45 @@ def checkpoint_without_reentrant_generator_impl(
     caller then runs ``fn(*args, **kwargs)`` itself; the second ``next()`` pops the hooks, checks
     the forward and ends the generator (``StopIteration``). ``close()`` or ``throw()`` at the
     pause pops the hooks too, so the caller's hook stack is exactly as before (See NOTE
-    [Nestable checkpoint], Rule 8). ``checkpoint(..., use_reentrant=False)`` drives this, and so
-    do ``checkpoint_module``'s hooks and third-party code written against torch's generator.
+    [Nestable checkpoint], Rule 8). ``checkpoint_module``'s hooks and third-party code written
+    against torch's generator drive it; ``checkpoint(..., use_reentrant=False)`` drives the
+    same generator, ``frame_generator``, with its options record (NOTE [Checkpoint options]).
     ``recompute_state_hooks`` (ours): user state restored for recompute (Rule 12).
     ``respect_saved_tensors_hooks`` reaches a selective-checkpoint forward context (ours or
     torch's), which routes what it keeps through the user's saved-tensors hooks when True.
     """
+    options = CheckpointOptions(
+        False,
+        preserve_rng_state,
+        context_fn,
+        determinism_check,
+        debug,
+        early_stop,
+        respect_saved_tensors_hooks,
+        recompute_state_hooks,
+    )
+    yield from frame_generator(fn, args, kwargs, options)
+
+
+def frame_generator(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: CheckpointOptions,
+) -> Generator[None, None, None]:
+    """``checkpoint_without_reentrant_generator_impl`` with its options as one record: what
+    ``checkpoint`` and ``checkpoint_module`` drive (``options.use_reentrant`` is not read)."""
+    debug = options.debug
+    context_fn = options.context_fn
+    recompute_state_hooks = options.recompute_state_hooks
+    preserve_rng_state = options.preserve_rng_state
     loggers: tuple[OpLogger, OpLogger] | None = None
     if debug_enabled(debug):
         stand_in = getattr(context_fn, "stand_in", None)  # a plan's draw guard: its own contexts
         if not is_noop_context_fn(context_fn if stand_in is None else stand_in()):
             raise ValueError(_MSG_DEBUG_WITH_CONTEXT_FN)
         loggers = (OpLogger(), OpLogger())
-    record_metadata = metadata_fn_for(determinism_check) is not None
+    record_metadata = metadata_fn_for(options.determinism_check) is not None
     state_hooks = (
         ()
         if recompute_state_hooks is None
@@ -578,7 +605,7 @@ def checkpoint_without_reentrant_generator_impl(
         forward_context = recompute_context = NULL_CONTEXT
     else:
         forward_context, recompute_context = context_fn()  # called once per call, as torch
-        hand_respect(forward_context, respect_saved_tensors_hooks)  # a selective checkpoint's
+        hand_respect(forward_context, options.respect_saved_tensors_hooks)  # a selective one's
     if not torch.is_grad_enabled():
         yield  # nothing will be saved: no frame, no state capture
         return
@@ -589,7 +616,7 @@ def checkpoint_without_reentrant_generator_impl(
         ForwardState(args, preserve_rng_state),
         recompute_context,
         record_metadata,
-        early_stop_enabled(early_stop),
+        early_stop_enabled(options.early_stop),
         loggers,
         state_hooks,
     )

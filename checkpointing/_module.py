@@ -41,6 +41,7 @@ instead hand the generator a small callable that switches the hooks off around t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -55,8 +56,9 @@ from ._checkpoint import check_use_reentrant
 from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
-from ._frame import checkpoint_without_reentrant_generator_impl, stop_recompute
-from ._state import ContextFn, noop_context_fn, state_hooks_from
+from ._frame import frame_generator, stop_recompute
+from ._options import CheckpointOptions
+from ._state import noop_context_fn, state_hooks_from
 from ._tiling import TiledForward, Tiling, check_tile_options, check_tiling, refuse_mixing
 
 __all__ = ["checkpoint_module", "end_at", "is_module_checkpointed", "remove_checkpoint_module"]
@@ -114,11 +116,11 @@ class _ModuleCheckpoint:
 
     __slots__ = ("open", "options", "recomputing", "traced_options")
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: CheckpointOptions) -> None:
         self.options = options
         # Rule 6: what torch's region gets while dynamo traces.
-        context_fn = _compiled.traceable_context_fn(options["context_fn"])
-        self.traced_options = {**options, "context_fn": context_fn}
+        context_fn = _compiled.traceable_context_fn(options.context_fn)
+        self.traced_options = dataclasses.replace(options, context_fn=context_fn)
         # Per thread, the open calls' generators; None where ``end_at`` ended one (Rule 7).
         self.open: dict[int, list[Generator[None, None, None] | None]] = {}
         self.recomputing: dict[int, int] = {}  # thread -> depth of re-runs in progress (Rule 3)
@@ -134,9 +136,7 @@ class _ModuleCheckpoint:
         thread = threading.get_ident()
         if self.recomputing.get(thread):
             return  # Rule 3
-        gen = checkpoint_without_reentrant_generator_impl(
-            _Rerun(module, self), args, dict(kwargs), **self.options
-        )
+        gen = frame_generator(_Rerun(module, self), args, dict(kwargs), self.options)
         next(gen)
         self.open.setdefault(thread, []).append(gen)
 
@@ -234,9 +234,7 @@ class _CheckpointedForward:
             forward = functools.partial(type(module).forward, module)
         elif not _compiled.compiling():
             return forward(*args, **kwargs)
-        return _compiled.torch_region(
-            forward, args, kwargs, use_reentrant=False, **self.state.traced_options
-        )
+        return _compiled.torch_region(forward, args, kwargs, self.state.traced_options)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (``torch.save(model)``) and deep-copied with the module it belongs to."""
@@ -318,66 +316,36 @@ def checkpoint_module(
     metadata_fn_for(determinism_check)  # Rule 5: a bad value raises its ValueError now
     if is_module_checkpointed(module):
         raise ValueError(_MSG_APPLIED_TWICE.format(type_name=type(module).__name__))
-    if tile is not None:
-        return _tile(
-            module,
-            tile,
-            preserve_rng_state,
-            context_fn,
-            determinism_check,
-            debug,
-            early_stop,
-            respect_saved_tensors_hooks,
-            recompute_state_hooks,
-        )
-    state = _ModuleCheckpoint(
-        {
-            "preserve_rng_state": preserve_rng_state,
-            "context_fn": context_fn,
-            "determinism_check": determinism_check,
-            "debug": debug,
-            "early_stop": early_stop,
-            "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
-            "recompute_state_hooks": state_hooks_from(
-                recompute_state_hooks, "checkpointing.checkpoint_module"
-            ),
-        }
+    options = CheckpointOptions(
+        False,
+        preserve_rng_state,
+        context_fn,
+        determinism_check,
+        debug,
+        early_stop,
+        respect_saved_tensors_hooks,
+        recompute_state_hooks,
+        tile,
     )
+    if tile is not None:
+        return _tile(module, tile, options)
+    hooks = state_hooks_from(recompute_state_hooks, "checkpointing.checkpoint_module")
+    state = _ModuleCheckpoint(dataclasses.replace(options, recompute_state_hooks=hooks))
     module.register_forward_pre_hook(state.pre_hook, with_kwargs=True)
     module.register_forward_hook(state.forward_hook, prepend=True, always_call=True)
     module.forward = _CheckpointedForward(module, module.__dict__.get("forward"), state)  # Rule 6
     return module
 
 
-def _tile(
-    module: nn.Module,
-    tile: Tiling,
-    preserve_rng_state: bool,
-    context_fn: ContextFn,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    respect_saved_tensors_hooks: bool | None,
-    recompute_state_hooks: object,
-) -> nn.Module:
+def _tile(module: nn.Module, tile: Tiling, options: CheckpointOptions) -> nn.Module:
     """``checkpoint_module(module, tile=...)``: the module's forward becomes a tiled region
-    (NOTE [Tiled regions]); no hooks. Options are checked now (Rule 5)."""
+    (NOTE [Tiled regions]); no hooks. Options are checked now (Rule 5); ``early_stop`` is not
+    read: a tiled region recomputes each chunk whole, there is nothing to stop early."""
     api = "checkpointing.checkpoint_module"
     check_tiling(tile, api)
-    check_tile_options(
-        api,
-        context_fn=context_fn,
-        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
-        recompute_state_hooks=recompute_state_hooks,
-    )
-    del early_stop  # a tiled region recomputes each chunk whole: nothing to stop early
+    check_tile_options(api, options)
     refuse_mixing(module, api)
-    options = {
-        "preserve_rng_state": preserve_rng_state,
-        "determinism_check": determinism_check,
-        "debug": debug,
-    }
-    module.forward = TiledForward(module, module.__dict__.get("forward"), tile, options)
+    module.forward = TiledForward(module, module.__dict__.get("forward"), options)
     return module
 
 

@@ -75,6 +75,7 @@ from torch import nn
 from . import _compat, _compiled
 from ._determinism import debug_enabled, metadata_fn_for
 from ._errors import describe_value, internal_error
+from ._options import CheckpointOptions
 from ._state import noop_context_fn
 from ._tiled_run import TiledNode, TiledRun
 
@@ -211,39 +212,28 @@ def tiled(
     """
     tiling = Tiling(dim=dim, chunks=chunks, chunk_size=chunk_size, split=split)
     metadata_fn_for(determinism_check)  # a bad value raises now
-    return TiledFunction(function, tiling, preserve_rng_state, determinism_check, debug)
+    options = CheckpointOptions(
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        tile=tiling,
+    )
+    return TiledFunction(function, options)
 
 
 class TiledFunction:
     """What ``tiled`` returns: calling it runs one tiled region."""
 
-    def __init__(
-        self,
-        function: Callable[..., Any],
-        tiling: Tiling,
-        preserve_rng_state: bool,
-        determinism_check: str,
-        debug: bool,
-    ) -> None:
+    def __init__(self, function: Callable[..., Any], options: CheckpointOptions) -> None:
         if not callable(function):
             raise TypeError(_MSG_NOT_CALLABLE.format(got=describe_value(function)))
         self.function = function
-        self.tiling = tiling
-        self.options = (preserve_rng_state, determinism_check, debug)
+        self.options = options  # its ``tile`` is the region's ``Tiling``
         functools.update_wrapper(self, function, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        preserve, check, debug = self.options
-        return run_tiled(
-            self.function,
-            args,
-            kwargs,
-            self.tiling,
-            preserve_rng_state=preserve,
-            determinism_check=check,
-            debug=debug,
-            api="checkpointing.tiled",
-        )
+        return run_tiled(self.function, args, kwargs, self.options, api="checkpointing.tiled")
 
 
 # Modules whose output at one position reads other positions (Rule 7).
@@ -277,25 +267,37 @@ def refuse_mixing(module: nn.Module, api: str) -> None:
             )
 
 
-def check_tiling(tile: object, api: str) -> None:
-    """Raise unless ``tile`` is a ``Tiling``."""
+def check_tiling(tile: object, api: str) -> Tiling:
+    """``tile``, or raise unless it is a ``Tiling``."""
     if not isinstance(tile, Tiling):
         raise TypeError(_MSG_NOT_A_TILING.format(api=api, got=describe_value(tile)))
+    return tile
 
 
-def check_tile_options(api: str, **options: Any) -> None:
+def check_tile_options(api: str, options: CheckpointOptions) -> None:
     """The checkpoint options that have no meaning for a tiled region are refused."""
-    reasons = {
-        "use_reentrant": "the reentrant variant has no tiled form.",
-        "context_fn": "a selective policy would keep nothing (no chunk's graph outlives it).",
-        "respect_saved_tensors_hooks": "it applies to what a selective policy keeps.",
-        "recompute_state_hooks": "user state is not restored per chunk.",
-    }
-    for option, value in options.items():
-        if option == "context_fn" and value is noop_context_fn:
-            continue
-        if value not in (None, False) and option in reasons:
-            raise ValueError(_MSG_OPTION.format(api=api, option=option, why=reasons[option]))
+    context_fn = None if options.context_fn is noop_context_fn else options.context_fn
+    refused = (
+        ("use_reentrant", options.use_reentrant, "the reentrant variant has no tiled form."),
+        (
+            "context_fn",
+            context_fn,
+            "a selective policy would keep nothing (no chunk's graph outlives it).",
+        ),
+        (
+            "respect_saved_tensors_hooks",
+            options.respect_saved_tensors_hooks,
+            "it applies to what a selective policy keeps.",
+        ),
+        (
+            "recompute_state_hooks",
+            options.recompute_state_hooks,
+            "user state is not restored per chunk.",
+        ),
+    )
+    for option, value, why in refused:
+        if value not in (None, False):
+            raise ValueError(_MSG_OPTION.format(api=api, option=option, why=why))
 
 
 def module_parameters(function: object) -> tuple[torch.Tensor, ...]:
@@ -310,42 +312,39 @@ def run_tiled(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    tiling: Tiling,
+    options: CheckpointOptions,
     *,
     params: tuple[torch.Tensor, ...] | None = None,
-    preserve_rng_state: bool = True,
-    determinism_check: str = "default",
-    debug: bool = False,
     api: str = "checkpointing.checkpoint",
 ) -> Any:
-    """One call of a tiled region (NOTE [Tiled regions]): forward chunk by chunk, and, when
-    autograd records, the node that recomputes chunk by chunk in backward."""
-    check_tiling(tiling, api)
+    """One call of a tiled region (NOTE [Tiled regions]) declared by ``options.tile``: forward
+    chunk by chunk, and, when autograd records, the node that recomputes chunk by chunk in
+    backward. Of the other options it reads ``preserve_rng_state``, ``determinism_check`` and
+    ``debug`` (``check_tile_options`` has refused those with no tiled meaning)."""
+    tiling = check_tiling(options.tile, api)
     if _compiled.compiling():  # Rule 9
         return _compiled.torch_region(
             function,
             args,
             kwargs,
-            use_reentrant=False,
-            preserve_rng_state=preserve_rng_state,
-            context_fn=noop_context_fn,
-            determinism_check=determinism_check,
-            debug=False,
-            early_stop=True,
-            respect_saved_tensors_hooks=None,
+            CheckpointOptions(
+                use_reentrant=False,
+                preserve_rng_state=options.preserve_rng_state,
+                determinism_check=options.determinism_check,
+            ),
         )
     if isinstance(function, nn.Module):
         refuse_mixing(function, api)
     if params is None:
         params = module_parameters(function)
     run = TiledRun(function, args, kwargs, tiling.dim, tiling.split, tiling.bounds, params, api)
-    run.check_values = metadata_fn_for(determinism_check) is not None
-    run.probe = debug_enabled(debug)
+    run.check_values = metadata_fn_for(options.determinism_check) is not None
+    run.probe = debug_enabled(options.debug)
     wants_grad = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     if not torch.is_grad_enabled() or not (wants_grad or params):
         with torch.no_grad():
             return run.rebuild(run.forward(args, capture=None))
-    run.preserve = preserve_rng_state
+    run.preserve = options.preserve_rng_state
     run.grad_args = wants_grad
     run.saved = _compat.save_inputs(args)  # Rule 2: saved before any chunk runs
     inputs = [args[i] for i in wants_grad]
@@ -358,19 +357,14 @@ class TiledForward:
     forward (the class's, or an instance ``forward`` set before) as a tiled region whose
     parameters are the module's. It holds the module weakly (no cycle)."""
 
-    __slots__ = ("__weakref__", "module", "options", "own", "tiling")
+    __slots__ = ("__weakref__", "module", "options", "own")
 
     def __init__(
-        self,
-        module: nn.Module,
-        own: Callable[..., Any] | None,
-        tiling: Tiling,
-        options: dict[str, Any],
+        self, module: nn.Module, own: Callable[..., Any] | None, options: CheckpointOptions
     ) -> None:
         self.module = weakref.ref(module)
         self.own = own
-        self.tiling = tiling
-        self.options = options
+        self.options = options  # its ``tile`` is the region's ``Tiling``
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module()
@@ -382,12 +376,11 @@ class TiledForward:
             forward,
             args,
             kwargs,
-            self.tiling,
+            self.options,
             params=params,
             api="checkpointing.checkpoint_module",
-            **self.options,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled and deep-copied with the module it belongs to."""
-        return (type(self), (self.module(), self.own, self.tiling, self.options))
+        return (type(self), (self.module(), self.own, self.options))
