@@ -90,7 +90,7 @@ from ._determinism import (
 )
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
-from ._hook_marks import mark_recompute, unmark_recompute
+from ._hook_marks import mark_recompute, mark_unpack_frame, unmark_recompute
 from ._kept_span import Span
 from ._options import CheckpointOptions
 from ._recompute_context import declared, hand_respect
@@ -368,8 +368,7 @@ class Frame:
             except CheckpointError as error:
                 debug_error(error, *loggers)
 
-        unpack_reporting.frame = self  # type: ignore[attr-defined]  # reports find the frame
-        return unpack_reporting
+        return mark_unpack_frame(unpack_reporting, self)  # reports find the frame
 
     # -- backward -----------------------------------------------------------------------------
 

@@ -1,10 +1,12 @@
-"""Ground floor: the marks a pack hook of ours carries on autograd's saved-tensors stack.
+"""Ground floor: the marks our saved-tensors hooks carry, on the stack and in the graph.
 
-What checkpoint machinery must know about the pack hook on top of the stack travels as attributes
-of that hook. This module names each mark once, with who sets it and who reads it, and gives the
-typed accessors through which the rest of the package reads them: no other module probes a hook
-with ``getattr(pack, "<mark>", default)``. It imports nothing of the package but ``_compat``, so
-any floor may use it.
+What checkpoint machinery must know about the pack hook on top of the stack, and what a report
+must know about the unpack hook a graph node holds, travels as attributes of that hook (or of the
+object whose bound method it is). This module names each mark once (``MARKS``), with who sets it
+and who reads it, and gives the typed accessors through which the rest of the package reads
+them: no other module probes a hook with ``getattr(hook, "<mark>", default)``
+(``tests/test_house.py`` checks it). It imports nothing of the package but ``_compat``, so any
+floor may use it.
 
 The marks:
 
@@ -20,6 +22,13 @@ The marks:
   so a selective replay under it may skip ops (NOTE [Selective checkpoint cache], Rule 14).
 - ``watches_kept_spans``: on the planner's profile hook (``SpanWatch``): a kept span under it
   hands itself to the watch (NOTE [Kept spans], Rule 11).
+- ``frame``, ``region_label``: on unpack hooks the graph holds, for the report that walks it
+  without unpacking (NOTE [Report from a graph], Rule 2), read through ``unpack_frame`` and
+  ``span_region``. ``frame`` is the frame whose holders the hook hands out: set by
+  ``mark_unpack_frame`` on a frame's unpack hook with debug loggers (a closure; without them the
+  hook is ``partial(unpack_holder, frame)``, which names the frame itself), and carried by a kept
+  span's hook pair (``_keep._SpanHooks``, whose bound ``unpack`` is the hook), which also
+  carries ``region_label``, how reports name the span.
 
 Rejected: a registry of our hooks (a dict from hook to role): the stack already holds the hook,
 and a registry would need its own clean-up when a hook leaves the stack or dies with the graph.
@@ -27,20 +36,40 @@ and a registry would need its own clean-up when a hook leaves the stack or dies 
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 from . import _compat
 
 __all__ = [
+    "MARKS",
     "CheckpointInternal",
+    "FrameUnpack",
     "RecomputePack",
     "guards_replay_skips",
     "mark_recompute",
+    "mark_unpack_frame",
     "replaying_pack",
+    "span_region",
     "unmark_recompute",
+    "unpack_frame",
     "watches_kept_spans",
 ]
+
+# Every mark's name: read by getattr here only (tests/test_house.py holds the rest to it).
+MARKS: Final = frozenset(
+    {
+        "_checkpoint_internal",
+        "_user_hooks",
+        "frame",
+        "guards_replay_skips",
+        "region_label",
+        "replaying",
+        "spans_seen",
+        "watches_kept_spans",
+    }
+)
 
 
 class CheckpointInternal(Protocol):
@@ -98,3 +127,45 @@ def watches_kept_spans(pack: object) -> bool:
     """Whether ``pack`` is the planner's profile hook, to which kept spans hand themselves
     (NOTE [Kept spans], Rule 11)."""
     return getattr(pack, "watches_kept_spans", False) is True
+
+
+class FrameUnpack(Protocol):
+    """An unpack hook that names the frame whose holders it hands out (``mark_unpack_frame``)."""
+
+    frame: Any  # the ``_frame.Frame`` (typed loosely: floor 0)
+
+    def __call__(self, packed: Any, /) -> Any: ...
+
+
+def mark_unpack_frame(unpack: Callable[[Any], Any], frame: object) -> FrameUnpack:
+    """Name ``frame`` on its unpack hook ``unpack``, for reports that walk the graph."""
+    marked = cast(FrameUnpack, unpack)
+    marked.frame = frame
+    return marked
+
+
+def _carriers(hook: object) -> tuple[object, ...]:
+    """Where an unpack hook's marks sit: on the hook, and on the object it is a bound method of
+    (a kept span's hook pair unpacks with its ``unpack`` method)."""
+    if isinstance(hook, types.MethodType):
+        return (hook, hook.__self__)
+    return (hook,)
+
+
+def unpack_frame(hook: object) -> object | None:
+    """The ``frame`` mark of unpack hook ``hook`` (or of its bound owner), else None; the caller
+    checks that it is a frame."""
+    for carrier in _carriers(hook):
+        frame: object = getattr(carrier, "frame", None)
+        if frame is not None:
+            return frame
+    return None
+
+
+def span_region(hook: object) -> str | None:
+    """The ``region_label`` mark of a kept span's unpack hook (on its hook pair), else None."""
+    for carrier in _carriers(hook):
+        label = getattr(carrier, "region_label", None)
+        if isinstance(label, str):
+            return label
+    return None

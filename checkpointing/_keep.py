@@ -219,8 +219,9 @@ def _same_states(
 class _SpanHooks:
     """The saved-tensors hook pair of one span in forward (Rule 2): the object itself packs,
     and is checkpoint-internal (NOTE [Nestable checkpoint], Rule 10) so that a checkpoint or a
-    selective policy inside the span sees the user's hooks, not ours. ``region_label`` names
-    the span for reports (``saved_tensors_report`` reads it from the graph)."""
+    selective policy inside the span sees the user's hooks, not ours. ``frame`` and
+    ``region_label`` (the span's name in reports) are marks of its unpack hook (``_hook_marks``):
+    ``saved_tensors_report`` reads them from the graph."""
 
     __slots__ = (
         "_user_hooks",

@@ -1,6 +1,7 @@
 """House rules: no module of the package over ``MOST_CODE_LINES`` lines of code (documentation
 does not count), every annotation-only import that closes a circle says so where it is made,
-private torch is reached only through ``checkpointing/_compat/``, no test file imports another
+private torch is reached only through ``checkpointing/_compat/``, the marks on our saved-tensors
+hooks are read only through ``checkpointing/_hook_marks.py``, no test file imports another
 (what tests share lives in ``tests/*_support.py``), and no file cites the design notes the project
 was built from (a reader of the repository does not have them: a comment states its reason
 itself). The import cycles that run are checked by ``test_structure.py``; both read the package
@@ -15,6 +16,8 @@ from types import ModuleType
 
 import pytest
 from structure_support import ROOT, load_structure
+
+from checkpointing._hook_marks import MARKS
 
 # Run in CI's first stage only (the `once` marker): these checks read the source tree, the same
 # on every torch release.
@@ -214,6 +217,46 @@ def test_only_compat_reaches_private_torch() -> None:
     """Private torch APIs are reached only through ``checkpointing/_compat/``, the one place to
     fix when torch moves them."""
     assert private_torch_uses(ROOT / "checkpointing") == {}
+
+
+def mark_probes(package: Path, marks: frozenset[str]) -> list[str]:
+    """``path:line`` of each ``getattr``/``hasattr`` call that reads one of ``marks`` by name in
+    a module under ``package`` other than ``_hook_marks.py`` and those of ``_compat/``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).parts
+        if "_compat" in parts or path.name == "_hook_marks.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in marks
+            ):
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    return found
+
+
+def test_the_mark_check_can_fail(tmp_path: Path) -> None:
+    """A mark read by getattr or hasattr is found outside ``_hook_marks.py`` and ``_compat/``;
+    there, and reads of other names, pass."""
+    package = tmp_path / "pkg"
+    (package / "_compat").mkdir(parents=True)
+    (package / "_compat" / "a.py").write_text("x = getattr(hook, 'frame', None)\n")
+    (package / "_hook_marks.py").write_text("x = getattr(hook, 'frame', None)\n")
+    (package / "b.py").write_text("y = 1\nx = getattr(hook.__self__, 'region_label')\n")
+    (package / "c.py").write_text("x = hasattr(hook, 'frame') or getattr(hook, 'name', None)\n")
+    marks = frozenset({"frame", "region_label"})
+    assert mark_probes(package, marks) == ["pkg/b.py:2", "pkg/c.py:1"]
+
+
+def test_hook_marks_are_read_through_hook_marks() -> None:
+    """The marks on our saved-tensors hooks are set and read through ``_hook_marks``' typed
+    accessors, one protocol in one place: no other module probes a hook for one by name."""
+    assert mark_probes(ROOT / "checkpointing", MARKS) == []
 
 
 def test_no_test_file_imports_another() -> None:

@@ -66,6 +66,7 @@ from .._compression import Packed
 from .._errors import describe_value
 from .._events import Decision, Kept, tag_name
 from .._frame import Frame, Holder, unpack_holder
+from .._hook_marks import span_region, unpack_frame
 from .._keep import held_outputs
 from .._regions import RegionNames, naming
 from .._scope.router import _Delegated, _Passed
@@ -241,7 +242,7 @@ class _Walk:
             shape, dtype, _ = packed.meta
             self.add_meta(key, shape, dtype, "scope", _saved_by(saver, producer))
             return
-        label = _region_label(hook)
+        label = span_region(hook)
         if isinstance(packed, Holder):
             found = _frame_of(hook)
             if found is None:
@@ -426,29 +427,13 @@ def _entries(slot: object) -> list[Any]:
 
 def _frame_of(hook: Any) -> Frame | None:
     """The frame a holder's unpack hook recomputes with (Rule 2): ``partial(unpack_holder,
-    frame)``, a closure that carries it as ``frame`` (debug loggers), or a ``keep`` span's
-    hooks, which carry it too."""
-    owner: Any = None
+    frame)``, else the hook's ``frame`` mark (``_hook_marks``: a frame's unpack hook with debug
+    loggers, a ``keep`` span's hooks)."""
     if isinstance(hook, functools.partial) and hook.func is unpack_holder and hook.args:
         owner = hook.args[0]
     else:
-        owner = getattr(hook, "frame", None) or getattr(
-            getattr(hook, "__self__", None), "frame", None
-        )
-        if owner is None:
-            cells = getattr(hook, "__closure__", None) or ()
-            owner = next(
-                (c.cell_contents for c in cells if isinstance(c.cell_contents, Frame)), None
-            )
+        owner = unpack_frame(hook)
     return owner if isinstance(owner, Frame) else None
-
-
-def _region_label(hook: Any) -> str | None:
-    """A ``keep`` span's region (its hooks carry ``region_label``), else None."""
-    label = getattr(hook, "region_label", None)
-    if label is None:
-        label = getattr(getattr(hook, "__self__", None), "region_label", None)
-    return label if isinstance(label, str) else None
 
 
 def _is_activation(tensor: torch.Tensor) -> bool:
