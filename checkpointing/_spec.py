@@ -16,7 +16,8 @@ NOTE [Spec selection]
           module.
   Rule 3. The root is never selected (checkpoint the model around the call instead); a module
           already checkpointed (``checkpoint_module``, a wrapper, a plan) is an error: twice
-          would recompute it twice per backward.
+          would recompute it twice per backward. So is a model with transformers' own
+          checkpointing on (a module with ``gradient_checkpointing=True`` and a function).
   Rule 4. A module that gets ``full``, ``offload`` or a policy becomes one checkpointed region
           through ``checkpoint_module`` (names, types and ``state_dict`` keys unchanged).
           Selected modules may nest (a layer and its MLP): nested regions, as nested
@@ -97,6 +98,13 @@ _MSG_INDEX = (
     "checkpointing.{api}: the layer index {index} is out of range: the {type} it picks from "
     "has {n} integer-named children (indices 0 to {last}, or -{n} to -1 from the end). Fix: pick "
     "an index in that range, or use a slice, which takes what exists."
+)
+_MSG_FLAGS = (
+    "checkpointing.{api}: transformers' own activation checkpointing is on (the module {name!r} "
+    "has gradient_checkpointing=True); the spec's regions would checkpoint inside or around "
+    "it, twice. Fix: model.activation_checkpointing_disable() (or "
+    "checkpointing.integrations.transformers.disable(model)) first, or pass the spec to "
+    "checkpointing.integrations.transformers.enable(model, spec=...)."
 )
 _MSG_NOT_MODULE = (
     "checkpointing.{api}: expected an nn.Module, got {got}. Fix: pass the model, e.g. "
@@ -283,6 +291,10 @@ def select(model: nn.Module, spec: Mapping[str, Any], api: str) -> list[Selected
     for _, action, name, module in chosen:
         if action.kind != "none" and _already(module):
             raise ValueError(_MSG_ALREADY.format(api=api, name=name, type=type(module).__name__))
+    if any(action.kind != "none" for _, action, _, _ in chosen):
+        flagged = next((n for n, m in model.named_modules() if _flagged(m)), None)
+        if flagged is not None:
+            raise ValueError(_MSG_FLAGS.format(api=api, name=flagged))
     return [Selected(name, module, action, sel.key) for sel, action, name, module in chosen]
 
 
@@ -311,6 +323,13 @@ def _keep_most_specific(
                 spec=selector.specificity,
             )
         )
+
+
+def _flagged(module: nn.Module) -> bool:
+    """Rule 3: a transformers layer whose own checkpointing is on (its flag, and a function)."""
+    return getattr(module, "gradient_checkpointing", False) is True and callable(
+        getattr(module, "_gradient_checkpointing_func", None)
+    )
 
 
 def _already(module: nn.Module) -> bool:

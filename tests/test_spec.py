@@ -124,6 +124,20 @@ def test_hf_default_cache_is_turned_off_while_training() -> None:
     assert not model._forward_pre_hooks
 
 
+def test_transformers_own_checkpointing_is_refused() -> None:
+    """NOTE [Spec selection], Rule 3: a model whose layers run transformers' checkpointing is
+    refused (the regions would nest in it); a dry run of only ``none`` values is not."""
+    model, _ = _hf("llama")
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"transformers' own activation checkpointing is on"):
+        apply_spec(model, {"model.layers.*.mlp": "full"})
+    assert apply_spec(model, {"model.layers.0": None}, dry_run=True).actions() == {
+        "model.layers.0": "none"
+    }
+    model.activation_checkpointing_disable()
+    apply_spec(model, {"model.layers.*.mlp": "full"}).remove()
+
+
 def test_hf_spec_from_toml_equals_the_dict() -> None:
     """The TOML text of a spec selects what the dict selects."""
     model, _ = _hf("llama")
