@@ -228,6 +228,7 @@ def checkpoint(
     if (  # See NOTE [Checkpoint options], Rule 2
         preserve_rng_state is True
         and context_fn is noop_context_fn
+        and type(determinism_check) is str  # no other type's __eq__ runs here
         and determinism_check == "default"
         and debug is False
         and early_stop is True
