@@ -4,9 +4,9 @@ Each rank builds torchtitan's llama3 debug model (``titan_support``), applies a 
 torchtitan's parallelize function does (activation checkpointing first), then shards it with
 torchtitan's own ``apply_fsdp_to_decoder`` over a 2-rank CPU mesh, and trains one step on its own
 tokens. Ours and torchtitan's ``FullAC``/``SelectiveAC`` give bitwise the gradients of the
-unwrapped sharded step; the eager budget refuses the sharded model at its first step with the
-error that says how to plan it (NOTE [Budget at the first step], Rule 3). One pair of processes
-runs every case (``dist_support``).
+unwrapped sharded step, and so does the eager budget, planned inside the first sharded step
+(NOTE [Budget at the first step], Rules 3 and 4). One pair of processes runs every case
+(``dist_support``).
 """
 
 from __future__ import annotations
@@ -74,21 +74,37 @@ def _train(config: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _budget() -> dict[str, str]:
-    """The eager budget on the sharded model: refused at the first training step."""
+def _budget() -> dict[str, Any]:
+    """The eager budget on the sharded model: planned inside the first sharded step; that step's
+    and the next step's gradients, and the plan installed."""
     model = copy.deepcopy(build("llama3"))
+    ac = ours.MemoryBudgetAC.Config(memory_budget=0.5).build()
+    ac.apply(model)
+    _shard(model)
+    steps = []
+    for _ in range(2):
+        model(_tokens()).float().pow(2).mean().backward()
+        steps.append({name: p.grad.full_tensor() for name, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    return {"steps": steps, "plan": ac.plan.to_json()}
+
+
+def _root_parameters() -> str:
+    """A sharded root that holds a parameter of its own is refused at the first step."""
+    model = copy.deepcopy(build("llama3"))
+    model.register_parameter("scale", nn.Parameter(torch.ones(1)))
     ours.MemoryBudgetAC.Config(memory_budget=0.5).build().apply(model)
     _shard(model)
     try:
         model(_tokens())
     except ValueError as error:
-        return {"refused": str(error)}
-    return {"refused": ""}
+        return str(error)
+    return ""
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     cases = {name: functools.partial(_train, config) for name, config in CONFIGS.items()}
-    run_cases(rank, port, out_dir, {**cases, "budget": _budget})
+    run_cases(rank, port, out_dir, {**cases, "budget": _budget, "root": _root_parameters})
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +128,24 @@ def test_sharded_gradients_match_the_plain_sharded_step(
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_budget_refuses_a_sharded_model(results: list[dict[str, Any]], rank: int) -> None:
-    """NOTE [Budget at the first step], Rule 3: the error names FSDP2 and the fix."""
-    refused = case_result(results, "budget", rank)["refused"]
-    assert "FSDP2" in refused
-    assert "plan_checkpointing" in refused
+def test_budget_plans_inside_the_sharded_step(results: list[dict[str, Any]], rank: int) -> None:
+    """NOTE [Budget at the first step], Rules 3 and 4: planned inside torchtitan's sharded model,
+    the planning step and the next give bitwise the plain sharded step's gradients, and both
+    ranks install one plan, which checkpoints a block."""
+    got, want = case_result(results, "budget", rank), case_result(results, "plain", rank)
+    for step in got["steps"]:
+        assert step.keys() == want.keys()
+        for name in want:
+            assert torch.equal(step[name], want[name]), name
+    assert got["plan"] == case_result(results, "budget", 0)["plan"]
+    assert '"checkpoint": true' in got["plan"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_budget_refuses_a_sharded_root_with_parameters(
+    results: list[dict[str, Any]], rank: int
+) -> None:
+    """NOTE [Budget at the first step], Rule 3: the error names the parameter and the fix."""
+    refused = results[rank]["root"]
+    assert "scale" in refused
+    assert "fully_shard" in refused

@@ -16,10 +16,15 @@ NOTE [Budget at the first step]
           planned again, in bytes, at ``floor + memory_budget * (baseline - floor)``. Twice the
           profiling of one step, once per job. Rejected: a new budget form in the planner for
           one caller.
-  Rule 3. A model under FSDP2 (``fully_shard``, which torchtitan always applies) is refused at
-          that first forward: the hook runs inside the model's own call, after FSDP's root hook
-          has gathered the root's parameters, and the planner's own forward and backward would
-          reshard them under the interrupted forward. The error says how to plan such a model.
+  Rule 3. Under FSDP2 (``fully_shard``, which torchtitan always applies) the hook runs inside the
+          sharded model's call, after FSDP's root hook, and the planner's step nests in it.
+          Checked with torchtitan's own sharding on 2 gloo ranks: the planning step and the next
+          give bitwise the unplanned sharded step's gradients. Refused where the root module
+          holds parameters of its own (torchtitan's does not: embeddings, blocks and head are
+          sharded apart): the nested step would reshard them under the interrupted forward.
+  Rule 4. Under a process group every rank plans (the profiled step's collectives need all
+          of them) and then installs rank 0's plan, broadcast: one job trains one plan, also
+          where the ranks' tokens route a mixture of experts differently.
 """
 
 from __future__ import annotations
@@ -37,14 +42,12 @@ __all__ = ["plan_on_first_step"]
 
 _log = logging.getLogger("checkpointing.torchtitan")
 
-_MSG_FSDP = (
+_MSG_ROOT_PARAMETERS = (
     "checkpointing.integrations.torchtitan.MemoryBudgetAC: the model is sharded with FSDP2 "
-    "(fully_shard), and the budget is planned at the first training forward, from inside the "
-    "model's call, where the planner's own step would reshard the parameters under it. Fix: "
-    "plan once on an unsharded model of the same configuration (plan = "
-    "checkpointing.plan_checkpointing(model, (tokens,), budget=..., regions=lambda m: m in "
-    "blocks)), save plan.to_json(), and use SpecAC or apply ActivationPlan.from_json(text) to "
-    "the model before fully_shard; or use SelectiveAC / FullAC."
+    "(fully_shard) and holds parameters of its own ({names}); the budget is planned at the first "
+    "training forward, from inside the model's call, where the planner's own step would reshard "
+    "them under it. Fix: shard those parameters' modules apart before fully_shard(model), as "
+    "torchtitan does with the embeddings and the output head; or use SelectiveAC / FullAC."
 )
 
 
@@ -61,14 +64,26 @@ def plan_on_first_step(
         if not (module.training and torch.is_grad_enabled()):
             return
         handle.remove()
-        if is_fsdp_module(module):  # Rule 3
-            raise ValueError(_MSG_FSDP)
-        plan = _plan(module, blocks, args, kwargs, memory_budget)
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own and is_fsdp_module(module):  # Rule 3
+            raise ValueError(_MSG_ROOT_PARAMETERS.format(names=", ".join(own)))
+        plan = _rank_zeros(_plan(module, blocks, args, kwargs, memory_budget))
         plan.apply(module)
         planned(plan)
         _log.info("planned for memory_budget=%s:\n%s", memory_budget, plan)
 
     handle = model.register_forward_pre_hook(plan_now, with_kwargs=True)
+
+
+def _rank_zeros(plan: _planning.ActivationPlan) -> _planning.ActivationPlan:
+    """Rule 4: rank 0's plan on every rank of the default process group, if there is one."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return plan
+    shared: list[Any] = [plan.to_json()]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    if torch.distributed.get_rank() == 0:
+        return plan
+    return _planning.ActivationPlan.from_json(shared[0])
 
 
 def is_fsdp_module(module: nn.Module) -> bool:

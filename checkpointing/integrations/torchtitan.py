@@ -230,7 +230,8 @@ class MemoryBudgetAC(_titan.ActivationCheckpointing):  # type: ignore[misc]  # u
     forward in training mode with grad enabled measures one step of the real model on its real
     inputs, plans the blocks of ``model.layers`` (per block: not checkpointed, checkpointed, or
     checkpointed keeping some op outputs) and installs the plan, which then serves every step.
-    The plan is logged on the ``"checkpointing.torchtitan"`` logger.
+    Under FSDP2 every rank plans and installs rank 0's plan. The plan is logged on the
+    ``"checkpointing.torchtitan"`` logger.
     """
 
     @dataclass(kw_only=True, slots=True)
