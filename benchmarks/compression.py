@@ -18,6 +18,8 @@ Two measurements, each decision side by side with the exact one in the same proc
    exact run with its initial weights nudged by one part in a million, shows how far that
    alone moves the final loss. ``--plot`` draws each decision's mean curve to
    ``docs/compression_loss.png``.
+3. Gradient error of one step: what compression does to one gradient, free of a trajectory's
+   noise, per format, compressing every matmul output or the linear layers' only.
 
 Run: ``PYTHONPATH=. python benchmarks/compression.py --plot`` (about 1 minute per training run
 on a busy CPU core, 70 runs; ``--save runs.json`` keeps every finished run, ``--load`` resumes
@@ -42,8 +44,10 @@ from checkpointing.policies import (
     MATMUL_OPS,
     as_context_fn,
     compress_ops,
+    either,
     offload_ops,
     save_matmuls,
+    save_ops,
 )
 
 EXACT, NUDGED = "exact (save_matmuls)", "exact, weights nudged"
@@ -242,6 +246,54 @@ def summarise(task: str, runs: dict[str, list[tuple[list[float], float]]]) -> No
         print(f"{name:<22} {cells[0]} {cells[1]}")
 
 
+# --- 3. Gradient error of one step --------------------------------------------------------------
+
+
+def gradient_errors(task: str = "reverse", trained_steps: int = 150) -> None:
+    """The error compression puts into one step's gradient, without a trajectory's noise: the
+    exact run trained ``trained_steps`` steps, then one batch's gradient (all parameters, one
+    vector) under each decision against the exact one, as ``|g - g_exact| / |g_exact|``; every
+    matmul output compressed, or the linear layers' outputs only (``mm``, ``addmm``) with the
+    attention products (``bmm``: scores and their product with the values) kept exactly."""
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, width=64, layers=2, heads=4, length=2 * DIGITS + 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(1)
+    model.context_fn = as_context_fn(save_matmuls())
+
+    def step_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = model(inputs)[:, DIGITS:]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets[:, DIGITS:].reshape(-1))
+
+    for _ in range(trained_steps):
+        loss = step_loss(*digits_task(task, generator))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    batch = digits_task(task, torch.Generator().manual_seed(7))
+
+    def gradient(policy: Any) -> torch.Tensor:
+        model.context_fn = as_context_fn(policy)
+        parameters = list(model.parameters())
+        grads = torch.autograd.grad(step_loss(*batch), parameters)
+        return torch.cat([g.flatten() for g in grads])
+
+    exact = gradient(save_matmuls())
+    print(f"\n3. Gradient error of one step ({task} task, after {trained_steps} exact steps)")
+    print(f"{'decision':<22} {'all matmul outputs':>19} {'linears only':>13}")
+    for name, kwargs in DECISIONS.items():
+        if kwargs is None:
+            continue
+        linears = either(save_ops(aten.bmm), compress_ops(aten.mm, aten.addmm, **kwargs))
+        errors = [
+            ((gradient(policy) - exact).norm() / exact.norm()).item()
+            for policy in (policy_for(kwargs), linears)
+        ]
+        print(f"{name:<22} {errors[0]:>19.2%} {errors[1]:>13.2%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", action="store_true", help="draw docs/compression_loss.png")
@@ -249,6 +301,7 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. SEEDS-1 per decision")
     parser.add_argument("--no-bytes", action="store_true", help="skip the bytes table")
+    parser.add_argument("--no-gradients", action="store_true", help="skip the gradient errors")
     parser.add_argument("--save", help="write every run's losses to this JSON file")
     parser.add_argument("--load", help="start from the runs in this JSON file (--save's)")
     args = parser.parse_args()
@@ -260,6 +313,8 @@ def main() -> None:
         for name, kwargs in DECISIONS.items():
             b = measure_bytes(kwargs)
             print(f"{name:<22} {b.activations:>12,} {b.compressed:>11,} {b.to_host:>10,}")
+    if not args.no_gradients:
+        gradient_errors()
     runs: Runs = {task: {} for task in args.tasks}
     if args.load is not None:
         with open(args.load) as file:
