@@ -340,7 +340,8 @@ def main() -> None:
 
 
 def draw(runs: Runs) -> None:
-    """One panel per task: each decision's training loss averaged over the seeds."""
+    """One panel per task: each decision's training loss averaged over the seeds every decision
+    finished."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -348,16 +349,17 @@ def draw(runs: Runs) -> None:
 
     figure, panels = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
     for axes, (task, decisions) in zip(panels[0], runs.items(), strict=False):
+        seeds = min(len(decision) for decision in decisions.values())
         for name, decision in decisions.items():
-            steps = zip(*(run[0] for run in decision), strict=True)
+            steps = zip(*(run[0] for run in decision[:seeds]), strict=True)
             mean = [sum(step) / len(step) for step in steps]
-            axes.plot(range(1, len(mean) + 1), mean, label=name, linewidth=1)
-        seeds = len(next(iter(decisions.values())))
+            style = {EXACT: ("black", "--"), NUDGED: ("grey", ":")}.get(name, (None, "-"))
+            axes.plot(range(1, len(mean) + 1), mean, label=name, color=style[0], linestyle=style[1])
         axes.set_yscale("log")
         axes.set_xlabel("step")
         axes.set_ylabel(f"training loss, mean of {seeds} seeds (log)")
-        axes.set_title(f"{task} task, small GPT: matmul outputs exact or compressed")
-        axes.legend()
+        axes.set_title(f"{task} task: matmul outputs exact or compressed")
+        axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig("docs/compression_loss.png", dpi=120)
     print("drew docs/compression_loss.png")
