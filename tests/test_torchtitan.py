@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -236,3 +237,35 @@ def test_spec_mode_delegates_to_apply_spec() -> None:
     assert not any("layers.0" in r for r in regions), regions
     with pytest.raises(ValueError, match="preserve_rng_state"):
         ours.SpecAC.Config(spec={}, preserve_rng_state=False).build().apply(copy.deepcopy(base))
+
+
+def test_mistakes_raise_clear_errors() -> None:
+    """Each mistake names the API, what it got and the fix."""
+    model = copy.deepcopy(build("llama3"))
+    cases: list[tuple[Callable[[], Any], type[Exception], str]] = [
+        (lambda: ours._check_release("0.2.2"), ImportError, "checked against torchtitan 0.3.0"),
+        (lambda: ours._check_release(None), ImportError, "pip install --no-deps torchtitan==0.3.0"),
+        (
+            lambda: ours.SelectiveAC.Config(selective_ac_option="two").build().apply(model),
+            ValueError,
+            "selective_ac_option must be 'op' or a positive whole number",
+        ),
+        (
+            lambda: (
+                ours.SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=["feed_forward"])
+                .build()
+                .apply(copy.deepcopy(model))
+            ),
+            ValueError,
+            "only nn.Linear modules give a matmul shape",
+        ),
+        (lambda: ours.FullAC.Config().build().apply(nn.Linear(2, 2)), ValueError, "`layers`"),
+        (
+            lambda: ours.MemoryBudgetAC.Config(memory_budget=1.5).build().apply(model),
+            ValueError,
+            "memory_budget must be a number in [0, 1]",
+        ),
+    ]
+    for call, error, phrase in cases:
+        with pytest.raises(error, match=re.escape(phrase)):
+            call()

@@ -59,15 +59,24 @@ _MSG_VERSION = (
     "yourself."
 )
 
+
+def _check_release(installed: str | None) -> None:
+    """Refuse a torchtitan other than the releases this integration was checked against
+    (``installed``: its version, None where it is not installed)."""
+    if installed is None:
+        raise ImportError(_MSG_NO_TORCHTITAN, name="torchtitan")
+    if installed not in _TESTED:
+        raise ImportError(
+            _MSG_VERSION.format(got=installed, tested=", ".join(_TESTED), newest=_TESTED[-1]),
+            name="torchtitan",
+        )
+
+
 try:
-    _installed = importlib.metadata.version("torchtitan")
-except importlib.metadata.PackageNotFoundError as error:
-    raise ImportError(_MSG_NO_TORCHTITAN, name="torchtitan") from error
-if _installed not in _TESTED:
-    raise ImportError(
-        _MSG_VERSION.format(got=_installed, tested=", ".join(_TESTED), newest=_TESTED[-1]),
-        name="torchtitan",
-    )
+    _installed: str | None = importlib.metadata.version("torchtitan")
+except importlib.metadata.PackageNotFoundError:
+    _installed = None
+_check_release(_installed)
 
 # After the checks above: without torchtitan, or with another release, their message comes first.
 from torch import nn  # noqa: E402
@@ -97,6 +106,11 @@ _MSG_NOT_LINEAR = (
     "checkpointing.integrations.torchtitan.SelectiveAC: force_recompute_mm_shapes_by_fqns entry "
     "{entry!r} matches {fqn!r}, a {cls}; only nn.Linear modules give a matmul shape to force "
     "recompute of. Fix: name the linear itself (e.g. 'moe.router.gate')."
+)
+_MSG_BUDGET = (
+    "checkpointing.integrations.torchtitan.MemoryBudgetAC: memory_budget must be a number in "
+    "[0, 1] (0: what full checkpointing keeps, 1: what no checkpointing keeps), got {got!r}. "
+    "Fix: e.g. memory_budget=0.5."
 )
 _MSG_DEFAULTS = (
     "checkpointing.integrations.torchtitan.{cls}: {name}={got!r} cannot be honoured: this mode "
@@ -245,11 +259,7 @@ class MemoryBudgetAC(_titan.ActivationCheckpointing):  # type: ignore[misc]  # u
         _check_defaults(self.config, "MemoryBudgetAC")
         budget = self.config.memory_budget
         if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 1:
-            raise ValueError(
-                "checkpointing.integrations.torchtitan.MemoryBudgetAC: memory_budget must be a "
-                f"number in [0, 1] (0: full checkpointing's activations, 1: none's), got "
-                f"{budget!r}. Fix: e.g. memory_budget=0.5."
-            )
+            raise ValueError(_MSG_BUDGET.format(got=budget))
         blocks = [block for _, block in _blocks(model, "MemoryBudgetAC")]
         plan_on_first_step(model, blocks, float(budget), self._planned)
 
