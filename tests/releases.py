@@ -26,6 +26,7 @@ REWORDED_WARNING = (2, 15)  # "In a future release, ..." instead of "Starting in
 ORDERED_EFFECTS_KEPT = (2, 15)  # SAC keeps ops with an ordered side effect (MUST_SAVE)
 LAYOUT_IGNORED = (2, 15)  # prim.layout.default in SAC_IGNORED_OPS
 OP_OUTPUT = (2, 12)  # SelectiveCheckpointContext.op_output
+TORCHTITAN_MODELS = (2, 13)  # torchtitan 0.3.0's model code imports (DataParallelMeshDims)
 FORWARD_ONLY_POLICY = (2, 13)  # the SAC policy is asked in forward only, never at recompute
 CALL_INDEXED_CACHE = (2, 13)  # SAC's cache indexed per op call: a diverging recompute raises
 # checkpoint throws fn's exception into its generator (its hooks are popped at once)
