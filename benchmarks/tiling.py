@@ -169,13 +169,25 @@ def head_steps(tokens: int, scale: int) -> dict[str, Step]:
     return steps
 
 
-def peaks(steps: dict[str, Step]) -> dict[str, int]:
-    """Each step's live-bytes peak above what was live before it."""
+def peaks(steps: dict[str, Step], label: str = "") -> dict[str, int]:
+    """Each step's live-bytes peak above what was live before it (each printed as it is
+    measured: a long run's partial results are kept)."""
     out = {}
     for name, step in steps.items():
         gc.collect()
         out[name] = cpu_peak(step)
+        print(f"  {label}{name}: {mib(out[name])} MiB", file=sys.stderr, flush=True)
     return out
+
+
+def chosen(steps: dict[str, Step], only: Sequence[str] | None) -> dict[str, Step]:
+    """The baseline and the variants whose names contain one of ``only`` (all if None), in
+    ``only``'s order."""
+    if not only:
+        return steps
+    names = ["checkpoint, untiled"]
+    names += [n for part in only for n in steps if part in n and n not in names]
+    return {n: steps[n] for n in names}
 
 
 def times(steps: dict[str, Step], rounds: int) -> dict[str, list[float]]:
@@ -232,6 +244,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-timing", action="store_true", help="peaks only")
     parser.add_argument("--no-peaks", action="store_true", help="times only")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument(
+        "--only", nargs="+", help="variants whose names contain one of these (and the baseline)"
+    )
+    parser.add_argument("--blocks", nargs="+", default=["mlp", "head"], help="mlp and/or head")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the peak runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.scale, args.tokens, args.rounds = 64, [64], 2
@@ -261,19 +278,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
     ]
     blocks = (
-        ("MLP layer", mlp_steps, args.tokens, args.time_tokens),
-        ("LM head + loss", head_steps, args.head_tokens, args.head_tokens[0]),
+        ("mlp", "MLP layer", mlp_steps, args.tokens, args.time_tokens),
+        ("head", "LM head + loss", head_steps, args.head_tokens, args.head_tokens[0]),
     )
-    for title, make, lengths, timed in blocks:
+    for key, title, make, lengths, timed in blocks:
+        if key not in args.blocks:
+            continue
         if not args.no_peaks:
-            by_tokens = {t: peaks(make(t, args.scale)) for t in lengths}
+            torch.set_num_threads(args.threads)  # a peak does not depend on the threads
+            by_tokens = {
+                t: peaks(chosen(make(t, args.scale), args.only), f"{title}, {t} tokens: ")
+                for t in lengths
+            }
             lines += [*table(f"{title}: step peak", by_tokens, args.scale), ""]
             print("\n".join(lines), flush=True)
+            torch.set_num_threads(1)
         if not args.no_timing:
-            names = ("checkpoint, untiled", "8 chunks")
-            steps = make(timed, args.scale)
-            chosen = {k: v for k, v in steps.items() if k == names[0] or k.endswith(names[1])}
-            samples = times(chosen, args.rounds)
+            steps = chosen(make(timed, args.scale), args.only or ["8 chunks"])
+            samples = times(steps, args.rounds)
             label = f"{title}: step time at {timed * args.scale // 1024}k tokens"
             lines += [*time_table(label, samples), ""]
             print("\n".join(lines[-len(samples) - 4 :]), flush=True)

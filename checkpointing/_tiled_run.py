@@ -3,9 +3,10 @@
 Owns ``TiledRun`` (what one call keeps: the saved inputs, each chunk's forward state, what the
 outputs looked like) and ``TiledNode`` (its autograd node): slicing the split inputs, writing
 the chunks' outputs into full-length buffers, the per-chunk recompute and backward with the
-gradients put together, the debug probe, the check of undeclared tensors and of what the
-recompute made. The rules are NOTE [Tiled regions] (``_tiling``, which owns the declaration
-``Tiling`` and the entry points and builds one ``TiledRun`` per call).
+gradients put together (the parameters' stand-ins, ``StandIns``), the debug probe, the check
+of undeclared tensors and of what the recompute made. The rules are NOTE [Tiled regions]
+(``_tiling``, which owns the declaration ``Tiling`` and the entry points and builds one
+``TiledRun`` per call).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _compat
 from ._determinism import metadata_of
@@ -22,7 +24,7 @@ from ._events import announce_kept, listener
 from ._regions import region_label
 from ._state import ForwardState, enter_span, exit_span, get_device_states
 
-__all__ = ["TiledNode", "TiledRun"]
+__all__ = ["StandIns", "TiledNode", "TiledRun"]
 
 _MSG_SPLIT_MISSING = (
     "{api}: Tiling.split names positional input {index}, but the call passed {count} positional "
@@ -263,8 +265,23 @@ class TiledRun:
     def backward(
         self, grads: tuple[torch.Tensor, ...], needed: tuple[bool, ...]
     ) -> list[torch.Tensor | None]:
-        """Recompute chunk by chunk and backpropagate each chunk at once (Rules 1, 4, 5)."""
+        """Recompute chunk by chunk and backpropagate each chunk at once (Rules 1, 4, 5, 11)."""
         inputs = _compat.unpack_inputs(self.saved)
+        if self.params:
+            stand_ins = StandIns(self.params, needed[len(self.grad_args) :])
+            try:
+                return self._backward(inputs, grads, needed, stand_ins)
+            except _Bypassed:
+                pass  # Rule 11: a parameter reached past the stand-ins; chunk 0 is redone
+        return self._backward(inputs, grads, needed, None)
+
+    def _backward(
+        self,
+        inputs: Sequence[Any],
+        grads: tuple[torch.Tensor, ...],
+        needed: tuple[bool, ...],
+        stand_ins: StandIns | None,
+    ) -> list[torch.Tensor | None]:
         dim = self.dim
         n_args = len(self.grad_args)
         split = set(self.split)
@@ -276,6 +293,7 @@ class TiledRun:
                 results[slot] = torch.zeros_like(inputs[index])
             elif index not in split:
                 shared[index] = inputs[index].detach().requires_grad_(needed[slot])
+        declared = self.params if stand_ins is None else stand_ins.tensors
         for chunk, (start, size) in enumerate(self.bounds):
             part = self.chunk_args(inputs, start, size)
             leaves: list[torch.Tensor] = []
@@ -286,25 +304,45 @@ class TiledRun:
                     part[index] = shared[index]
                 leaves.append(part[index])
             with torch.enable_grad(), self.states[chunk].restored():
-                outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
+                if stand_ins is None:
+                    outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
+                else:
+                    with stand_ins:
+                        outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
             if self.check_values:
                 self._check_recomputed(chunk, outs)
-            if chunk == 0:
-                _refuse_undeclared(outs, (*leaves, *self.params), self.api)  # Rule 5
+            if chunk == 0:  # Rules 5 and 11
+                _refuse_undeclared(outs, (*leaves, *declared), self.params, self.api)
             pairs = [
                 (out, grad.narrow(dim, start, size))
                 for out, grad in zip(outs, grads, strict=True)
                 if out.requires_grad and grad is not None
             ]
-            targets = [t for t, n in zip((*leaves, *self.params), needed, strict=True) if n]
+            targets = [t for t, n in zip((*leaves, *declared), needed, strict=True) if n]
             if not pairs or not targets:
                 continue
-            got = torch.autograd.grad(
-                [p[0] for p in pairs], targets, [p[1] for p in pairs], allow_unused=True
-            )
+            if stand_ins is None:
+                got = torch.autograd.grad(
+                    [p[0] for p in pairs], targets, [p[1] for p in pairs], allow_unused=True
+                )
+                del outs, pairs
+                self._accumulate(results, got, needed, start, size, grads)
+                del got  # else this chunk's gradients live on through the next chunk's backward
+                continue
+            # Rule 11: each gradient is added to its leaf's as soon as it is made.
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs], inputs=targets)
             del outs, pairs
-            self._accumulate(results, got, needed, start, size, grads)
-            del got  # else this chunk's gradients live on through the next chunk's backward
+            for slot, index in enumerate(self.grad_args):
+                rows, leaf = results[slot], leaves[slot]
+                if index in split and rows is not None and leaf.grad is not None:
+                    rows.narrow(dim, start, size).copy_(leaf.grad)
+                    leaf.grad = None
+        if stand_ins is not None:
+            for slot, index in enumerate(self.grad_args):
+                if index not in split:
+                    results[slot] = _take_grad(shared[index])
+            for k, stand_in in enumerate(stand_ins.tensors):
+                results[n_args + k] = _take_grad(stand_in)
         return results
 
     def _accumulate(
@@ -316,8 +354,8 @@ class TiledRun:
         size: int,
         grads_in: tuple[torch.Tensor, ...],
     ) -> None:
-        """Add one chunk's gradients: split inputs into their rows, the rest summed in chunk
-        order (Rule 4)."""
+        """Add one chunk's gradients (captured, Rule 11's fallback): split inputs into their
+        rows, the rest summed in chunk order (Rule 4)."""
         split = set(self.split)
         slots = [s for s, n in enumerate(needed) if n]
         for slot, grad in zip(slots, got, strict=True):
@@ -395,10 +433,16 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _refuse_undeclared(
-    outs: list[torch.Tensor], declared: tuple[torch.Tensor, ...], api: str
+    outs: list[torch.Tensor],
+    declared: tuple[torch.Tensor, ...],
+    params: tuple[torch.Tensor, ...],
+    api: str,
 ) -> None:
-    """Rule 5: every leaf the chunk's graph reaches is a declared input or parameter."""
+    """Rule 5: every leaf the chunk's graph reaches is a declared input or parameter; a
+    declared parameter reached itself where stand-ins were declared raises ``_Bypassed``
+    (Rule 11)."""
     known = {id(t) for t in declared}
+    own = {id(p) for p in params}
     seen: set[int] = set()
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:
@@ -409,6 +453,51 @@ def _refuse_undeclared(
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             if id(variable) not in known:
+                if id(variable) in own:
+                    raise _Bypassed
                 raise CheckpointError(_MSG_UNDECLARED.format(api=api, got=describe_value(variable)))
             continue
         stack.extend(n for n, _ in node.next_functions if n is not None)
+
+
+class _Bypassed(Exception):
+    """A recomputed chunk reached a declared parameter itself, not its stand-in (Rule 11)."""
+
+
+class StandIns(TorchFunctionMode):
+    """Rule 11: while a chunk is recomputed, every torch function given a declared parameter
+    gets its stand-in instead: a leaf sharing the parameter's memory, into whose ``.grad``
+    backward adds each chunk's gradient as soon as it is made. A mode, so per thread: another
+    thread's use of the module is untouched."""
+
+    def __init__(self, params: tuple[torch.Tensor, ...], needed: Sequence[bool]) -> None:
+        super().__init__()
+        self.tensors = tuple(
+            p.detach().requires_grad_(n) for p, n in zip(params, needed, strict=True)
+        )
+        self._by_id = {id(p): s for p, s in zip(params, self.tensors, strict=True)}
+
+    def _swap(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._by_id.get(id(value), value)
+        if isinstance(value, list | tuple):
+            return type(value)(self._swap(v) for v in value)
+        return value
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        args = [self._swap(a) for a in args]
+        kwargs = {k: self._swap(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def _take_grad(leaf: torch.Tensor) -> torch.Tensor | None:
+    """A leaf's accumulated gradient, which the leaf lets go of (no second reference: the
+    engine may then keep it as the parameter's ``.grad`` without a copy)."""
+    grad, leaf.grad = leaf.grad, None
+    return grad

@@ -55,10 +55,26 @@ NOTE [Tiled regions]
           selective contexts do not honour the marker: under them the outputs are cached.)
   Rule 9. While dynamo traces, a tiled region is torch's checkpoint region, untiled (NOTE
           [Compiled regions]): the compiler's partitioner decides what the graph keeps.
+  Rule 11. Gradients are added up as they are made. Each recompute runs under a torch function
+          mode that hands every torch function a stand-in for each declared parameter (a leaf
+          sharing its memory), and each chunk's backward is ``torch.autograd.backward(...,
+          inputs=...)`` onto the stand-ins and the inputs' leaves: autograd adds a chunk's
+          gradient of a weight into the running sum as soon as it is made and frees it, so
+          backward holds the sums and one weight's chunk gradient, not the sums and every
+          weight's chunk gradient (``torch.autograd.grad`` would keep all of a chunk's captured
+          gradients until its call ends). The mode is per thread: another thread using the
+          module meanwhile reads its own parameters. The sums are the same additions in the
+          same order as before (Rule 4). A parameter reached past the mode (an
+          ``autograd.Function`` given it directly: its ``apply`` is no torch function) is seen
+          in chunk 0's graph; that backward then starts over with the parameters themselves as
+          targets of ``torch.autograd.grad``, summed by hand (correct, with the higher peak).
 
-Rejected: accumulating parameter gradients into ``.grad`` inside the backward (what a tiled
-module written with ``torch.autograd.backward`` does): ``torch.autograd.grad`` would then see
-nothing and gradient hooks would fire once per chunk; the node returns the summed gradients.
+Rejected: accumulating parameter gradients into the parameters' ``.grad`` inside the backward
+(what a tiled module written with ``torch.autograd.backward`` does): ``torch.autograd.grad``
+would then see nothing and gradient hooks would fire once per chunk; the node returns the sums
+its stand-ins gathered (Rule 11). Rejected too: swapping the stand-ins into the module's
+parameters for the recompute: another thread's forward of the module would record the
+stand-ins and its parameters' gradients would be lost.
 """
 
 from __future__ import annotations
