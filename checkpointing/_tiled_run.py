@@ -11,6 +11,7 @@ of undeclared tensors and of what the recompute made. The rules are NOTE [Tiled 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -303,12 +304,10 @@ class TiledRun:
                 else:
                     part[index] = shared[index]
                 leaves.append(part[index])
-            with torch.enable_grad(), self.states[chunk].restored():
-                if stand_ins is None:
-                    outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
-                else:
-                    with stand_ins:
-                        outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
+            hooks = torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpacked_as_is)
+            modes = stand_ins if stand_ins is not None else contextlib.nullcontext()
+            with torch.enable_grad(), self.states[chunk].restored(), hooks, modes:  # Rule 12
+                outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
             if self.check_values:
                 self._check_recomputed(chunk, outs)
             if chunk == 0:  # Rules 5 and 11
@@ -494,6 +493,16 @@ class StandIns(TorchFunctionMode):
         args = [self._swap(a) for a in args]
         kwargs = {k: self._swap(v) for k, v in (kwargs or {}).items()}
         return func(*args, **kwargs)
+
+
+def _saved_as_is(tensor: torch.Tensor) -> torch.Tensor:
+    """Rule 12: a chunk's save, kept as it is (detached: the tensor itself would be a reference
+    cycle through its ``grad_fn``)."""
+    return tensor.detach()
+
+
+def _unpacked_as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _take_grad(leaf: torch.Tensor) -> torch.Tensor | None:

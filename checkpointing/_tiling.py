@@ -68,6 +68,10 @@ NOTE [Tiled regions]
           ``autograd.Function`` given it directly: its ``apply`` is no torch function) is seen
           in chunk 0's graph; that backward then starts over with the parameters themselves as
           targets of ``torch.autograd.grad``, summed by hand (correct, with the higher peak).
+  Rule 12. A chunk's recompute saves what its backward reads under hooks of its own that keep
+          each tensor as it is: that graph lives and dies inside this backward, so an outer
+          saved-tensors hook (a report's, an offload context's) would only move or count it
+          for nothing; a report would read the saves as a reentrant checkpoint's re-run.
 
 Rejected: accumulating parameter gradients into the parameters' ``.grad`` inside the backward
 (what a tiled module written with ``torch.autograd.backward`` does): ``torch.autograd.grad``

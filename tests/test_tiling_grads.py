@@ -1,0 +1,182 @@
+"""How a tiled region adds up its gradients (NOTE [Tiled regions], Rule 11): parameters' stand-ins
+under a torch function mode, each chunk's gradient added to the running sum as it is made, and
+the fallback for a parameter that reaches the graph past the mode.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+from frame_support import assert_tensors_equal
+from torch import nn
+
+import checkpointing
+from checkpointing import Tiling
+from checkpointing._planning.live_bytes import cpu_peak
+
+
+class _Wide(nn.Module):
+    """Two bias-free linears: weights much larger than a few tokens' activations."""
+
+    def __init__(self, hidden: int = 64, inner: int = 256) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class _MatmulFn(torch.autograd.Function):
+    """``x @ w.t()`` as a custom function: its ``apply`` is no torch function, so the mode never
+    sees the weight it is given."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)  # type: ignore[attr-defined]  # FunctionCtx
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx
+        return grad @ w, (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+
+
+class _Custom(_Wide):
+    """``_Wide`` whose first weight goes through a custom autograd function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(_MatmulFn.apply(x, self.up.weight)))
+
+
+def _chunkwise(module: nn.Module, x: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """Input and parameter gradients of ``module`` run chunk by chunk in plain autograd, the
+    parameters' summed in chunk order."""
+    params = list(module.parameters())
+    rows = torch.zeros_like(x)
+    sums: list[torch.Tensor] = []
+    for start, size in Tiling(dim=1, chunks=chunks).bounds(x.shape[1]):
+        part = x.detach().narrow(1, start, size).requires_grad_()
+        got_x, *got = torch.autograd.grad(module(part).sum(), [part, *params])
+        rows.narrow(1, start, size).copy_(got_x)
+        sums = got if not sums else [s.add_(g) for s, g in zip(sums, got, strict=True)]
+    return [rows, *sums]
+
+
+def _tiled_grads(module: nn.Module, x: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    params = list(module.parameters())
+    out = checkpointing.tiled(module, dim=1, chunks=chunks)(x)
+    return list(torch.autograd.grad(out.sum(), [x, *params]))
+
+
+def test_rule_11_backward_holds_the_sums_and_one_chunk_gradient() -> None:
+    """With weights far larger than the activations, the step's peak stays under the summed
+    gradients plus one weight's chunk gradient (plus the small activations): capturing every
+    weight's chunk gradient beside the sums would hold twice the weights' bytes."""
+    torch.manual_seed(0)
+    module = _Wide()
+    x = torch.randn(1, 8, 64, requires_grad=True)
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    run = checkpointing.tiled(module, dim=1, chunks=4)
+
+    def step() -> None:
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        run(x).sum().backward()
+
+    step()
+    peak = cpu_peak(step)
+    one_weight = module.up.weight.numel() * module.up.weight.element_size()
+    assert weight_bytes < peak < weight_bytes + one_weight + 16 * 1024, (peak, weight_bytes)
+
+
+def test_rule_11_gradients_are_the_chunkwise_sums_bitwise() -> None:
+    """The stand-ins' sums are the chunk-ordered sums of plain autograd, bitwise; the
+    module's parameters' ``.grad`` stays untouched by ``autograd.grad``."""
+    torch.manual_seed(0)
+    module = _Wide(8, 24)
+    x = torch.randn(2, 13, 8, requires_grad=True)
+    got = _tiled_grads(module, x, 5)
+    assert all(p.grad is None for p in module.parameters())
+    assert_tensors_equal(got, _chunkwise(module, x, 5), "stand-ins vs chunkwise autograd")
+
+
+def test_rule_11_a_parameter_past_the_mode_falls_back_to_captured_gradients() -> None:
+    """A weight handed to a custom autograd function reaches the graph itself: the backward
+    starts over with the parameters as targets, and every gradient is still the chunkwise
+    run's, bitwise; chunk 0 is recomputed twice, the others once."""
+    torch.manual_seed(0)
+    module = _Custom(8, 24)
+    x = torch.randn(2, 13, 8, requires_grad=True)
+    calls: list[int] = []
+    module.register_forward_hook(lambda _m, args, _o: calls.append(args[0].shape[1]))
+    got = _tiled_grads(module, x, 3)
+    assert calls == [5, 4, 4, 5, 5, 4, 4]  # forward; chunk 0 under the stand-ins; again
+    calls.clear()
+    assert_tensors_equal(got, _chunkwise(module, x, 3), "fallback vs chunkwise autograd")
+
+
+class _Calling(_Wide):
+    """``_Wide`` that runs ``during()`` (once) in the middle of its forward."""
+
+    during: Callable[[], None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.up(x))
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+        return self.down(hidden)
+
+
+def test_rule_11_another_thread_using_the_module_meanwhile_keeps_its_gradients() -> None:
+    """The stand-ins are a per-thread mode: another thread's plain forward and backward of the
+    module, run while a chunk is recomputed under the mode, reads the parameters themselves
+    and gets their gradients (stand-ins swapped into the module would have been read)."""
+    torch.manual_seed(0)
+    module = _Calling(8, 24)
+    x = torch.randn(2, 12, 8, requires_grad=True)
+    other = torch.randn(2, 12, 8)
+    params = list(module.parameters())
+    expected = torch.autograd.grad(module(other).sum(), params)
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def plain() -> None:
+        with torch.enable_grad():
+            seen.append(torch.autograd.grad(module(other).sum(), params))
+
+    def in_thread() -> None:
+        thread = threading.Thread(target=plain)
+        thread.start()
+        thread.join()
+
+    out = checkpointing.tiled(module, dim=1, chunks=3)(x)
+    module.during = in_thread  # runs in the first chunk's recompute
+    out.sum().backward()
+    assert len(seen) == 1
+    assert_tensors_equal(list(seen[0]), list(expected), "the other thread's gradients")
+
+
+def test_rule_12_outer_hooks_and_reports_do_not_see_a_chunks_saves() -> None:
+    """An outer saved-tensors hook sees only the region's saved inputs, not what each chunk's
+    recompute saves inside backward; a report does not call the tiled recompute a reentrant
+    checkpoint's re-run. Gradients stay the chunkwise run's."""
+    torch.manual_seed(0)
+    module = _Wide(8, 24)
+    x = torch.randn(2, 12, 8, requires_grad=True)
+    packed: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = _tiled_grads(module, x, 3)
+    assert packed == [(2, 12, 8)]  # the saved input only
+    assert_tensors_equal(got, _chunkwise(module, x, 3), "under an outer hook")
+    with checkpointing.saved_tensors_report() as report:
+        layer = checkpointing.tiled(module, dim=1, chunks=3)
+        checkpointing.checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert not any("use_reentrant=True" in note for note in report.notes), report.notes
