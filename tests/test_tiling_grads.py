@@ -180,3 +180,23 @@ def test_rule_12_outer_hooks_and_reports_do_not_see_a_chunks_saves() -> None:
         layer = checkpointing.tiled(module, dim=1, chunks=3)
         checkpointing.checkpoint(layer, x, use_reentrant=False).sum().backward()
     assert not any("use_reentrant=True" in note for note in report.notes), report.notes
+
+
+def test_rule_2_an_outer_reentrant_checkpoint_reruns_the_region_correctly() -> None:
+    """The limit NOTE [Tiled regions], Rule 2 names: a use_reentrant=True checkpoint re-runs
+    its whole function, the tiled region included (no early stop), so each chunk runs three
+    times; the gradients are still the untiled run's within the tolerance."""
+    torch.manual_seed(0)
+    module = _Wide(8, 24)
+    x = torch.randn(2, 12, 8, requires_grad=True)
+    params = list(module.parameters())
+    expected = torch.autograd.grad((x + module(x)).sum(), [x, *params])
+    calls: list[int] = []
+    module.register_forward_hook(lambda _m, args, _o: calls.append(args[0].shape[1]))
+    layer = checkpointing.tiled(module, dim=1, chunks=3)
+    out = checkpointing.checkpoint(lambda h: h + layer(h), x, use_reentrant=True)
+    out.sum().backward()  # a reentrant checkpoint needs .backward()
+    got = [x.grad, *(p.grad for p in params)]
+    assert calls == [4] * 9  # forward, the outer re-run, the region's own recompute
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
