@@ -442,13 +442,15 @@ def _refuse_undeclared(
     (Rule 11)."""
     known = {id(t) for t in declared}
     own = {id(p) for p in params}
-    seen: set[int] = set()
+    # Each node visited is held: a node's Python object lives only while referenced, and a
+    # freed one's id may be reused by the next node's (the walk would then skip it).
+    seen: dict[int, Any] = {}
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             if id(variable) not in known:
