@@ -1,4 +1,4 @@
-"""What the draw guard of a planned region costs (NOTE [Planner model], Rule 14).
+"""What the draw guard of a planned region costs (NOTE [Planner apply], Rule A3).
 
 A region planned without draws is checkpointed without an RNG state, under a ``DrawGuard``: its
 hooks read the generators before and after each forward, and where one moved the call's
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import checkpointing
-from checkpointing._planning.draws import DrawCall, guarded_replay
+from checkpointing._planning.apply.draws import DrawCall, guarded_replay
 
 WIDTH = 64
 ROWS = 16

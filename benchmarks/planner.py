@@ -77,16 +77,16 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import checkpointing
 from checkpointing import _compat, policies
-from checkpointing._planning.flops import FlopCount
-from checkpointing._planning.plan import _RegionContexts
-from checkpointing._planning.profile import profile_step, tail_regions
-from checkpointing._planning.recorded_spans import span_problems
+from checkpointing._planning.apply.plan import _RegionContexts
+from checkpointing._planning.measure.flops import FlopCount
+from checkpointing._planning.measure.profile import profile_step, tail_regions
+from checkpointing._planning.measure.recorded_spans import span_problems
 from checkpointing._planning.search import _cheapest, find_regions
-from checkpointing._planning.solver import solve
+from checkpointing._planning.solve.solver import solve
 from checkpointing._selective import SAC_IGNORED_OPS, CheckpointPolicy
 
 try:
-    from checkpointing._planning.flops import op_flops
+    from checkpointing._planning.measure.flops import op_flops
 except ImportError:  # --dump-plans on a checkout from before the planner counted FLOPs itself
     op_flops = None
 
@@ -857,7 +857,7 @@ def compile_table(key: str, rows: list[dict[str, Any]]) -> list[str]:
 
 def solve_time(depth: int = 32) -> dict[str, float]:
     """Seconds to solve a profiled ``depth``-layer tiny HF Llama (profile not counted) as
-    ``plan_checkpointing`` does, per objective: every span variant at the floor (Rule 22) and
+    ``plan_checkpointing`` does, per objective: every span variant at the floor (Rule M11) and
     the cheapest variant at a budget, the mean over budgets 0.3 and 0.7 of the baseline."""
     import transformers
 
@@ -887,7 +887,7 @@ def solve_time(depth: int = 32) -> dict[str, float]:
         late = frozenset(profile.late)
         base = profile.problem(policy, weights)
         variants = [p for _, p in span_problems(base, profile.spans, ends, policy, late)]
-        trailed = profile.trailed()  # Rule 24 (a Llama's pre-norm blocks have none)
+        trailed = profile.trailed()  # Rule M13 (a Llama's pre-norm blocks have none)
         if trailed is not None:
             step, trails = trailed
             cut = step.problem(policy, weights)
@@ -930,8 +930,8 @@ class _OpCount(_compat.TorchDispatchMode):  # type: ignore[misc]
 
 
 def cost_model() -> dict[str, float]:
-    """``--cost-model``: the constants of ``checkpointing/_planning/costs.py`` on this machine
-    (one thread): a large ``mm``'s FLOP rate; a large ``add``'s bytes (read and written) per
+    """``--cost-model``: the constants of ``checkpointing/_planning/measure/costs.py`` on this
+    machine (one thread): a large ``mm``'s FLOP rate; a large ``add``'s bytes (read and written) per
     second; a one-element ``add``'s seconds (dispatch and its autograd node); the selective
     modes' price per op (a W2 block's forward inside the forward mode ``apply`` installs
     against plain, doubled for the replay); what a checkpointed block costs beyond its ops,

@@ -30,10 +30,10 @@ chunks use the matmul kernels less well).
 
 Measures. Peak: the most bytes of tensors live at once during one step (forward, backward of
 the loss), above what was live before it: the planner's live-bytes high-water mark
-(``checkpointing._planning.live_bytes.cpu_peak``; a dispatch mode, no allocator profiler). The
-parameters and the input exist before the step and are not in it; the gradients it makes are.
-"In-layer" ratio = untiled peak / variant peak. Time: process CPU seconds per step, one torch
-thread, median over rounds run in A B C C B A order after a warm-up step, at the middle length
+(``checkpointing._planning.measure.live_bytes.cpu_peak``; a dispatch mode, no allocator
+profiler). The parameters and the input exist before the step and are not in it; the gradients it
+makes are. "In-layer" ratio = untiled peak / variant peak. Time: process CPU seconds per step, one
+torch thread, median over rounds run in A B C C B A order after a warm-up step, at the middle length
 only (``--time-tokens``; the head at its shortest). Run the timing alone on the machine (e.g.
 under ``flock``); ``--no-timing`` measures the peaks only.
 """
@@ -56,7 +56,7 @@ from torch import nn
 
 import checkpointing
 from checkpointing import Tiling
-from checkpointing._planning.live_bytes import cpu_peak
+from checkpointing._planning.measure.live_bytes import cpu_peak
 
 FULL = {"hidden": 2048, "intermediate": 8192, "vocab": 128256}
 CHUNKS = (1, 2, 4, 8, 16)

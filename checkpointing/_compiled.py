@@ -20,7 +20,7 @@ NOTE [Compiled regions]
           (``create_selective_checkpoint_contexts``, ``checkpointing.policies``, a plan's keep
           lists) goes over as is: under AOTAutograd our modes tag the traced nodes with torch's
           policy members (``_selective`` Rule 9), which is what the partitioner reads. A plan's
-          draw guard (NOTE [Planner model], Rule 14) goes over as what its ``stand_in()``
+          draw guard (NOTE [Planner apply], Rule A3) goes over as what its ``stand_in()``
           gives: the region's own contexts, or none.
           ``respect_saved_tensors_hooks`` goes over only where torch has it (2.14+).
   Rule 3. What the compiler cannot honour is said once per process, at trace time, never

@@ -47,7 +47,7 @@ NOTE [Nestable checkpoint]
           one per accelerator tensor among the positional inputs; none without
           ``preserve_rng_state``), the tensors it received by keyword, and tensors inside
           containers among its positional inputs. A watching report is told of them
-          (``announce_kept``); the planner counts them (NOTE [Planner model], Rule 14).
+          (``announce_kept``); the planner counts them (NOTE [Planner apply], Rule A3).
   Rule 12. ``recompute_state_hooks`` (user state, NOTE [Kept spans], Rule 5): each hook is
           snapshotted when the frame starts; the recompute snapshots the caller's state,
           restores the forward's, runs, and puts the caller's back (as Rule 7's RNG). A frame

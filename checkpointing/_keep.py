@@ -76,7 +76,7 @@ NOTE [Kept spans]
           runs the model without checkpointing) is handed each span as ``kept_span(fn, args,
           kwargs)`` and runs it: the profile must number, price and offer the ops outside
           spans only, as the selective modes see them under Rule 6, or a plan's op keys would
-          name other ops at run time (NOTE [Planner model], Rule 25). ``with keeping():``
+          name other ops at run time (NOTE [Planner measure], Rule M14). ``with keeping():``
           blocks are plain calls there, told to the watch (``kept_block``): the planner runs
           a region holding one plainly, where what it keeps is what autograd saves.
 

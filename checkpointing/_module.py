@@ -28,7 +28,7 @@ NOTE [Module checkpoint hooks]
           holds the module weakly (no cycle); pickling and ``copy.deepcopy`` rebuild it on the
           copy. ``remove_checkpoint_module`` puts back what was there.
   Rule 7. The planner may end a module's region early, at the start of a child it calls last
-          (``end_at``: a post-norm block's final norm, NOTE [Planner model], Rule 24): the
+          (``end_at``: a post-norm block's final norm, NOTE [Planner measure], Rule M13): the
           child's pre-hook ends the generator the module's own pre-hook started in this call,
           and the module's forward hook then finds it ended. The recompute re-runs the module's
           forward and ends before the child (early stop, or the child's pre-hook where early

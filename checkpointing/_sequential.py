@@ -529,7 +529,7 @@ def measure_costs(chain: list[Any], input: Any, unpack: bool) -> tuple[tuple[Lay
     only one function's saved tensors are alive at a time; what it saves is seen by a
     saved-tensors hook, by storage (parameters and buffers left out); what its ops allocate is
     seen by a dispatch mode. The modules are left as found, as the planner's profile leaves its
-    model (NOTE [Planner model], Rule 8: buffers such as BatchNorm's statistics, ``.grad``, the
+    model (NOTE [Planner measure], Rule M7: buffers such as BatchNorm's statistics, ``.grad``, the
     RNG streams); side effects of plain functions on other state are not undone.
     """
     modules = [f for f in chain if isinstance(f, torch.nn.Module)]

@@ -2,7 +2,7 @@
 
 Owns ``untouched``, the one mechanism by which the planner's profile and trials and
 ``checkpoint_sequential``'s measuring pass run real forward and backward passes of a user's
-modules without leaving a trace on them (NOTE [Planner model], Rule 8). It imports nothing of
+modules without leaving a trace on them (NOTE [Planner measure], Rule M7). It imports nothing of
 the package, so any floor may use it.
 """
 

@@ -24,16 +24,16 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan
 from checkpointing._planning import search as search_module
-from checkpointing._planning.flops import FlopCount
-from checkpointing._planning.problem import (
+from checkpointing._planning.measure.flops import FlopCount
+from checkpointing._planning.measure.profile import profile_step
+from checkpointing._planning.solve.problem import (
     Choice,
     Problem,
     kept_bytes,
     recompute_flops,
     recompute_seconds,
 )
-from checkpointing._planning.profile import profile_step
-from checkpointing._planning.solver import solve
+from checkpointing._planning.solve.solver import solve
 
 # --- models -------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from checkpointing import policies
-from checkpointing._planning.problem import Problem, RegionChoices, Unit
+from checkpointing._planning.solve.problem import Problem, RegionChoices, Unit
 from checkpointing._selective import CheckpointPolicy
 
 LayerKind = Literal["linear", "relu", "gelu", "tanh", "silu", "layernorm", "dropout"]
@@ -563,7 +563,7 @@ def scoped_graphs(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 8) ->
 
 @st.composite
 def planner_problems(draw: st.DrawFn, *, max_regions: int = 3, max_units: int = 3) -> Problem:
-    """A small ``checkpointing._planning.problem.Problem``: 1-3 regions with 0-3 units each,
+    """A small ``checkpointing._planning.solve.problem.Problem``: 1-3 regions with 0-3 units each,
     storages of 1-8 "bytes"; region inputs may be the previous region's last unit output
     (a storage two regions keep, as in a chain of blocks), and some storages are kept outside
     every region."""

@@ -28,7 +28,7 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan, LayerCost, plan_checkpointing
 from checkpointing._module import is_module_checkpointed
-from checkpointing._planning import plan as plan_module
+from checkpointing._planning.apply import plan as plan_module
 from checkpointing._schedule import memory_floor
 
 BIG: int = 1 << 40  # an "optimal" budget that holds everything: nothing is checkpointed

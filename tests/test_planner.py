@@ -40,8 +40,9 @@ from strategies import planner_problems
 from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
-from checkpointing._planning import costs as costs_module
-from checkpointing._planning.problem import (
+from checkpointing._planning.measure import costs as costs_module
+from checkpointing._planning.measure.profile import profile_step
+from checkpointing._planning.solve.problem import (
     Choice,
     Problem,
     RegionChoices,
@@ -49,8 +50,7 @@ from checkpointing._planning.problem import (
     kept_bytes,
     recompute_seconds,
 )
-from checkpointing._planning.profile import profile_step
-from checkpointing._planning.solver import solve
+from checkpointing._planning.solve.solver import solve
 
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -87,7 +87,7 @@ class KeywordStack(nn.Module):
 
 Case = tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Callable | None]
 CASES: dict[str, Case] = {
-    # 64 rows: a region's ~5 KB RNG state (Rule 14) stays small next to its activations.
+    # 64 rows: a region's ~5 KB RNG state (Rule A3) stays small next to its activations.
     "W1 mlp": (mlp, lambda: torch.randn(64, 32, requires_grad=True), None),
     "W2 transformer": (transformer, lambda: torch.randn(2, 16, 32, requires_grad=True), None),
     "llama": (TinyLlama, lambda: torch.randint(0, 64, (2, 16)), llama_loss),
@@ -108,7 +108,7 @@ def applied_step(plan: ActivationPlan, model: nn.Module, x: torch.Tensor):
 
 @pytest.fixture
 def free_policies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plan with selective policies charged nothing (NOTE [Planner model], Rule 13): the ops of
+    """Plan with selective policies charged nothing (NOTE [Planner solve], Rule S3): the ops of
     these tiny models are so fast that the policy's real cost has every region checkpointed
     whole, and the tests that use this need regions that keep some outputs."""
     cpu = dataclasses.replace(costs_module._CPU, policy_seconds_per_op=0.0)
@@ -168,7 +168,7 @@ def test_prediction_equals_report(case: str) -> None:
 @pytest.mark.parametrize("budget", [0.3, 0.5, 0.8])
 @pytest.mark.usefixtures("free_policies")
 def test_allocator_holds_what_the_plan_predicts_rng_states_included(budget: float) -> None:
-    """Rule 14, on many small dropout regions: the bytes the CPU allocator holds after forward
+    """Rule A3, on many small dropout regions: the bytes the CPU allocator holds after forward
     are the plan's prediction, within the budget, and the report's activation bytes (each
     checkpointed region's RNG state counted); gradients equal the plain run bit for bit."""
     torch.manual_seed(0)
@@ -188,7 +188,7 @@ def test_allocator_holds_what_the_plan_predicts_rng_states_included(budget: floa
 
 @pytest.mark.usefixtures("free_policies")
 def test_tensors_received_by_keyword_are_counted() -> None:
-    """Rule 14: a tensor a checkpointed region receives by keyword is kept by its frame, and
+    """Rule A3: a tensor a checkpointed region receives by keyword is kept by its frame, and
     regions that draw nothing keep no RNG state: the plan, the report ("keyword input" rows)
     and the allocator count both alike."""
     torch.manual_seed(0)
@@ -207,8 +207,8 @@ def test_tensors_received_by_keyword_are_counted() -> None:
 
 @pytest.mark.usefixtures("free_policies")
 def test_saved_ops_are_the_plan_s_keys() -> None:
-    """What selective checkpointing keeps in forward is what the plan lists (NOTE [Planner
-    model], Rule 3): the same ops, and one kept tensor at least per listed (op, index)."""
+    """What selective checkpointing keeps in forward is what the plan lists (NOTE [Planner measure],
+    Rule M3): the same ops, and one kept tensor at least per listed (op, index)."""
     model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
     plan = plan_checkpointing(model, x, budget=0.3)
     expected = sorted(op.split(".")[1] for r in plan.regions if r.checkpoint for op, _ in r.save)
@@ -228,7 +228,7 @@ def test_saved_ops_are_the_plan_s_keys() -> None:
 
 
 def test_policy_cost_checkpoints_tiny_regions_whole() -> None:
-    """Rule 13: the cost model charges a selective policy per op of a region; the tiny
+    """Rule S3: the cost model charges a selective policy per op of a region; the tiny
     transformer's ops cost far less than that, so its regions are checkpointed whole, no policy
     installed. One plan decides it: the prices are counted, not timed."""
     model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
@@ -338,7 +338,7 @@ def test_from_json_rejects_bad_text() -> None:
 
 
 def test_other_input_shapes_warn_once() -> None:
-    """Rule 12: inputs of other shapes than the profiled ones warn once per apply, saying
+    """Rule A2: inputs of other shapes than the profiled ones warn once per apply, saying
     re-plan; under ``no_grad`` they do not."""
     model = mlp()
     plan = plan_checkpointing(model, torch.randn(16, 32, requires_grad=True), budget=0.8)
@@ -399,7 +399,7 @@ def test_solver_fits_and_is_near_brute_force(problem: Problem) -> None:
     """At every budget from the floor up, answers on a fine and on a coarse byte grid fit the
     exact byte count; without storages shared between regions, the fine grid's answer is the
     brute-force optimum, and the coarse grid's costs no more than the brute-force optimum at a
-    budget of one grid step per region less (NOTE [Planner model], Rule 17)."""
+    budget of one grid step per region less (NOTE [Planner solve], Rule S5)."""
     choices = list(all_choices(problem))
     plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
     floor = solve(problem, plain).floor_bytes
@@ -428,7 +428,7 @@ def test_solver_fits_and_is_near_brute_force(problem: Problem) -> None:
 
 def test_policy_cost_makes_whole_regions_win() -> None:
     """A region whose saved outputs would save less recompute than its selective policy costs
-    (NOTE [Planner model], Rule 13) is checkpointed whole, and the prediction counts the cost."""
+    (NOTE [Planner solve], Rule S3) is checkpointed whole, and the prediction counts the cost."""
     units = (Unit(("aten.mm.default", 0), 0.004, (1,)), Unit(("aten.mm.default", 1), 0.004, (2,)))
     region = RegionChoices(frozenset({0, 1, 2}), frozenset({0}), 0.001, units)
     problem = Problem((region,), {0: 1, 1: 1, 2: 1}, frozenset())

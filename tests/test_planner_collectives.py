@@ -1,4 +1,4 @@
-"""Collectives inside planned regions are kept, never re-run (NOTE [Planner model], Rule 26).
+"""Collectives inside planned regions are kept, never re-run (NOTE [Planner measure], Rule M15).
 
 A tensor-parallel stack of blocks (the first Linear column-wise, the second row-wise: one
 all-reduce per block in forward) is planned at its floor, where every block is checkpointed and

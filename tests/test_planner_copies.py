@@ -36,7 +36,7 @@ def _hooked(model: nn.Module) -> dict[str, tuple[int, int, bool]]:
     return found
 
 
-# A post-norm encoder (trails, Rule 24) and a tiny Llama (head and tail spans, Rule 22).
+# A post-norm encoder (trails, Rule M13) and a tiny Llama (head and tail spans, Rule M11).
 _PLANNED = {
     "trails": (encoder, encoder_inputs, None, ["trail", "trail"]),
     "head and tail": (

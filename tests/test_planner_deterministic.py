@@ -1,9 +1,9 @@
-"""The planner is deterministic and cheap (issue 43, points 2 and 3; NOTE [Planner model],
-Rules 9, 13, 15 and 23).
+"""The planner is deterministic and cheap (issue 43, points 2 and 3; NOTE [Planner
+measure], Rules M8 and M12; NOTE [Planner solve], Rules S3 and S4).
 
 A plan is a function of the model, the inputs, the budget and the options: prices come from
-counted quantities and the cost model's constants (``_planning/costs.py``), never from a clock,
-so two calls give one plan. Planning runs the model three times (one forward, one recorded
+counted quantities and the cost model's constants (``_planning/measure/costs.py``), never from a
+clock, so two calls give one plan. Planning runs the model three times (one forward, one recorded
 step, one step for the peak), whatever its size. Timing candidates is opt-in
 (``timing_steps > 0``), and then every rank of a default process group gets rank 0's choice.
 """
@@ -23,8 +23,8 @@ from torch import nn
 
 from checkpointing import plan_checkpointing
 from checkpointing._planning import search as search_module
-from checkpointing._planning.costs import costs_for
-from checkpointing._planning.profile import profile_step
+from checkpointing._planning.measure.costs import costs_for
+from checkpointing._planning.measure.profile import profile_step
 from checkpointing._planning.search import find_regions
 
 
@@ -60,7 +60,7 @@ def _models(dropout: float) -> list[tuple[nn.Module, torch.Tensor]]:
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("objective", ["time", "flops"])
 def test_two_calls_give_one_plan(dropout: float, objective: str) -> None:
-    """Rule 23: the same model, inputs, budget and options give the same plan, to the byte of
+    """Rule M12: the same model, inputs, budget and options give the same plan, to the byte of
     its JSON (its predicted times included), with dropout and without."""
     for model, x in _models(dropout):
         if dropout == 0.0:
@@ -93,7 +93,7 @@ def test_planning_runs_the_model_three_times(regions: str) -> None:
 
 
 def test_op_seconds_are_the_cost_model_s() -> None:
-    """Rule 9: a profiled op's seconds are its dispatch, its FLOPs at the device class's rate
+    """Rule M8: a profiled op's seconds are its dispatch, its FLOPs at the device class's rate
     and its bytes read and written at its bandwidth: a linear layer's ``mm``/``addmm``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
@@ -139,7 +139,7 @@ def _timed_worker(rank: int, port: int, out_dir: str) -> None:
 # planner's broadcast of rank 0's choice, not a path that differs between torch releases.
 @pytest.mark.once
 def test_timed_plans_agree_across_ranks(tmp_path: Path) -> None:
-    """Rule 23: with ``timing_steps``, measured times differ between ranks; every rank of the
+    """Rule M12: with ``timing_steps``, measured times differ between ranks; every rank of the
     default process group returns rank 0's choice (here rank 1's own timing prefers another
     candidate, so without the broadcast the ranks would differ)."""
     spawn_pair(_timed_worker, str(tmp_path))

@@ -1,5 +1,5 @@
 """What a planned region draws is its own random ops, never the process's generator state
-(NOTE [Planner model], Rule 14).
+(NOTE [Planner apply], Rule A3).
 
 Another thread drawing random numbers (a data loader's augmentation, a sampler) moves the one
 CPU generator while a draw-free region runs. Neither the profile nor the applied plan may take
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import checkpointing
-from checkpointing._planning.installed import DrawGuard
+from checkpointing._planning.apply.installed import DrawGuard
 
 WIDTH = 32
 ROWS = 8

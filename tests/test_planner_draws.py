@@ -1,4 +1,4 @@
-"""Keeping a region's random draws as a group (issue 28; NOTE [Planner model], Rule 19).
+"""Keeping a region's random draws as a group (issue 28; NOTE [Planner solve], Rule S7).
 
 A plan may keep all of a checkpointed region's random ops' outputs (dropout's masks, an
 attention's dropout) so that recompute draws nothing. Every applied plan is checked against the
@@ -33,7 +33,7 @@ from planner_support import (
 from strategies import planner_problems
 
 from checkpointing import ActivationPlan
-from checkpointing._planning.problem import (
+from checkpointing._planning.solve.problem import (
     Choice,
     Objective,
     Problem,
@@ -43,7 +43,7 @@ from checkpointing._planning.problem import (
     recompute_cost,
     recompute_seconds,
 )
-from checkpointing._planning.solver import solve
+from checkpointing._planning.solve.solver import solve
 
 
 def draws_in_every_second(problem: Problem, index: int) -> Choice:
@@ -60,7 +60,7 @@ MODELS = {
 @pytest.mark.parametrize("choose", [draws_only, draws_and_units, draws_in_every_second])
 @pytest.mark.parametrize("case", list(MODELS))
 def test_kept_draws_keep_gradients_and_the_predicted_bytes(case: str, choose: Chooser) -> None:
-    """Rule 19: with the random draws of checkpointed regions kept (alone, under a selective
+    """Rule S7: with the random draws of checkpointed regions kept (alone, under a selective
     policy, or in every second region), gradients equal the plain run bit for bit, and the
     allocator holds after forward exactly the bytes the plan predicts."""
     build, inputs = MODELS[case]
@@ -81,7 +81,7 @@ def test_kept_draws_keep_gradients_and_the_predicted_bytes(case: str, choose: Ch
 
 
 def test_kept_draws_are_not_drawn_again() -> None:
-    """Rule 19: recompute of a region that keeps its draws draws nothing (the RNG is not asked),
+    """Rule S7: recompute of a region that keeps its draws draws nothing (the RNG is not asked),
     and a second backward through it raises instead of reusing handed-out draws."""
     torch.manual_seed(0)
     model, x = transformer(1), torch.randn(2, 16, 32, requires_grad=True)
@@ -127,7 +127,7 @@ def test_keep_draws_round_trips_through_json_and_pickle() -> None:
 
 
 def test_draws_with_flops_are_kept_under_the_flops_objective() -> None:
-    """Rules 15 and 19: a region whose random op carries FLOPs (attention with dropout) keeps
+    """Rules S4 and S7: a region whose random op carries FLOPs (attention with dropout) keeps
     its draws when the budget allows, under "flops" as under "time", and the prediction counts
     the group's bytes and takes its seconds and FLOPs off the recompute."""
     units = (Unit(("aten.mm.default", 0), 0.001, (1,), 100),)
@@ -186,7 +186,7 @@ def problems_with_draws(draw: st.DrawFn) -> Problem:
 
 @given(problems_with_draws())
 def test_solver_with_draws_is_brute_force_optimal(problem: Problem) -> None:
-    """Rule 19 in the solver: every answer fits the exact byte count, and where no storage is
+    """Rule S7 in the solver: every answer fits the exact byte count, and where no storage is
     shared between regions the exact answer costs what the brute-force optimum costs."""
     choices = list(draw_choices(problem))
     plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
@@ -206,8 +206,8 @@ def test_solver_with_draws_is_brute_force_optimal(problem: Problem) -> None:
 
 
 def test_draws_modes_are_charged_beside_the_selective_ones() -> None:
-    """Rule 13: a region keeping outputs and its draws runs two pairs of dispatch modes (the
-    selective ones over the draws ones, Rule 19), so it pays the policy's time twice; keeping
+    """Rule S3: a region keeping outputs and its draws runs two pairs of dispatch modes (the
+    selective ones over the draws ones, Rule S7), so it pays the policy's time twice; keeping
     only its draws, once."""
     units = (Unit(("aten.mm.default", 0), 0.5, (1,)),)
     draws = Unit(("random", 0), 0.25, (2,))

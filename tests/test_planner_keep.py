@@ -1,5 +1,5 @@
 """A planned model whose blocks keep a span with ``checkpointing.keep`` (issue 40, item 6; NOTE
-[Planner model], Rule 25): the profile numbers, prices and offers the ops outside spans only, as
+[Planner measure], Rule M14): the profile numbers, prices and offers the ops outside spans only, as
 the selective modes see them at run time, and counts what the spans keep as the regions' own.
 Gradients bitwise equal to the plain run's (dropout included), the report's bytes equal to the
 plan's, the op keys those of the run time."""
@@ -16,8 +16,8 @@ from torch import nn
 
 import checkpointing
 from checkpointing import plan_checkpointing
-from checkpointing._planning.problem import Choice
-from checkpointing._planning.profile import profile_step
+from checkpointing._planning.measure.profile import profile_step
+from checkpointing._planning.solve.problem import Choice
 
 WIDTH, SEQ, BATCH, DEPTH = 32, 16, 4, 3
 
@@ -147,7 +147,7 @@ def test_rule25_the_profile_numbers_only_the_ops_outside_spans() -> None:
 @pytest.mark.usefixtures("gc_disabled")
 def test_rule25_the_same_model_without_the_span_plans_and_runs_as_before() -> None:
     """The span as a plain call: the plan applies, gradients bitwise equal to the plain run's,
-    bytes as planned (nothing of Rule 25 in play)."""
+    bytes as planned (nothing of Rule M14 in play)."""
     model, x = blocks(span=False), inputs()
     plain = two_steps(model, x)
     plan = plan_checkpointing(model, x, budget=0.5, objective="flops", timing_steps=0)
@@ -169,7 +169,7 @@ def test_rule25_the_same_model_without_the_span_plans_and_runs_as_before() -> No
 @pytest.mark.usefixtures("gc_disabled")
 @pytest.mark.parametrize("choose", [draws_only, draws_and_units])
 def test_rule25_regions_that_keep_their_draws_keep_spans_too(choose: Chooser) -> None:
-    """Rule 19's draws modes (alone, or under the selective ones) honour a kept span as the
+    """Rule S7's draws modes (alone, or under the selective ones) honour a kept span as the
     selective modes do: the span is skipped in the replay (no warning that it runs as a plain
     call), gradients bitwise equal to the plain run's, the allocator's bytes after forward the
     plan's (the draws' modes keep what no report sees)."""
@@ -222,7 +222,7 @@ class BlockOfKeeping(Block):
 
 @pytest.mark.usefixtures("gc_disabled")
 def test_rule25_a_region_that_keeps_its_draws_runs_keeping_blocks_plainly() -> None:
-    """Rule 19's modes answer the region's draws without drawing, so a ``with keeping():``
+    """Rule S7's modes answer the region's draws without drawing, so a ``with keeping():``
     block that the replay runs again would draw from another RNG state there: under them a
     block is a plain call (as the profile sees it), gradients bitwise equal to the plain run's."""
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""The planner's objectives, early stop and shared fronts (issue 28; NOTE [Planner model], Rules
-15-17).
+"""The planner's objectives, early stop and shared fronts (issue 28; NOTE [Planner
+solve], Rules S4 and S5; NOTE [Planner measure], Rule M9).
 
 Every applied plan is checked against the plain run (gradients bit-identical, dropout included),
 against ``saved_tensors_report`` (bytes) and against a FLOP-counting dispatch mode over the
@@ -32,10 +32,16 @@ from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning import search as search_module
-from checkpointing._planning.options import Fronts, region_options
-from checkpointing._planning.problem import Objective, Problem, RegionChoices, Unit, recompute_flops
-from checkpointing._planning.profile import profile_step
-from checkpointing._planning.solver import solve
+from checkpointing._planning.measure.profile import profile_step
+from checkpointing._planning.solve.options import Fronts, region_options
+from checkpointing._planning.solve.problem import (
+    Objective,
+    Problem,
+    RegionChoices,
+    Unit,
+    recompute_flops,
+)
+from checkpointing._planning.solve.solver import solve
 
 CASES = {
     "W2 transformer": (transformer, lambda: torch.randn(2, 16, 32, requires_grad=True), None),
@@ -48,7 +54,7 @@ CASES = {
 def test_predicted_recompute_flops_are_measured_and_gradients_stay(
     case: str, objective: str
 ) -> None:
-    """Rules 15-16: at budgets 0.3 and 0.6, the FLOPs the plan predicts it recomputes are what
+    """Rules S4 and M9: at budgets 0.3 and 0.6, the FLOPs the plan predicts it recomputes are what
     the backward runs above the plain backward (the ops after each region's early stop not
     counted), its bytes are the report's, and gradients equal the plain run bit for bit."""
     build, inputs, loss_fn = CASES[case]
@@ -71,7 +77,7 @@ def test_predicted_recompute_flops_are_measured_and_gradients_stay(
 
 
 def test_early_stop_makes_the_last_projection_free() -> None:
-    """Rule 16: in a Llama block the down projection runs after the last tensor autograd saves
+    """Rule M9: in a Llama block the down projection runs after the last tensor autograd saves
     (its input is saved before it runs), so recompute stops before it: the profile's stop
     leaves it out, no plan keeps its output, and checkpointing every block recomputes none of
     its FLOPs."""
@@ -84,7 +90,7 @@ def test_early_stop_makes_the_last_projection_free() -> None:
         assert region.stop <= matmuls[-1] < len(region.ops)
     floor = plan_checkpointing(model, x, budget=1.0, loss_fn=llama_loss).floor_bytes
     whole = plan_checkpointing(model, x, budget=floor, loss_fn=llama_loss)
-    blocks = whole.regions[: len(regions)]  # the tail's regions follow (Rule 20)
+    blocks = whole.regions[: len(regions)]  # the tail's regions follow (Rule M10)
     assert all(r.checkpoint and not r.save for r in blocks)
     down = sum(profile.regions[0].ops[i].flops for i in matmuls[-1:]) * len(regions)
     everything = sum(op.flops for r in profile.regions for op in r.ops)
@@ -92,7 +98,7 @@ def test_early_stop_makes_the_last_projection_free() -> None:
 
 
 def test_flops_objective_recomputes_no_more_flops_than_time() -> None:
-    """Rule 15: at every budget of a sweep, the plan made for FLOPs predicts no more recomputed
+    """Rule S4: at every budget of a sweep, the plan made for FLOPs predicts no more recomputed
     FLOPs than the plan made for time (on one profile: the solver's own claim)."""
     torch.manual_seed(0)
     model, x = TinyLlama(), torch.randint(0, 64, (2, 16))
@@ -107,7 +113,7 @@ def test_flops_objective_recomputes_no_more_flops_than_time() -> None:
 
 
 def test_identical_blocks_share_times_and_one_front() -> None:
-    """Rule 17: blocks of one structure get each op's median time, so the solver computes one
+    """Rule S5: blocks of one structure get each op's median time, so the solver computes one
     unit front for all of them."""
     torch.manual_seed(0)
     model, x = transformer(4), torch.randn(2, 16, 32, requires_grad=True)
@@ -122,7 +128,7 @@ def test_identical_blocks_share_times_and_one_front() -> None:
 
 
 def test_many_large_blocks_are_solved_on_one_front() -> None:
-    """Rule 17: 32 blocks of 300 units each (a Llama-sized problem) are solved without a
+    """Rule S5: 32 blocks of 300 units each (a Llama-sized problem) are solved without a
     fallback: one unit front, and the answer fits the budget by the exact count."""
     storage_bytes: dict[int, int] = {}
     regions = []
@@ -155,7 +161,7 @@ def test_many_large_blocks_are_solved_on_one_front() -> None:
 
 @given(planner_problems())
 def test_flops_objective_is_the_brute_force_optimum(problem: Problem) -> None:
-    """Rule 15: with FLOPs per unit and the FLOP objective, the exact answer recomputes the
+    """Rule S4: with FLOPs per unit and the FLOP objective, the exact answer recomputes the
     fewest FLOPs of every choice that fits (where no storage is shared)."""
     problem = dataclasses.replace(
         problem,
@@ -205,7 +211,7 @@ def test_plans_written_before_the_objective_still_load() -> None:
 def benchmark_w2() -> nn.Sequential:
     """The benchmark's W2 itself (``benchmarks/planner.py``): 4 x TransformerEncoderLayer 256.
     (At a tenth of its width the parameters' gradients weigh as much as the activations and
-    the working-set model errs up to 19 % high: Rule 18 is checked where it is claimed.)"""
+    the working-set model errs up to 19 % high: Rule S6 is checked where it is claimed.)"""
     return nn.Sequential(
         *(nn.TransformerEncoderLayer(256, 8, dropout=0.1, batch_first=True) for _ in range(4))
     ).train()
@@ -223,7 +229,7 @@ PEAK_CASES = {
 
 @pytest.mark.parametrize("case", list(PEAK_CASES))
 def test_predicted_peak_errs_high_within_6_percent_of_the_allocator_s(case: str) -> None:
-    """Rule 18: the plan's predicted peak of the step is at least the CPU allocator's peak over
+    """Rule S6: the plan's predicted peak of the step is at least the CPU allocator's peak over
     a step (forward and backward) with the plan applied, and at most 6 % above it, at budgets
     0.3 to 1.0."""
     build, inputs, loss_fn = PEAK_CASES[case]

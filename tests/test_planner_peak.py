@@ -19,8 +19,8 @@ from planner_support import TinyLlama, llama_loss
 from torch import nn
 
 from checkpointing import plan_checkpointing
-from checkpointing._planning.live_bytes import cpu_peak
-from checkpointing._planning.scratch import scratch_bytes
+from checkpointing._planning.measure.live_bytes import cpu_peak
+from checkpointing._planning.measure.scratch import scratch_bytes
 
 TESTS = Path(__file__).parent
 

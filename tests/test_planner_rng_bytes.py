@@ -3,7 +3,7 @@
 The frame captures the CPU RNG state when a checkpointed region starts, and shares a capture
 byte-identical to the previous one (NOTE [RNG state shared when identical]). A planned region
 that drew nothing when profiled is checkpointed without preserving RNG state, keeps none, and is
-charged none (NOTE [Planner model], Rule 14): a guard raises if it draws after all. A chain of
+charged none (NOTE [Planner apply], Rule A3): a guard raises if it draws after all. A chain of
 regions that draw nothing keeps no state, a chain of regions that each draw keeps one per region.
 These tests hold the planner's predicted kept bytes to the CPU allocator's account of the applied
 plan (``allocator_support``), exactly, for regions with and without dropout, pin how many states

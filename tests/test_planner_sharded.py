@@ -195,7 +195,7 @@ def test_parameters_are_not_activations(sharding: str, results: list[dict[str, A
     """A rank's plan predicts the bytes of the one-process plan of its share of the work: no
     parameter (sharded, or gathered by FSDP2's ops during the forward) counts as kept. Under
     tensor parallelism each checkpointed block also keeps its all-reduce's output (a collective
-    is kept, never re-run: NOTE [Planner model], Rule 26), which the one-process model lacks:
+    is kept, never re-run: NOTE [Planner measure], Rule M15), which the one-process model lacks:
     the floor, every block checkpointed, is above it by one such output per block."""
     collectives = DEPTH * BATCH * WIDTH * 8 if sharding == "tp" else 0  # float64 outputs
     for rank in range(WORLD_SIZE):

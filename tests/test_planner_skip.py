@@ -1,5 +1,5 @@
-"""Skipping in the replay the ops whose outputs nothing needs (issue 28; NOTE [Planner model],
-Rule 21).
+"""Skipping in the replay the ops whose outputs nothing needs (issue 28; NOTE [Planner solve], Rule
+S8).
 
 A checkpointed region's recompute serves only what autograd saves in it, so a plan may answer
 ``SKIP_IN_REPLAY`` for an op none of whose outputs' values anything needs (a decoder block's down
@@ -34,11 +34,18 @@ from planner_support import (
 from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
-from checkpointing._planning import plan as plan_module
 from checkpointing._planning import search as search_module
-from checkpointing._planning.offload_choice import offloads
-from checkpointing._planning.options import Fronts, region_options
-from checkpointing._planning.problem import (
+from checkpointing._planning.apply import plan as plan_module
+from checkpointing._planning.measure.profile import (
+    OpCall,
+    RegionProfile,
+    StepProfile,
+    profile_step,
+    structure,
+)
+from checkpointing._planning.solve.offload_choice import offloads
+from checkpointing._planning.solve.options import Fronts, region_options
+from checkpointing._planning.solve.problem import (
     Choice,
     Objective,
     Problem,
@@ -52,14 +59,7 @@ from checkpointing._planning.problem import (
     recompute_seconds,
     skipped,
 )
-from checkpointing._planning.profile import (
-    OpCall,
-    RegionProfile,
-    StepProfile,
-    profile_step,
-    structure,
-)
-from checkpointing._planning.solver import solve
+from checkpointing._planning.solve.solver import solve
 from checkpointing._selective import SKIP_IN_REPLAY
 
 # --- models -------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def decoder(depth: int = 3) -> nn.Sequential:
 
 class InPlaceBlock(nn.Module):
     """A block whose activation is applied in place (``relu_`` writes the first projection's
-    output, Rule 5) and whose output projection ends in dropout."""
+    output, Rule M5) and whose output projection ends in dropout."""
 
     def __init__(self, dim: int = 32) -> None:
         super().__init__()
@@ -134,7 +134,7 @@ def step_problem(model: nn.Module, x: torch.Tensor) -> tuple[StepProfile, Proble
 
 def without_skipping(problem: Problem) -> Problem:
     """The same problem with no replay graph: nothing is ever skipped (the planner before
-    Rule 21)."""
+    Rule S8)."""
     regions = tuple(dataclasses.replace(r, replay=None) for r in problem.regions)
     return dataclasses.replace(problem, regions=regions)
 
@@ -150,7 +150,7 @@ def last_matmul(region: RegionProfile) -> tuple[str, int]:
 
 
 def test_decoder_skips_the_down_projection_and_keeps_gradients() -> None:
-    """Rule 21 on a decoder with dropout, objective "flops", at budgets 0.2, 0.3 and 0.5: every
+    """Rule S8 on a decoder with dropout, objective "flops", at budgets 0.2, 0.3 and 0.5: every
     checkpointed block skips its down projection; gradients equal the plain run bit for bit;
     the FLOPs the plan predicts it recomputes are those the backward runs above the plain
     backward, fewer than the same choices without skipping and no more than the best plan
@@ -188,7 +188,7 @@ def test_decoder_skips_the_down_projection_and_keeps_gradients() -> None:
 
 @pytest.mark.parametrize("case", ["in place", "saved activations"])
 def test_other_blocks_keep_gradients_and_predicted_flops(case: str) -> None:
-    """Rule 21 with an op writing a projection's output in place (Rule 5: the projection is
+    """Rule S8 with an op writing a projection's output in place (Rule M5: the projection is
     never skipped) and with activations whose outputs are saved (never skipped): gradients equal
     the plain run, predicted recompute FLOPs are measured, the allocator holds the prediction."""
     torch.manual_seed(0)
@@ -214,7 +214,7 @@ def test_other_blocks_keep_gradients_and_predicted_flops(case: str) -> None:
 
 @pytest.mark.parametrize("case", list(MODELS))
 def test_no_option_skips_a_needed_op(case: str) -> None:
-    """Rule 21 on the profiled graphs, for every option the solver offers: no kept unit is one
+    """Rule S8 on the profiled graphs, for every option the solver offers: no kept unit is one
     the replay would skip anyway; no skipped op is random, in place or a view, a kept unit, or
     writes a storage autograd saves or an op the replay runs reads; in particular tanh's and
     GELU's outputs (saved) and the projection that ``relu_`` writes are never skipped."""
@@ -247,7 +247,7 @@ def test_no_option_skips_a_needed_op(case: str) -> None:
     region = profile.regions[0]
     kinds = {(op.op, op.index): op.kind for op in region.ops}
     roles = {op.key: op.role for op in problem.regions[0].replay.ops}  # type: ignore[union-attr]
-    # Rules 5 and 6: in-place and random ops, and ops without a tensor output, run for real.
+    # Rules M5 and M6: in-place and random ops, and ops without a tensor output, run for real.
     assert all(roles[k] in ("root", "random") for k in roles if kinds[k] in ("inplace", "none"))
     assert all(roles[k] == "random" for k in roles if kinds[k] == "random")
     written = {s for op in region.ops if op.kind == "inplace" for s in op.storages}
@@ -293,7 +293,7 @@ def test_skips_round_trip_through_json_pickle_and_the_table() -> None:
 
 
 def test_a_region_that_only_skips_gets_the_selective_contexts() -> None:
-    """Rule 11 with Rule 21: a region that keeps nothing but skips ops is installed with the
+    """Rule A1 with Rule S8: a region that keeps nothing but skips ops is installed with the
     selective modes (its skips answered ``SKIP_IN_REPLAY``), alone or over the draws modes;
     one that keeps and skips nothing runs as plain checkpoint."""
     decision = plan_module.RegionDecision("0", "Block", True, skip=(("aten.mm.default", 0),))
@@ -312,7 +312,7 @@ def test_a_region_that_only_skips_gets_the_selective_contexts() -> None:
 
 
 def test_identical_blocks_are_one_structure_and_solved_once() -> None:
-    """Rules 9, 17 and 21: a decoder's blocks (the first one reading the example input, the
+    """Rules M8, S5 and S8: a decoder's blocks (the first one reading the example input, the
     others a block's output) have one structure, equal replay graphs, and the solver computes
     one unit front and one set of options for all of them."""
     torch.manual_seed(0)
@@ -328,7 +328,7 @@ def test_identical_blocks_are_one_structure_and_solved_once() -> None:
 
 
 def test_structure_tells_apart_blocks_that_read_differently() -> None:
-    """Rule 9 with Rule 21: two regions with the same ops, kinds and sizes but a different
+    """Rule M8 with Rule S8: two regions with the same ops, kinds and sizes but a different
     reading pattern (which of the region's storages an op reads) are not one structure; the
     storage ids themselves do not matter, nor reads from outside the region."""
 
@@ -367,7 +367,7 @@ def dropout_branch() -> ReplayGraph:
 
 
 def test_closure_skips_what_only_unneeded_ops_read() -> None:
-    """Rule 21 by hand: with nothing kept the down projection (read only by the ``mul`` that
+    """Rule S8 by hand: with nothing kept the down projection (read only by the ``mul`` that
     saves the mask) is still run, as the saved sum needs the ``mul``; keeping the sum skips
     both; the mask's ops always run (the draw and the in-place scaling are roots); keeping the
     draws leaves the mask's ``empty_like`` to the in-place write that needs it."""
@@ -387,7 +387,7 @@ def test_closure_skips_what_only_unneeded_ops_read() -> None:
 
 
 def test_closure_runs_what_roots_read() -> None:
-    """Rules 5, 6 and 21: a random op (a draw from probabilities computed in the region) and an
+    """Rules M5, M6 and S8: a random op (a draw from probabilities computed in the region) and an
     in-place write run for real and need what they read, even where nothing needs their
     outputs; a random op answered from the kept draws needs nothing."""
     graph = ReplayGraph(
@@ -405,7 +405,7 @@ def test_closure_runs_what_roots_read() -> None:
 
 
 def test_units_that_free_each_other_are_one_group() -> None:
-    """Rule 21: a residual sum whose keeping frees the dropout ``mul`` and the projection before
+    """Rule S8: a residual sum whose keeping frees the dropout ``mul`` and the projection before
     it (each of which, kept alone, frees the projection too) is one group of the knapsack, so
     the three are not counted as three times the projection: at room for three bytes of units
     the plan keeps the projection worth more, not the chain's three units (which would settle
@@ -437,7 +437,7 @@ def test_units_that_free_each_other_are_one_group() -> None:
 
 
 def test_units_kept_for_nothing_are_dropped() -> None:
-    """Rule 21: a projection read only by two units the plan keeps is not kept with them: the
+    """Rule S8: a projection read only by two units the plan keeps is not kept with them: the
     replay would skip it anyway, so keeping it is bytes for nothing (the knapsack, blind to
     the pair, proposes all three)."""
     graph = ReplayGraph(
@@ -459,7 +459,7 @@ def test_units_kept_for_nothing_are_dropped() -> None:
 
 
 def naive_running(graph: ReplayGraph, kept: frozenset[int], draws: bool) -> list[bool]:
-    """Rule 21's definition as a fixpoint, iterated until nothing changes: an op computes if it
+    """Rule S8's definition as a fixpoint, iterated until nothing changes: an op computes if it
     is a root or writes a needed storage; a storage is needed if saved or read by a computing
     op that reads values."""
     ops = graph.ops
@@ -522,7 +522,7 @@ def replay_graphs(draw: st.DrawFn, *, max_ops: int = 7) -> tuple[ReplayGraph, in
 def test_closure_is_the_rule_s_fixpoint(
     drawn: tuple[ReplayGraph, int], data: st.DataObject
 ) -> None:
-    """Rule 21: the solver's closure computes exactly the ops the naive fixpoint does, for any
+    """Rule S8: the solver's closure computes exactly the ops the naive fixpoint does, for any
     kept units and draws; the replay's cost is the ops that run."""
     graph, units = drawn
     kept = frozenset(data.draw(st.sets(st.integers(0, max(units - 1, 0)))) if units else set())
@@ -596,7 +596,7 @@ def every_choice(problem: Problem, skip: tuple[bool, ...]):
 
 @given(skip_problems())
 def test_solver_with_skipping_is_exact_and_never_worse(problem: Problem) -> None:
-    """Rule 21 in the solver: every answer fits the exact byte count, its predicted cost is the
+    """Rule S8 in the solver: every answer fits the exact byte count, its predicted cost is the
     closure's for its choices, no choice costs less (brute force, skipping or not), and where
     no storage is shared it costs no more than the best choice without skipping."""
     plain = kept_bytes(problem, [Choice(False)] * len(problem.regions))
@@ -635,7 +635,7 @@ def two_matmuls(first: float, second: float, policy: float) -> Problem:
 
 
 def test_keeping_nothing_but_skipping_pays_the_policy() -> None:
-    """Rules 13 and 21: a region that keeps nothing but skips an op pays the selective policy;
+    """Rules S3 and S8: a region that keeps nothing but skips an op pays the selective policy;
     where the policy costs more than the skipped op, it runs as plain checkpoint."""
     problem = two_matmuls(0.004, 0.001, policy=0.001)
     region = problem.regions[0]
@@ -651,14 +651,14 @@ def test_keeping_nothing_but_skipping_pays_the_policy() -> None:
 
 
 def test_offload_leaves_skipped_units_alone() -> None:
-    """Rules 10 and 21: a unit the replay skips is never offloaded (there is nothing to serve)."""
+    """Rules S2 and S8: a unit the replay skips is never offloaded (there is nothing to serve)."""
     problem = two_matmuls(1.0, 1.0, policy=0.0)
     answer = dataclasses.replace(solve(problem, 1), choices=(Choice(True, skip=True),))
     assert offloads(problem, answer, 100) == [frozenset({1})]
 
 
 def test_many_llama_sized_graphs_are_solved_once() -> None:
-    """Rules 17 and 21: 32 blocks of 300 units with replay graphs (a chain of matmuls, saved and
+    """Rules S5 and S8: 32 blocks of 300 units with replay graphs (a chain of matmuls, saved and
     unsaved activations, views and an in-place op) are solved on one unit front and one set of
     options, and the answer fits by the exact count and is priced by the closure."""
     storage_bytes: dict[int, int] = {}

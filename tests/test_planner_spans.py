@@ -1,4 +1,4 @@
-"""The head and the tail recorded as spans (NOTE [Planner model], Rule 22): gradients equal to
+"""The head and the tail recorded as spans (NOTE [Planner measure], Rule M11): gradients equal to
 the plain run, bytes equal to the report's, hooks installed and removed, and spans not offered
 where a scope could not record them exactly."""
 
@@ -20,10 +20,10 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan, _compat, plan_checkpointing
 from checkpointing._planning import search as search_module
-from checkpointing._planning.problem import recompute_cost
-from checkpointing._planning.profile import profile_step, tail_regions
-from checkpointing._planning.recorded_spans import span_problems
-from checkpointing._planning.solver import solve
+from checkpointing._planning.measure.profile import profile_step, tail_regions
+from checkpointing._planning.measure.recorded_spans import span_problems
+from checkpointing._planning.solve.problem import recompute_cost
+from checkpointing._planning.solve.solver import solve
 
 
 def tokens() -> torch.Tensor:

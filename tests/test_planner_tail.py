@@ -1,4 +1,4 @@
-"""What runs after the blocks as regions of its own (issue 28; NOTE [Planner model], Rule 20).
+"""What runs after the blocks as regions of its own (issue 28; NOTE [Planner measure], Rule M10).
 
 By default the modules a model calls after its last block (a final norm, an LM head) are
 regions too. Every applied plan is checked against the plain run (gradients bit-identical),
@@ -25,7 +25,7 @@ from torch import nn
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._module import is_module_checkpointed
 from checkpointing._planning import search as search_module
-from checkpointing._planning.profile import tail_regions
+from checkpointing._planning.measure.profile import tail_regions
 
 
 class Inner(nn.Module):
@@ -72,7 +72,7 @@ class SharedNorm(nn.Module):
 
 
 def test_tail_regions_are_the_modules_called_after_the_last_block() -> None:
-    """Rule 20: the outermost modules whose every call starts after the last block's ended, in
+    """Rule M10: the outermost modules whose every call starts after the last block's ended, in
     call order, at any depth; a module also called before the blocks is not one."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 8))
@@ -89,8 +89,8 @@ def test_tail_regions_are_the_modules_called_after_the_last_block() -> None:
 
 
 def test_planned_tail_keeps_gradients_and_the_predicted_bytes() -> None:
-    """Rule 20 end to end: at the floor the final norm is checkpointed like a block, or the tail
-    is recorded whole (Rule 22); the report and the CPU allocator count the plan's bytes, and
+    """Rule M10 end to end: at the floor the final norm is checkpointed like a block, or the tail
+    is recorded whole (Rule M11); the report and the CPU allocator count the plan's bytes, and
     gradients equal the plain run bit for bit. A predicate names the regions alone (no tail
     added)."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""A post-norm block's final norm recorded as a trail (NOTE [Planner model], Rule 24): the
+"""A post-norm block's final norm recorded as a trail (NOTE [Planner measure], Rule M13): the
 block's frame ends where the norm starts, a scope records the norm, and the next block's input
 is recomputed from the residual sum instead of kept. Gradients equal to the plain run's, bytes
 and FLOPs equal to the plan's, and trails found only where they exist."""
@@ -19,8 +19,8 @@ import checkpointing
 from checkpointing import ActivationPlan, _compat, plan_checkpointing
 from checkpointing._module import checkpoint_module, end_at, remove_checkpoint_module
 from checkpointing._planning import search as search_module
-from checkpointing._planning.flops import FlopCount
-from checkpointing._planning.profile import profile_step
+from checkpointing._planning.measure.flops import FlopCount
+from checkpointing._planning.measure.profile import profile_step
 
 
 def flops_plan(model: nn.Module, x: torch.Tensor, share: float) -> ActivationPlan:

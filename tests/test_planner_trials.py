@@ -1,4 +1,5 @@
-"""Candidate plans timed on the model, opt-in (issue 28, issue 43; NOTE [Planner model], Rule 23).
+"""Candidate plans timed on the model, opt-in (issue 28, issue 43; NOTE [Planner measure], Rule
+M12).
 
 The cost model's two least sure prices are the selective policy's per-op cost and what a
 checkpointed region costs beyond its ops. With ``timing_steps > 0``, ``plan_checkpointing`` also
@@ -29,10 +30,10 @@ from torch import nn
 from checkpointing import plan_checkpointing
 from checkpointing._module import is_module_checkpointed
 from checkpointing._planning import search as search_module
-from checkpointing._planning import trials
-from checkpointing._planning.problem import Problem, RegionChoices, Unit, recompute_cost
-from checkpointing._planning.solver import solve
-from checkpointing._planning.trials import time_plans
+from checkpointing._planning.measure import trials
+from checkpointing._planning.measure.trials import time_plans
+from checkpointing._planning.solve.problem import Problem, RegionChoices, Unit, recompute_cost
+from checkpointing._planning.solve.solver import solve
 
 
 def _unit(index: int, storage: int) -> Unit:
@@ -58,7 +59,7 @@ _TIPPED = Problem(
 def test_a_frame_charge_is_minimized_exactly_and_never_predicted(
     problem: Problem, charges: list[int]
 ) -> None:
-    """Rule 23: with a charge for checkpointing each region, the exact answer costs (charges
+    """Rule M12: with a charge for checkpointing each region, the exact answer costs (charges
     included) the least of every choice that fits; its predicted seconds leave them out."""
     problem = dataclasses.replace(
         problem,
@@ -107,7 +108,7 @@ def normed() -> nn.Sequential:
 
 
 def test_each_plan_is_timed_in_turn_and_the_model_is_left_as_found() -> None:
-    """Rule 23 (Rule 8): one warm-up and ``steps`` timed steps per plan, every plan once per
+    """Rule M12 (Rule M7): one warm-up and ``steps`` timed steps per plan, every plan once per
     round in an order turned each round; afterwards no plan is applied, and the buffers,
     ``.grad`` and the RNG state are as before."""
     model, x = normed(), torch.randn(4, 8, requires_grad=True)
@@ -163,7 +164,7 @@ FAR: tuple[tuple[float, float], ...] = ((0.0, 0.0), (1000.0, 0.0), (1.0, 10.0))
 def test_the_candidate_timed_fastest_is_the_plan(
     monkeypatch: pytest.MonkeyPatch, stub: bool
 ) -> None:
-    """Rule 23: the candidates are distinct plans; the one the timing names fastest is returned
+    """Rule M12: the candidates are distinct plans; the one the timing names fastest is returned
     (its timing first), unapplied, exact: gradients bit-identical to the plain run with
     dropout, bytes as predicted and within the budget."""
     seen: list[tuple[list[Any], list[float]]] = []

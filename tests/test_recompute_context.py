@@ -15,7 +15,7 @@ import checkpointing
 from checkpointing import _keep, create_selective_checkpoint_contexts, keep
 from checkpointing._determinism import OpLogger
 from checkpointing._frame import NULL_CONTEXT
-from checkpointing._planning.draws import draw_contexts
+from checkpointing._planning.apply.draws import draw_contexts
 from checkpointing._recompute_context import DeclaredContext, declared, hand_respect
 from checkpointing.policies import save_matmuls
 

@@ -1,8 +1,8 @@
 """``plan_checkpointing``: the planner's front door, the search for a plan.
 
 Owns checking the arguments, choosing the regions, reading the budget, asking the solver with
-each span variant (Rules 22 and 24) and keeping the cheapest that fits; with ``timing_steps``,
-the candidates the least sure prices draw, timed on the model (Rule 23), and rank 0's choice on
+each span variant (Rules M11 and M13) and keeping the cheapest that fits; with ``timing_steps``,
+the candidates the least sure prices draw, timed on the model (Rule M12), and rank 0's choice on
 every rank. Recording the step belongs to ``profile``, the prices to ``costs``, deciding to
 ``solver``, the plan object and installing it to ``plan``.
 """
@@ -22,15 +22,22 @@ from torch import nn
 from .._compat import awaits_first_static_step
 from .._errors import describe_value
 from .._module import is_module_checkpointed
-from .costs import costs_for
-from .installed import carries
-from .offload_choice import offloads
-from .plan import ActivationPlan
-from .problem import Choice, Problem, Solution, recompute_cost, recompute_flops, recompute_seconds
-from .profile import ObjectiveName, StepProfile, profile_step, tail_regions
-from .recorded_spans import SpanCost, span_problems
-from .solver import solve
-from .trials import time_plans
+from .apply.installed import carries
+from .apply.plan import ActivationPlan
+from .measure.costs import costs_for
+from .measure.profile import ObjectiveName, StepProfile, profile_step, tail_regions
+from .measure.recorded_spans import SpanCost, span_problems
+from .measure.trials import time_plans
+from .solve.offload_choice import offloads
+from .solve.problem import (
+    Choice,
+    Problem,
+    Solution,
+    recompute_cost,
+    recompute_flops,
+    recompute_seconds,
+)
+from .solve.solver import solve
 
 __all__ = ["find_regions", "plan_checkpointing"]
 
@@ -185,7 +192,7 @@ def plan_checkpointing(
     if planned is not None:
         where = f"module {planned!r} of the model" if planned else "the model"
         raise ValueError(_MSG_PLANNED.format(where=where))
-    for name, module in model.named_modules():  # Rule 26
+    for name, module in model.named_modules():  # Rule M15
         if isinstance(module, nn.parallel.DistributedDataParallel) and awaits_first_static_step(
             module
         ):
@@ -204,7 +211,7 @@ def plan_checkpointing(
         len(named),
     )
     tail: list[tuple[str, nn.Module]] = []
-    if regions is None:  # Rule 20: what runs after the blocks is a region too
+    if regions is None:  # Rule M10: what runs after the blocks is a region too
         tail = [
             (name, module)
             for name, module in tail_regions(model, named, args, kwargs)
@@ -216,13 +223,13 @@ def plan_checkpointing(
     )
     costs = costs_for(profile.device)
     weights = profile.objective(objective)  # one weighing for every variant: costs compare
-    trailed = profile.trailed() if regions is None else None  # Rule 24
+    trailed = profile.trailed() if regions is None else None  # Rule M13
     _log.info("profiled in %.1f s; solving", time.perf_counter() - started)
 
     def variants_at(scale: float, frame: float) -> list[_Variant]:
-        """The problem and its span variants (Rules 22 and 24) with the selective policy's
+        """The problem and its span variants (Rules M11 and M13) with the selective policy's
         per-op cost scaled by ``scale`` and what a checkpointed region costs beyond its ops by
-        ``frame`` (Rule 23: 1 and 1 but for the timed candidates)."""
+        ``frame`` (Rule M12: 1 and 1 but for the timed candidates)."""
         policy = costs.policy_seconds_per_op * scale
 
         def base_of(step: StepProfile) -> Problem:
@@ -272,7 +279,7 @@ def plan_checkpointing(
     plans: dict[tuple[int, tuple[Choice, ...]], ActivationPlan] = {}
     draws = [(1.0, 1.0, True), *((scale, frame, True) for scale, frame in perturbed)]
     if perturbed and trailed is not None:
-        draws.append((1.0, 1.0, False))  # Rule 24: trails' machinery timed against none
+        draws.append((1.0, 1.0, False))  # Rule M13: trails' machinery timed against none
     for scale, frame, trails in draws:
         drawn = variants_at(scale, frame)  # those without trails first: indices agree
         index, found = _cheapest(
@@ -280,8 +287,8 @@ def plan_checkpointing(
         )
         if (index, found.choices) in plans or found.kept_bytes > budget_bytes:
             continue  # drawn before, or (without trails, below their floor) over the budget
-        spans, problem, step = variants[index]  # Rule 23: priced by the model, whatever drew it
-        solution = replace(  # Rule 22: the plan's ends and trade-off over all variants
+        spans, problem, step = variants[index]  # Rule M12: priced by the model, whatever drew it
+        solution = replace(  # Rule M11: the plan's ends and trade-off over all variants
             found,
             recompute_seconds=recompute_seconds(problem, found.choices),
             recompute_flops=recompute_flops(problem, found.choices),
@@ -289,7 +296,7 @@ def plan_checkpointing(
             baseline_bytes=baseline,
             frontier=frontier,
         )
-        # Rule 10: nothing on CPU, where host memory is the device memory.
+        # Rule S2: nothing on CPU, where host memory is the device memory.
         offload = (
             [frozenset[int]()] * len(problem.regions)
             if host_budget is None or profile.device.startswith("cpu")
@@ -301,7 +308,7 @@ def plan_checkpointing(
     candidates = list(plans.values())
     chosen = candidates[0]
     _log.info("solved in %.1f s since the start", time.perf_counter() - started)
-    if timing_steps:  # Rule 23: opt-in, measured: the candidates timed on the model
+    if timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
         if len(candidates) > 1:
             _log.info("timing %d candidate plans, at most %d rounds", len(candidates), timing_steps)
             relative = time_plans(model, candidates, args, kwargs, loss_fn, timing_steps)
@@ -314,7 +321,7 @@ def plan_checkpointing(
 
 
 def _rank_zeros(plan: ActivationPlan) -> ActivationPlan:
-    """Rule 23: where a default process group is initialized, rank 0's timed choice on every
+    """Rule M12: where a default process group is initialized, rank 0's timed choice on every
     rank (measured times differ between ranks; one job trains one plan)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return plan
@@ -328,12 +335,12 @@ def _rank_zeros(plan: ActivationPlan) -> ActivationPlan:
     return agreed
 
 
-# A problem to solve: the spans it records (Rules 22 and 24), and the profile it was made of.
+# A problem to solve: the spans it records (Rules M11 and M13), and the profile it was made of.
 _Variant = tuple[tuple[SpanCost, ...], Problem, StepProfile]
 
 
 def _cheapest(problems: list[Problem], budget: int) -> tuple[int, Solution]:
-    """Rule 22: the index of the variant whose solution fits ``budget`` at the least cost (the
+    """Rule M11: the index of the variant whose solution fits ``budget`` at the least cost (the
     fewest recorded spans on a tie: they are listed first), and that solution; where none
     fits, the fewest bytes."""
     solved = [(index, solve(problem, budget)) for index, problem in enumerate(problems)]
@@ -391,7 +398,7 @@ def _check_arguments(
 
 
 _OBJECTIVES = ("time", "flops")
-# Rule 23 (timing_steps > 0 only): (scale of the selective policy's per-op cost, scale of what a
+# Rule M12 (timing_steps > 0 only): (scale of the selective policy's per-op cost, scale of what a
 # checkpointed region costs beyond its ops) of the prices that draw the timed candidate plans
 # besides the cost model's own (1, 1).
 _PERTURBED: Final = ((0.5, 1.0), (2.0, 1.0), (1.0, 0.0), (0.5, 2.0))
@@ -431,4 +438,4 @@ def find_regions(
     return found
 
 
-# What a planned region answers for one op call: torch's answers, or ours (Rule 21).
+# What a planned region answers for one op call: torch's answers, or ours (Rule S8).

@@ -37,7 +37,7 @@ How it watches (no mechanism knows about the report; they only announce through 
 Activations are the kept storages that ops made inside the block, except those of leaf tensors
 that require grad (inputs and parameters created there). Whether a tensor requires grad does not
 matter otherwise: a dropout mask or an attention mask made in forward and saved for backward is
-memory the step keeps (the planner counts the same way: NOTE [Planner model], Rule 2), while
+memory the step keeps (the planner counts the same way: NOTE [Planner measure], Rule M2), while
 inputs and parameters made before the block, grad or not (token ids), are not activations. The
 RNG states checkpoints keep are activations too: memory the step allocated (Rule 14 there). So
 on CPU, after a forward run in the block, ``activation_bytes`` is what the allocator holds of

@@ -171,7 +171,7 @@ class gradient_checkpoint_session:
 
 def records_now() -> bool:
     """Whether a scope entered now in this thread would record (Rules 3 and 6): the planner's
-    spans ask before they open their session (NOTE [Planner model], Rule 22)."""
+    spans ask before they open their session (NOTE [Planner measure], Rule M11)."""
     return _records_here(_thread_hooks())
 
 

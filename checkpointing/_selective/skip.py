@@ -149,7 +149,7 @@ def _plain_dense(tensor: torch.Tensor) -> bool:
 def reads_values(func: Op) -> bool:
     """Whether ``func`` reads its tensor arguments' values, as the taint counts it: the
     ``*_like`` and ``new_*`` factories and the tag op read only metadata. The planner's replay
-    graph asks the same question (NOTE [Planner model], Rule 21)."""
+    graph asks the same question (NOTE [Planner solve], Rule S8)."""
     return func is not TAG_OP and id(func) not in _SHAPE_ONLY
 
 

@@ -24,8 +24,8 @@ from transformers.modeling_utils import PreTrainedModel
 from .. import _compat
 from .._kv_caches import drop_caches
 from .._planning import ActivationPlan, plan_checkpointing
-from .._planning.installed import take_off_found
-from .._planning.profile import default_loss
+from .._planning.apply.installed import take_off_found
+from .._planning.measure.steps import default_loss
 
 __all__ = ["check_no_plan", "has_plan", "install_plan", "remove_plan"]
 

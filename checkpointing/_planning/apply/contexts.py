@@ -1,7 +1,8 @@
-"""The selective policy a planned region runs: its answer per (op, occurrence) (Rules 3, 11, 21).
+"""The selective policy a planned region runs: its answer per (op, occurrence) (Rules M3, A1 and
+S8).
 
 Owns ``_RegionContexts`` (a region's ``context_fn``: the selective modes around a fresh keyed
-policy per call, over the draws modes where it keeps its random draws, Rule 19), its pickling by
+policy per call, over the draws modes where it keeps its random draws, Rule S7), its pickling by
 op names, and ``resolve_op``. Which answers a region gets is ``plan``'s business.
 """
 
@@ -11,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from .._selective import (
+from ... import _compat
+from ..._selective import (
     CheckpointPolicy,
     Op,
     ReplayAnswer,
@@ -29,12 +30,12 @@ _MSG_UNKNOWN_OP = (
     "and custom-op libraries it was made with, or re-plan."
 )
 
-# What a planned region answers for one op call: torch's answers, or ours (Rule 21).
+# What a planned region answers for one op call: torch's answers, or ours (Rule S8).
 Answer = CheckpointPolicy | ReplayAnswer
 
 
 class _KeyedPolicy:
-    """One region call's selective policy: the decision for each (op, occurrence) (Rule 3).
+    """One region call's selective policy: the decision for each (op, occurrence) (Rule M3).
     A fresh one per call of the region, so occurrences count from 0 in every forward."""
 
     __slots__ = ("counts", "decisions")
@@ -53,8 +54,8 @@ class _KeyedPolicy:
 
 class _RegionContexts:
     """The ``context_fn`` of one planned region: SAC modes around a fresh ``_KeyedPolicy``
-    (where it keeps, offloads or skips, Rule 21), over the draws modes where it keeps its
-    random draws (Rule 19). Pickled with the model (``torch.save``) by op names: torch's op
+    (where it keeps, offloads or skips, Rule S8), over the draws modes where it keeps its
+    random draws (Rule S7). Pickled with the model (``torch.save``) by op names: torch's op
     objects do not pickle."""
 
     __slots__ = ("decisions", "keep_draws")

@@ -1,5 +1,5 @@
-"""A planned region's random draws: kept as a group (NOTE [Planner model], Rule 19), or watched
-for where the plan says there are none (Rule 14).
+"""A planned region's random draws: kept as a group (NOTE [Planner solve], Rule S7), or watched
+for where the plan says there are none (Rule A3).
 
 Owns ``draw_contexts``: the pair of dispatch modes ``apply`` installs, below the selective
 modes where the region also keeps op outputs, on a region whose plan keeps its draws. In
@@ -14,11 +14,11 @@ call reaches this mode, which answers it from the forward; the selective modes c
 the op sequence as always. All or none: with every draw answered from the forward, the replay
 draws nothing, so no later draw can shift. A kept span's draws (``checkpointing.keep``) are
 neither kept nor answered: the replay skips the span, as the selective modes do (NOTE [Kept
-spans], Rule 6), and the profile leaves its ops out of the group (NOTE [Planner model], Rule
-25). A ``with keeping():`` block is a plain call under these modes (``honours_kept_blocks``):
-the replay runs a block again, and its draws, answered by nobody, would come from an RNG state
-the answered draws before it did not move on; as a plain call its draws are the group's, as the
-profile sees them.
+spans], Rule 6), and the profile leaves its ops out of the group (NOTE [Planner measure], Rule M14).
+A ``with keeping():`` block is a plain call under these modes (``honours_kept_blocks``): the replay
+runs a block again, and its draws, answered by nobody, would come from an RNG state the answered
+draws before it did not move on; as a plain call its draws are the group's, as the profile sees
+them.
 
 Owns ``DrawCall`` and ``guarded_replay`` too: the recompute context of one call of a region
 planned without draws (checkpointed without an RNG state). Where that call's forward may have
@@ -36,12 +36,12 @@ from typing import Any, Final
 
 import torch
 
-from .. import _compat
-from .._errors import CheckpointError
-from .._recompute_context import DeclaredContext, declared
-from .._selective import draws_random
-from .._state import span_depth
-from .._trees import tensors
+from ... import _compat
+from ..._errors import CheckpointError
+from ..._recompute_context import DeclaredContext, declared
+from ..._selective import draws_random
+from ..._state import span_depth
+from ..._trees import tensors
 
 __all__ = ["DrawCall", "draw_contexts", "guarded_replay"]
 

@@ -2,9 +2,9 @@
 copy of it (``copy.deepcopy``, ``torch.save``/``torch.load``), which carries every hook.
 
 Owns ``Installed`` (what ``apply`` put on the model it was given), ``ShapeCheck`` (the model's
-pre-hook that warns on other input shapes, NOTE [Planner model], Rule 12), ``DrawGuard`` (the
+pre-hook that warns on other input shapes, NOTE [Planner apply], Rule A2), ``DrawGuard`` (the
 checkpoint of a region planned without draws, its hooks and contexts, which raise where its
-recompute draws, Rule 14), ``carries`` and
+recompute draws, Rule A3), ``carries`` and
 ``take_off`` (a plan's hooks found on any model through the hooks themselves). Choosing what to
 install belongs to ``plan``, the spans' hooks to ``spans``.
 
@@ -15,8 +15,8 @@ NOTE [Installed plan]
           ``checkpoint_module``'s, and a trail's end hook is bound to its region's checkpoint.
           So ``remove`` takes a plan off a copy of the planned model as completely as off the
           model: afterwards no hook of the plan is left on any module.
-          A region planned without draws carries a ``DrawGuard`` (NOTE [Planner model], Rule
-          14), marked the same way.
+          A region planned without draws carries a ``DrawGuard`` (NOTE [Planner apply], Rule A3),
+          marked the same way.
   Rule 2. ``plan_checkpointing`` refuses a model that carries a plan's hooks: profiling it
           would record that plan's spans and end its trails' frames, and measure another step
           than the fresh model's.
@@ -35,17 +35,17 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from .. import _compat, _compiled
-from .._determinism import debug_enabled
-from .._errors import CheckpointError
-from .._frame import NULL_CONTEXT
-from .._kv_caches import drop_caches
-from .._module import is_module_checkpointed, remove_checkpoint_module
-from .._state import ContextFn, get_device_states, is_recomputing, noop_context_fn
-from .._trees import tensors
+from ... import _compat, _compiled
+from ..._determinism import debug_enabled
+from ..._errors import CheckpointError
+from ..._frame import NULL_CONTEXT
+from ..._kv_caches import drop_caches
+from ..._module import is_module_checkpointed, remove_checkpoint_module
+from ..._state import ContextFn, get_device_states, is_recomputing, noop_context_fn
+from ..._trees import tensors
+from ..measure.steps import input_shapes
 from .draws import DrawCall, guarded_replay
-from .profile import input_shapes
-from .recorded_spans import SpanHooks, span_hook_mark, take_off_spans
+from .span_hooks import SpanHooks, span_hook_mark, take_off_spans
 
 __all__ = [
     "DrawGuard",
@@ -71,7 +71,7 @@ def new_mark() -> str:
 
 
 class ShapeCheck:
-    """The forward pre-hook ``apply`` installs on the model: Rule 12's warning, once per apply
+    """The forward pre-hook ``apply`` installs on the model: Rule A2's warning, once per apply
     (not under ``no_grad``: evaluation and generation keep nothing, whatever the shapes). A
     plain object holding only the shapes and the plan's mark, so that an applied model pickles
     (``torch.save``)."""
@@ -79,7 +79,7 @@ class ShapeCheck:
     __slots__ = ("expected", "mark", "warned")
 
     def __init__(self, expected: list[list[int]], mark: str) -> None:
-        self.expected = [shape for shape in expected if shape]  # 0-d ones: Rule 12
+        self.expected = [shape for shape in expected if shape]  # 0-d ones: Rule A2
         self.mark = mark
         self.warned = False
 
@@ -97,7 +97,7 @@ class ShapeCheck:
 
 
 class DrawGuard:
-    """NOTE [Planner model], Rule 14: what watches a checkpointed region whose plan says it
+    """NOTE [Planner apply], Rule A3: what watches a checkpointed region whose plan says it
     draws nothing (so its frame keeps no RNG state). It is the region's ``context_fn`` (around
     the region's selective contexts, if any): each call gets a ``DrawCall`` and a recompute
     context that raises at a random op where the call is suspect (``draws.guarded_replay``).
@@ -225,11 +225,11 @@ class Installed:
     hook: torch.utils.hooks.RemovableHandle
     spans: SpanHooks
     ends: list[torch.utils.hooks.RemovableHandle]
-    """Rule 24: the hooks that end a region's frame at its trail."""
+    """Rule M13: the hooks that end a region's frame at its trail."""
     caches: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     """NOTE [Key/value caches], Rule 2: every region's ``drop_caches`` pre-hook."""
     guards: list[tuple[nn.Module, DrawGuard]] = field(default_factory=list)
-    """NOTE [Planner model], Rule 14: the regions planned without draws, and their guards."""
+    """NOTE [Planner apply], Rule A3: the regions planned without draws, and their guards."""
 
     def remove(self) -> None:
         """Every hook off; a region whose removal raises (during the model's forward) stays
@@ -291,7 +291,7 @@ def take_off(
     take_off_spans(model, mark)
     for module in modules.values():  # NOTE [Key/value caches], Rule 2: on every region
         _compat.remove_forward_hooks(module, drop_caches, drop_caches)
-        for hook in _compat.forward_pre_hooks(module):  # NOTE [Planner model], Rule 14
+        for hook in _compat.forward_pre_hooks(module):  # NOTE [Planner apply], Rule A3
             guard = getattr(hook, "__self__", None)
             if isinstance(guard, DrawGuard) and guard.mark == mark:
                 guard.remove(module)

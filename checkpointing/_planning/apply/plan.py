@@ -1,8 +1,8 @@
 """``ActivationPlan``: the planner's result, and installing it on a model.
 
-Owns the per-region and per-span decisions (keyed by op name and occurrence, Rule 3), turning
+Owns the per-region and per-span decisions (keyed by op name and occurrence, Rule M3), turning
 the solver's answer into them, installing them with ``checkpoint_module`` and a selective policy
-per region (Rule 11), all or nothing, with a picklable input-shape check on the model (Rule 12);
+per region (Rule A1), all or nothing, with a picklable input-shape check on the model (Rule A2);
 removing them, printing them, and their JSON. The search belongs to ``search``, a region's
 policy to ``contexts``, deciding (offload included) to ``solver``, the JSON text to
 ``plan_json``; the checkpoint mechanics to ``_module`` and ``_selective``.
@@ -17,21 +17,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import describe_value
-from .._kv_caches import drop_caches
-from .._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
-from .._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
-from .._state import is_noop_context_fn, noop_context_fn
-from .._units import format_bytes, format_flops
+from ..._errors import describe_value
+from ..._kv_caches import drop_caches
+from ..._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
+from ..._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
+from ..._state import is_noop_context_fn, noop_context_fn
+from ..._units import format_bytes, format_flops
+from ..measure.profile import StepProfile
+from ..measure.recorded_spans import SpanCost, SpanKind
+from ..measure.step_profile import RegionProfile
+from ..solve.peak import predicted_peak
+from ..solve.problem import Choice, Problem, Solution, kept_storages, region_recompute, skipped
 from . import plan_json
 from .contexts import Answer, _RegionContexts, resolve_op
 from .contexts import _region_contexts_by_name as _region_contexts_by_name
 from .installed import DrawGuard, Installed, ShapeCheck, carries, new_mark, take_off
-from .peak import predicted_peak
-from .problem import Choice, Problem, Solution, kept_storages, region_recompute, skipped
-from .profile import StepProfile
-from .recorded_spans import SpanCost, SpanHooks, SpanKind
-from .step_profile import RegionProfile
+from .span_hooks import SpanHooks
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "resolve_op"]
 
@@ -55,13 +56,13 @@ class RegionDecision:
     recompute_ms: float = 0.0
     recompute_flops: int = 0
     keep_draws: bool = False
-    """Keep the outputs of all of the region's random ops; recompute draws nothing (Rule 19)."""
+    """Keep the outputs of all of the region's random ops; recompute draws nothing (Rule S7)."""
     skip: tuple[Key, ...] = ()
     """Ops the replay skips, handing out blanks: nothing backward needs reads their outputs
-    (Rule 21)."""
+    (Rule S8)."""
     draws: bool = True
     """Whether the region drew random numbers when profiled. A checkpointed region that drew
-    none keeps no RNG state, and a guard raises if it draws after all (Rule 14). True where
+    none keeps no RNG state, and a guard raises if it draws after all (Rule A3). True where
     unknown (a plan from before the field): the state is kept."""
 
     def describe(self) -> str:
@@ -84,11 +85,11 @@ class RegionDecision:
 
 @dataclass(frozen=True, slots=True)
 class SpanDecision:
-    """Code around the blocks that the plan records and recomputes in backward (Rule 22): the
+    """Code around the blocks that the plan records and recomputes in backward (Rule M11): the
     ``"head"`` from the model's start to the start of module ``last`` (``first`` is ``""``, the
     model), or the ``"tail"`` from the start of module ``first`` to the end of module ``last``;
     or a ``"trail"``: module ``last``, the child region ``first`` calls last, whose frame ends
-    where it starts (Rule 24)."""
+    where it starts (Rule M13)."""
 
     kind: SpanKind
     first: str
@@ -173,9 +174,9 @@ class ActivationPlan:
             activations, the region being recomputed, gradients), above what the model and
             inputs hold; 0 where the device's allocator cannot be read.
         step_ms: the step's time (forward and backward, without checkpointing) as the cost
-            model predicts it: the forward's ops, thrice (Rule 9); no clock.
+            model predicts it: the forward's ops, thrice (Rule M8); no clock.
         timed: where ``plan_checkpointing`` timed candidate plans on the model (``timing_steps``,
-            Rule 23), their step times relative to each other (per round over the round's mean,
+            Rule M12), their step times relative to each other (per round over the round's mean,
             the median of the rounds), this plan's first; else empty (also after JSON).
         objective: what the plan minimizes, ``"time"`` or ``"flops"``.
         solver: ``"exact"``, or ``"grid"``: solved on a byte grid of ``grid_bytes``, as if
@@ -281,7 +282,7 @@ class ActivationPlan:
             for cost in span_costs
             for span in profile.spans
             if span.kind == cost.kind
-        ) + tuple(  # Rule 24: a trail names its region and its child module
+        ) + tuple(  # Rule M13: a trail names its region and its child module
             SpanDecision("trail", names[c.region], c.module, 1e3 * c.seconds, c.flops)
             for c in span_costs
             if c.kind == "trail"
@@ -313,7 +314,7 @@ class ActivationPlan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Install the plan: ``checkpoint_module`` (non-reentrant, names and ``state_dict``
         keys untouched) on each checkpointed region, with a selective policy where it keeps or
-        offloads outputs, and forward hooks that record its spans (Rule 22). Returns
+        offloads outputs, and forward hooks that record its spans (Rule M11). Returns
         ``model``. All or nothing: raises ``ValueError``, with
         nothing installed, if the plan is applied already, was profiled on another model,
         names regions the model lacks or one module twice, or a region is checkpointed
@@ -345,14 +346,14 @@ class ActivationPlan:
                     checkpoint_module(module, context_fn=context_fn)
                     installed.append(module)
                     continue
-                # Rule 14: it keeps no RNG state, so its recompute must draw nothing
+                # Rule A3: it keeps no RNG state, so its recompute must draw nothing
                 inner = None if is_noop_context_fn(context_fn) else context_fn
                 guard = DrawGuard(decision.name, self._mark, inner)
                 checkpoint_module(module, context_fn=guard, preserve_rng_state=False)
                 installed.append(module)
                 guard.install(module)
                 guards.append((module, guard))
-            for region, child in trails:  # Rule 24: before the trail's scope starts
+            for region, child in trails:  # Rule M13: before the trail's scope starts
                 if is_module_checkpointed(region):
                     ends.append(end_at(region, child))
             check = ShapeCheck(self.input_shapes, self._mark)
@@ -406,9 +407,9 @@ class ActivationPlan:
         tuple[nn.Module, nn.Module] | None,
         list[tuple[nn.Module, nn.Module]],
     ]:
-        """Rule 22: the module whose start ends the head, and the tail's first and last
+        """Rule M11: the module whose start ends the head, and the tail's first and last
         modules, where the plan records them (checked by ``_regions_in``: they are regions);
-        Rule 24: each trail's region and child module."""
+        Rule M13: each trail's region and child module."""
         modules = dict(model.named_modules())
         for span in self.spans:
             for name in (span.first, span.last):
@@ -562,8 +563,8 @@ class ActivationPlan:
 
 
 def _context_fn(region: RegionDecision) -> Any:
-    """Rule 11: a region that keeps, offloads and skips nothing runs as plain checkpoint (no
-    selective modes); Rule 21: the ops it skips are answered ``SKIP_IN_REPLAY``."""
+    """Rule A1: a region that keeps, offloads and skips nothing runs as plain checkpoint (no
+    selective modes); Rule S8: the ops it skips are answered ``SKIP_IN_REPLAY``."""
     if not region.save and not region.offload and not region.skip:
         return _RegionContexts({}, keep_draws=True) if region.keep_draws else noop_context_fn
     decisions: dict[tuple[Op, int], Answer] = {}
@@ -577,7 +578,7 @@ def _context_fn(region: RegionDecision) -> Any:
 
 
 def _collectives(region: RegionProfile) -> tuple[Key, ...]:
-    """Rule 26: the keys of a region's collectives, kept by the selective policy they give it
+    """Rule M15: the keys of a region's collectives, kept by the selective policy they give it
     (never re-run in backward)."""
     return tuple(dict.fromkeys((c.op, c.index) for c in region.ops if c.kind == "kept"))
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Final
 
-from .._errors import describe_value
+from ..._errors import describe_value
 
 __all__ = ["FORMAT", "read", "write"]
 
@@ -170,7 +170,7 @@ _REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "recompute_flops": (_count, 0),
     "keep_draws": (_flag, False),
     "skip": (_keys, ()),
-    "draws": (_flag, True),  # unknown: drawing, so the RNG state is kept (Rule 14)
+    "draws": (_flag, True),  # unknown: drawing, so the RNG state is kept (Rule A3)
 }
 _SPAN: Final[dict[str, _Check]] = {
     "kind": _text,

@@ -2,10 +2,10 @@
 
 Owns ``DeviceCosts``, the constants of one device class, and ``op_seconds``: an op's predicted
 seconds from what the profile counts (FLOPs, bytes read and written), never from a clock, so
-a plan is a function of the model, the inputs, the budget and the options (NOTE [Planner
-model], Rules 9 and 23). The constants were measured by ``benchmarks/planner.py --cost-model``
-(the numbers, machine and date in ``benchmarks/RESULTS.md``, "the planner's cost model");
-profiling belongs to ``profile``, weighing seconds against FLOPs to ``problem`` (``Objective``).
+a plan is a function of the model, the inputs, the budget and the options (NOTE [Planner measure],
+Rules M8 and M12). The constants were measured by ``benchmarks/planner.py --cost-model`` (the
+numbers, machine and date in ``benchmarks/RESULTS.md``, "the planner's cost model"); profiling
+belongs to ``profile``, weighing seconds against FLOPs to ``problem`` (``Objective``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = ["DeviceCosts", "costs_for", "op_seconds"]
 
 @dataclass(frozen=True, slots=True)
 class DeviceCosts:
-    """The cost model's constants for one device class (Rule 9)."""
+    """The cost model's constants for one device class (Rule M8)."""
 
     flops_per_second: float
     """Matrix work: what a large ``mm`` achieves."""
@@ -28,15 +28,15 @@ class DeviceCosts:
     """What any op costs beyond its work: dispatch, launch, the autograd node."""
     policy_seconds_per_op: float
     """What a selective policy's modes add per op of a region call, forward and replay
-    together (Rule 13)."""
+    together (Rule S3)."""
     frame_seconds_per_op: float
     """What a checkpointed region costs beyond its ops' recompute, per op its replay runs:
-    the frame, its holders, the recompute's graph (Rule 23)."""
+    the frame, its holders, the recompute's graph (Rule M12)."""
     span_call_seconds: float
-    """What recording one span call costs beyond its ops (Rule 22)."""
+    """What recording one span call costs beyond its ops (Rule M11)."""
 
     def op(self, flops: int, nbytes: int) -> float:
-        """Rule 9: the predicted seconds of one op call."""
+        """Rule M8: the predicted seconds of one op call."""
         return (
             self.dispatch_seconds + flops / self.flops_per_second + nbytes / self.bytes_per_second
         )
@@ -73,5 +73,5 @@ def costs_for(device: str) -> DeviceCosts:
 
 
 def op_seconds(device: str, flops: int, nbytes: int) -> float:
-    """Rule 9: one op call's predicted seconds on ``device``."""
+    """Rule M8: one op call's predicted seconds on ``device``."""
     return costs_for(device).op(flops, nbytes)

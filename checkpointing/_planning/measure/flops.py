@@ -1,4 +1,4 @@
-"""FLOPs of one op call, as the planner counts them (NOTE [Planner model], Rule 15).
+"""FLOPs of one op call, as the planner counts them (NOTE [Planner solve], Rule S4).
 
 Owns ``op_flops``: ``torch.utils.flop_counter``'s formulas where it has one, and our own for the
 matrix ops it misses (the CPU attention kernel, matrix-vector products, fused addmm with an
@@ -16,7 +16,7 @@ from typing import Any, Final
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from .._compat import TorchDispatchMode
+from ..._compat import TorchDispatchMode
 
 __all__ = ["EXTRA_FLOPS", "FlopCount", "op_flops"]
 

@@ -1,4 +1,4 @@
-"""Kept spans (``checkpointing.keep``) in a profiled step (NOTE [Planner model], Rule 25).
+"""Kept spans (``checkpointing.keep``) in a profiled step (NOTE [Planner measure], Rule M14).
 
 Owns ``SpanWatch``: the saved-tensors pack hook of a profiled step, which ``keep(fn, *args)``
 recognises and hands its span to (NOTE [Kept spans], Rule 11). The watch runs the span plainly,
@@ -16,9 +16,9 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from .. import _compat
-from .._kept_span_args import recipe_for, storage_ranges, tensor_leaves
-from .._state import enter_span, exit_span
+from ... import _compat
+from ..._kept_span_args import recipe_for, storage_ranges, tensor_leaves
+from ..._state import enter_span, exit_span
 
 __all__ = ["SpanWatch"]
 
@@ -90,7 +90,7 @@ class SpanWatch:
 
     def kept_block(self, _name: str) -> None:
         """A ``with keeping():`` block began in the profiled step: every region running it is
-        planned without recompute (NOTE [Planner model], Rule 25), so what it keeps is what
+        planned without recompute (NOTE [Planner measure], Rule M14), so what it keeps is what
         autograd saves there, as the profile counts it."""
         for running in self.step.stack:
             running[0].kept_blocks = True

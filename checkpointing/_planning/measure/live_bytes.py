@@ -1,4 +1,4 @@
-"""The most memory held at once while a step runs (NOTE [Planner model], Rule 18).
+"""The most memory held at once while a step runs (NOTE [Planner solve], Rule S6).
 
 Owns ``step_peaks`` (CUDA: the allocator's peak) and ``cpu_peak``. On CPU a dispatch mode notes
 the storage of every tensor an op returns that shares no storage with the op's inputs (a new
@@ -20,7 +20,7 @@ NOTE [Live bytes]
           is computed and closes when that of one of its inputs is (tensor hooks, made by
           forward hooks that are removed after the run); a window left open ends where the next
           opens. The most bytes live in a region's windows is what the planner's peak model
-          compares with that region's working set (NOTE [Planner model], Rule 18).
+          compares with that region's working set (NOTE [Planner solve], Rule S6).
   Rule 4. An op whose kernel holds work buffers while it runs (``scratch``: the CPU attention
           kernels) is counted at its outputs plus those buffers, at that instant only.
 """
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import TorchDispatchMode, tree_leaves
-from .._trees import storage_of
+from ..._compat import TorchDispatchMode, tree_leaves
+from ..._trees import storage_of
 from .scratch import scratch_bytes
 
 __all__ = ["Peaks", "cpu_peak", "step_peaks"]

@@ -1,11 +1,11 @@
 """Profiling a training step for the planner: what each op of each region costs and keeps.
 
 Owns ``profile_step`` (one forward to warm the model up, one recorded step, one step for the
-peak: the model runs three times, Rule 9) and ``tail_regions`` (the modules after the blocks,
-Rule 20, found by the warm-up forward); the result, ``StepProfile``, is plain data in the
+peak: the model runs three times, Rule M8) and ``tail_regions`` (the modules after the blocks,
+Rule M10, found by the warm-up forward); the result, ``StepProfile``, is plain data in the
 solver's terms (``step_profile``). Recording belongs to ``recorder``, the prices to ``costs``,
-deciding to ``solver``, the search to ``search``. See NOTE [Planner model] in
-``checkpointing._planning`` for the rules it follows.
+deciding to ``solve.solver``, the search to ``search``. See NOTE [Planner measure] in
+``checkpointing._planning.measure`` for the rules it follows.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._kv_caches import dropping_caches
-from .._trees import storage_key, tensors
-from .._untouched import untouched
+from ..._kv_caches import dropping_caches
+from ..._trees import storage_key, tensors
+from ..._untouched import untouched
 from .costs import DeviceCosts, costs_for
 from .live_bytes import step_peaks
 from .recorder import _Step, record_step
@@ -47,10 +47,10 @@ def tail_regions(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> list[tuple[str, nn.Module]]:
-    """Rule 20: the modules the model calls after its last block (a Llama's final norm and LM
+    """Rule M10: the modules the model calls after its last block (a Llama's final norm and LM
     head), outermost first in call order: every call of one starts after the blocks' last call
     ended, so it is none of the blocks, inside none, and encloses none. Found by one forward
-    with grad enabled (the graph dropped), the model left as found (Rule 8)."""
+    with grad enabled (the graph dropped), the model left as found (Rule M7)."""
     starts: dict[int, int] = {}  # a module's first call, by the count of calls before it
     ends = [-1]
     count = [0]
@@ -103,8 +103,8 @@ def profile_step(
     warmed: bool = False,
 ) -> StepProfile:
     """Record one step (after one forward that warms the model up, unless ``warmed``: the
-    caller ran one, ``tail_regions``) and run one more for the peak (Rule 18): the model runs
-    three times. Op prices are the cost model's (Rule 9). The model is left as found (Rule 8)."""
+    caller ran one, ``tail_regions``) and run one more for the peak (Rule S6): the model runs
+    three times. Op prices are the cost model's (Rule M8). The model is left as found (Rule M7)."""
     inputs = list(tensors((args, kwargs)))
     leaves = {
         key
@@ -113,7 +113,7 @@ def profile_step(
     }
     wrt, device, _synchronize = step_setting(model, inputs)
     costs = costs_for(str(device))
-    # Rule 8: the profiled steps train, so grad is on whatever the caller's mode (restored after).
+    # Rule M7: the profiled steps train, so grad is on whatever the caller's mode (restored after).
     # NOTE [Key/value caches], Rule 2: every region runs without the caches it is handed.
     with (
         untouched([model], inputs),
@@ -127,7 +127,7 @@ def profile_step(
         profile = _combine(step, input_shapes(args, kwargs), str(device), costs)
         for region, (_name, module) in zip(profile.regions, regions, strict=True):
             region.grad_bytes = sum(p.nbytes for p in module.parameters() if p.requires_grad)
-        peaks = step_peaks(  # Rule 18
+        peaks = step_peaks(  # Rule S6
             lambda: plain_step(model, args, kwargs, loss_fn, wrt), device, [m for _, m in regions]
         )
         profile.peak_bytes = peaks.step
@@ -153,7 +153,7 @@ def _combine(step: _Step, shapes: list[list[int]], device: str, costs: DeviceCos
             continue
         _check_calls_agree(profile.name, calls)
         profile.stop = max(stop for _ops, stop, _trail in step.calls[index])
-        if len(calls) == 1:  # Rule 24: one call, one place to end the frame
+        if len(calls) == 1:  # Rule M13: one call, one place to end the frame
             profile.trail = step.calls[index][0][2]
         profile.ops = [
             OpCall(

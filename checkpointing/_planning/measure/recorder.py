@@ -1,9 +1,9 @@
-"""The recorder: one training step watched op by op and save by save (Rules 1-6, 14, 16, 21,
-22, 24, 25).
+"""The recorder: one training step watched op by op and save by save (Rules M1-M6, A3, M9, S8, M11,
+M13 and M14).
 
 Owns ``record_step``: one forward+backward of the model under a dispatch mode (every op: FLOPs,
 bytes moved, outputs, in-place writes, random draws; its predicted seconds by the cost model,
-Rule 9) and a saved-tensors hook (every storage autograd keeps, and which region's op kept it),
+Rule M8) and a saved-tensors hook (every storage autograd keeps, and which region's op kept it),
 with forward hooks on the regions (which one runs) and their children (where a trail may
 start), and the head and tail spans as a scope would record them. What it returns, ``_Step``,
 is raw; ``profile`` turns it into a ``StepProfile``.
@@ -19,11 +19,11 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from .. import _compat
-from .._scope.ops import written_tensors
-from .._selective import SAC_IGNORED_OPS, draws_random, is_collective, may_skip, reads_values
-from .._state import ForwardState
-from .._trees import StorageKey, storage_key, storage_nbytes, tensors
+from ... import _compat
+from ..._scope.ops import written_tensors
+from ..._selective import SAC_IGNORED_OPS, draws_random, is_collective, may_skip, reads_values
+from ..._state import ForwardState
+from ..._trees import StorageKey, storage_key, storage_nbytes, tensors
 from .costs import DeviceCosts
 from .flops import op_flops
 from .kept_span_watch import SpanWatch
@@ -33,7 +33,7 @@ from .steps import default_loss, differentiate
 
 __all__ = ["record_step"]
 
-# Rule 26: the ops of FSDP2 (``fsdp::``) and of process groups (``c10d::``, in place on
+# Rule M15: the ops of FSDP2 (``fsdp::``) and of process groups (``c10d::``, in place on
 # buffers of the sharding's own); functional collectives (``_c10d_functional::``, tensor
 # parallelism's) make activations and are recorded as any op.
 _SHARDING_NAMESPACES: Final = frozenset({"fsdp", "c10d"})
@@ -41,7 +41,7 @@ _SHARDING_NAMESPACES: Final = frozenset({"fsdp", "c10d"})
 
 @dataclass(slots=True)
 class _ChildCall:
-    """A child call of a running region, while profiling (Rule 24)."""
+    """A child call of a running region, while profiling (Rule M13)."""
 
     name: str
     start: int
@@ -73,11 +73,11 @@ class _Step:
         self.stack: list[tuple[RegionProfile, dict[object, int], list[OpCall], list[int]]] = []
         self.calls: dict[int, list[tuple[list[OpCall], int, Trail | None]]] = {}
         self.outside: set[int] = set()
-        # Rule 14: the id of the CPU state the last capture kept (None: none yet), and whether
+        # Rule A3: the id of the CPU state the last capture kept (None: none yet), and whether
         # a random op ran on this thread since (never another thread's: its draws are not ours).
         self.cpu_state: int | None = None
         self.drawn = False
-        # Rule 22: the head records until the first region call; the tail from the first call
+        # Rule M11: the head records until the first region call; the tail from the first call
         # of a tail region (the last ``tail`` regions) to the end of the last one's.
         self.head = SpanProfile("head")
         self.tail = SpanProfile("tail")
@@ -86,17 +86,17 @@ class _Step:
         self.tail_last = len(regions) - 1 if tail else -1
         self.tail.start, self.tail.until = self.tail_first, self.tail_last
         self.returned = False  # the model's forward has returned: the loss runs now
-        self.late: set[int] = set()  # storages saved after it (Rule 22)
-        self.children: list[list[_ChildCall]] = []  # per running region call (Rule 24)
-        self.in_kept_span = 0  # Rule 25: a kept span's ops are not the region's
+        self.late: set[int] = set()  # storages saved after it (Rule M11)
+        self.children: list[list[_ChildCall]] = []  # per running region call (Rule M13)
+        self.in_kept_span = 0  # Rule M14: a kept span's ops are not the region's
 
     def activation(self, tensor: torch.Tensor) -> int | None:
-        """The id of ``tensor``'s storage if it is an activation of this step (Rule 2)."""
+        """The id of ``tensor``'s storage if it is an activation of this step (Rule M2)."""
         key = storage_key(tensor)
         return None if key is None else self.ids.get(key)
 
     def forget(self, memory: Iterator[torch.Tensor]) -> None:
-        """Rule 26: what a sharding op made or filled is a parameter or a buffer of the
+        """Rule M15: what a sharding op made or filled is a parameter or a buffer of the
         sharding's, never an activation, whatever id its address had."""
         for tensor in memory:
             key = storage_key(tensor)
@@ -111,11 +111,11 @@ class _Step:
             self.tail.calls += 1
             self.span = self.tail
         profile = self.profiles[index]
-        for tensor in tensors((args, kwargs)):  # keyword and nested ones included (Rule 14)
+        for tensor in tensors((args, kwargs)):  # keyword and nested ones included (Rule A3)
             storage = self.activation(tensor)
             if storage is not None:
                 profile.inputs.add(storage)
-        # Rule 22: a frame keeps these by plain reference, no holder can stand for them.
+        # Rule M11: a frame keeps these by plain reference, no holder can stand for them.
         for tensor in tensors(([a for a in args if not isinstance(a, torch.Tensor)], kwargs)):
             storage = self.activation(tensor)
             if storage is not None:
@@ -126,7 +126,7 @@ class _Step:
         self.children.append([])
 
     def capture_rng(self, args: tuple[Any, ...]) -> Iterator[int]:
-        """Rule 14: the ids of the RNG states a frame entered here would keep: the CPU state
+        """Rule A3: the ids of the RNG states a frame entered here would keep: the CPU state
         is the previous capture's where no random op of this step ran since (the frame shares
         a state identical to its previous capture; another thread's draws are not the
         model's), each device state one of its own."""
@@ -148,7 +148,7 @@ class _Step:
         return storage
 
     def settle_states(self) -> None:
-        """Rule 14: a region that drew nothing in any call keeps no RNG state (``apply``
+        """Rule A3: a region that drew nothing in any call keeps no RNG state (``apply``
         checkpoints it without preserving one); the others keep theirs, each shared as the
         frame shares it with its previous capture."""
         for profile in self.profiles:
@@ -161,7 +161,7 @@ class _Step:
         _profile, _counts, ops, stop = self.stack.pop()
         calls = self.children.pop()
         trail = None
-        if calls and output is not None:  # Rule 24: its last child, called once, ends it
+        if calls and output is not None:  # Rule M13: its last child, called once, ends it
             last = calls[-1]
             if (
                 last.end == len(ops) > last.start
@@ -175,7 +175,7 @@ class _Step:
         self.calls.setdefault(index, []).append((ops, stop[0], trail))
 
     def child_enter(self, index: int, name: str) -> None:
-        """Rule 24: a child of region ``index`` starts (recorded as a span where the region is
+        """Rule M13: a child of region ``index`` starts (recorded as a span where the region is
         the one running and no head or tail span records)."""
         if not self.stack or self.stack[-1][0] is not self.profiles[index] or self.span is not None:
             return
@@ -192,9 +192,8 @@ class _Step:
             self.span = None
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        """Record one op: its fresh storages get ids (Rule 1); its kind (Rules 4-6); its
-        predicted seconds (Rule 9); what it reads and whether the replay may skip it (Rule
-        21)."""
+        """Record one op: its fresh storages get ids (Rule M1); its kind (Rules M4-M6); its
+        predicted seconds (Rule M8); what it reads and whether the replay may skip it (Rule S8)."""
         arguments = list(tensors((args, kwargs)))
         inputs = {storage_key(t) for t in arguments}
         fresh: list[int] = []
@@ -224,21 +223,21 @@ class _Step:
             self.span.record(
                 seconds, flops, fresh, activations, random, [self.activation(t) for t in written]
             )
-        if random:  # Rule 14: every running region draws, a kept span's draws included
+        if random:  # Rule A3: every running region draws, a kept span's draws included
             self.drawn = True
             for running in self.stack:
                 running[0].draws = True
-        if not self.stack or self.in_kept_span:  # Rule 25: numbered as the selective modes do
+        if not self.stack or self.in_kept_span:  # Rule M14: numbered as the selective modes do
             return
         profile, counts, ops, _stop = self.stack[-1]
         read = (
             tuple(dict.fromkeys(s for t in arguments if (s := self.activation(t)) is not None))
-            if reads_values(func)  # Rule 21: dropout's empty_like(x) needs no x
+            if reads_values(func)  # Rule S8: dropout's empty_like(x) needs no x
             else ()
         )  # an input's storage is not an output's: its id is still the input's
         index = counts.get(func, 0)
         counts[func] = index + 1
-        if is_collective(func):  # Rule 26: kept whenever the region is checkpointed
+        if is_collective(func):  # Rule M15: kept whenever the region is checkpointed
             outputs = [s for t in tensors(out) if (s := self.activation(t)) is not None]
             profile.kept.update(outputs)
             ops.append(OpCall(str(func), index, 0.0, 0, "kept", tuple(outputs)))
@@ -248,10 +247,10 @@ class _Step:
             fresh = [s for t in tensors(out) if (s := self.activation(t)) is not None]
         elif fresh:
             kind = "unit"
-        else:  # Rule 21: a view only where every output shares an input's storage
+        else:  # Rule S8: a view only where every output shares an input's storage
             outs = [storage_key(t) for t in tensors(out)]
             kind = "view" if outs and all(k is not None and k in inputs for k in outs) else "none"
-        # Rule 21: where the replay's blanks may stand for the outputs, as its mode decides
+        # Rule S8: where the replay's blanks may stand for the outputs, as its mode decides
         # (NOTE [Selective checkpoint cache], Rule 14), effect ops (which it keeps) aside.
         skippable = (
             kind == "unit"
@@ -262,10 +261,10 @@ class _Step:
         ops.append(OpCall(str(func), index, seconds, flops, kind, tuple(fresh), read, skippable))
 
     def on_saved(self, tensor: torch.Tensor, kept: bool = False) -> None:
-        """Rule 16: a frame has a holder for every tensor saved in its region, parameters
+        """Rule M9: a frame has a holder for every tensor saved in its region, parameters
         included, so recompute runs up to the op during which the last one is saved. An op's
         inputs are saved before it runs (the recorder has not seen it yet), its outputs after; what
-        a kept span keeps is no holder (Rule 25)."""
+        a kept span keeps is no holder (Rule M14)."""
         if self.stack and not kept:
             self.stack[-1][3][0] = len(self.stack[-1][2])
         storage = self.activation(tensor)
@@ -282,7 +281,7 @@ class _Step:
 
 
 class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
-    """Hands every op to the step (no clock: its seconds are the cost model's, Rule 9)."""
+    """Hands every op to the step (no clock: its seconds are the cost model's, Rule M8)."""
 
     def __init__(self, step: _Step) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -292,9 +291,9 @@ class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:  # Rule 3: counted as selective checkpointing counts
+        if func in SAC_IGNORED_OPS:  # Rule M3: counted as selective checkpointing counts
             return func(*args, **kwargs)
-        if getattr(func, "namespace", None) in _SHARDING_NAMESPACES:  # Rule 26
+        if getattr(func, "namespace", None) in _SHARDING_NAMESPACES:  # Rule M15
             out = func(*args, **kwargs)
             self.step.forget(tensors((args, kwargs, out)))
             return out
@@ -310,7 +309,7 @@ def _moved_bytes(
     out: Any,
     mutates: bool,
 ) -> int:
-    """Rule 9: the bytes an op reads and writes: its tensor arguments' elements (none for the
+    """Rule M8: the bytes an op reads and writes: its tensor arguments' elements (none for the
     ops that read only metadata, ``empty_like``) and its outputs' (those in storages of their
     own, or, in place, those it writes); none for a view or an op without a tensor output."""
     outputs = list(tensors(out))
@@ -351,7 +350,7 @@ def record_step(
             )
         )
         if index >= len(regions) - tail:
-            continue  # Rule 24: blocks only; the tail is a span of its own (Rule 22)
+            continue  # Rule M13: blocks only; the tail is a span of its own (Rule M11)
         for child_name, child in module.named_children():
             handles.append(
                 child.register_forward_pre_hook(

@@ -1,4 +1,4 @@
-"""Memory a CPU kernel allocates and frees inside one op call (NOTE [Planner model], Rule 18).
+"""Memory a CPU kernel allocates and frees inside one op call (NOTE [Planner solve], Rule S6).
 
 Owns ``scratch_bytes``: what the planner adds to the tensor bytes live at an op for the work
 buffers the op's kernel holds while it runs, which no dispatch mode sees (``live_bytes`` counts

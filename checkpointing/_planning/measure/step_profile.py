@@ -1,9 +1,9 @@
 """A profiled step as data: per region its ops, saves and inputs, in the solver's terms.
 
 Owns ``OpCall``, ``RegionProfile``, ``Trail`` and ``StepProfile`` (what ``profile_step`` returns),
-the objective's weights (Rule 15), the solver's view of a step (``StepProfile.problem``: units,
-draws, the replay graph, Rules 4-6, 16, 19, 21) and a step cut at its trails (Rule 24); and
-``structure``, what makes two regions one problem (Rule 17). Recording a step belongs to
+the objective's weights (Rule S4), the solver's view of a step (``StepProfile.problem``: units,
+draws, the replay graph, Rules M4-M6, M9, S7 and S8) and a step cut at its trails (Rule M13); and
+``structure``, what makes two regions one problem (Rule S5). Recording a step belongs to
 ``recorder``, running it to ``profile``, deciding to ``solver``.
 """
 
@@ -13,12 +13,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
-from .problem import Objective, Problem, RegionChoices, ReplayGraph, ReplayOp, ReplayRole, Unit
+from ..solve.problem import (
+    Objective,
+    Problem,
+    RegionChoices,
+    ReplayGraph,
+    ReplayOp,
+    ReplayRole,
+    Unit,
+)
 from .recorded_spans import SpanProfile
 
 __all__ = ["ObjectiveName", "OpCall", "RegionProfile", "StepProfile", "Trail", "structure"]
 
-# Rule 15: under objective "time", recomputing all of the regions' FLOPs weighs this share of
+# Rule S4: under objective "time", recomputing all of the regions' FLOPs weighs this share of
 # their predicted time: plans whose predicted times are within it are told apart by FLOPs.
 _TIE_SHARE: Final = 0.01
 
@@ -32,17 +40,17 @@ class OpCall:
     op: str
     index: int
     seconds: float
-    """Its predicted seconds by the cost model (Rule 9), summed over the region's calls."""
+    """Its predicted seconds by the cost model (Rule M8), summed over the region's calls."""
     flops: int
     kind: str  # "unit" (may be saved), "view", "inplace", "random", "none" (no tensor output
     # with memory of its own or of an input's), "kept" (a collective: kept whenever the region
-    # is checkpointed, its outputs in ``RegionProfile.kept``, never re-run: Rule 26)
+    # is checkpointed, its outputs in ``RegionProfile.kept``, never re-run: Rule M15)
     storages: tuple[int, ...]  # fresh storages the op produced (ids of ``StepProfile``)
     inputs: tuple[int, ...] = ()
     """The activation storages among its tensor inputs (parameters, buffers and example inputs
-    have none: they are always there), for the replay's closure (Rule 21)."""
+    have none: they are always there), for the replay's closure (Rule S8)."""
     skippable: bool = False
-    """Whether the replay may hand out blanks instead of running it (Rule 21): a "unit" whose
+    """Whether the replay may hand out blanks instead of running it (Rule S8): a "unit" whose
     every output is a plain dense tensor in a fresh storage, not a random or effect op."""
 
 
@@ -57,32 +65,32 @@ class RegionProfile:
     saved: set[int] = field(default_factory=set)
     inputs: set[int] = field(default_factory=set)
     states: set[int] = field(default_factory=set)
-    """The RNG states a checkpoint of the region would keep (Rule 14): none where it draws
+    """The RNG states a checkpoint of the region would keep (Rule A3): none where it draws
     nothing."""
     draws: bool = False
-    """Whether a call of the region ran a random op (Rule 14)."""
+    """Whether a call of the region ran a random op (Rule A3)."""
     referenced: set[int] = field(default_factory=set)
     """Its inputs received by keyword or inside a container: a frame keeps them by plain
-    reference, a recorded span cannot free them (Rule 22)."""
+    reference, a recorded span cannot free them (Rule M11)."""
     grad_bytes: int = 0
     """Bytes of the gradients of the region's own parameters (the backward allocates them)."""
     stop: int = 0
     """How many ops of one call recompute runs: those up to the last one during which autograd
-    saved a tensor; early stop ends recompute there (Rule 16)."""
+    saved a tensor; early stop ends recompute there (Rule M9)."""
     trail: Trail | None = None
-    """The child module the region calls last, where a scope may record it (Rule 24)."""
+    """The child module the region calls last, where a scope may record it (Rule M13)."""
     backward_peak: int = 0
-    """The most bytes live while the plain step's backward ran the region (Rule 18; 0: not)."""
+    """The most bytes live while the plain step's backward ran the region (Rule S6; 0: not)."""
     kept: set[int] = field(default_factory=set)
-    """What its kept spans keep when it is checkpointed (Rule 25): theirs whatever it saves."""
+    """What its kept spans keep when it is checkpointed (Rule M14): theirs whatever it saves."""
     kept_blocks: bool = False
-    """It runs a ``with keeping():`` block: planned without recompute (Rule 25)."""
+    """It runs a ``with keeping():`` block: planned without recompute (Rule M14)."""
 
 
 @dataclass(slots=True)
 class Trail:
     """A child module a region calls last, once, its output the region's (a post-norm block's
-    final norm): where the region's frame may end and a scope record the child (Rule 24)."""
+    final norm): where the region's frame may end and a scope record the child (Rule M13)."""
 
     name: str
     """The child's qualified name."""
@@ -91,7 +99,7 @@ class Trail:
     saved: frozenset[int]
     """What autograd had saved in the region when the child started."""
     stop: int
-    """The region's early stop at that moment (Rule 16)."""
+    """The region's early stop at that moment (Rule M9)."""
     span: SpanProfile
 
 
@@ -109,18 +117,18 @@ class StepProfile:
     """The step's predicted seconds: its forward's ops by the cost model, thrice (a backward
     costs about twice its forward); for the table only, never in the objective."""
     policy_seconds_per_op: float = 0.0
-    """What a selective policy adds per op of a region call, forward and recompute (Rule 13):
+    """What a selective policy adds per op of a region call, forward and recompute (Rule S3):
     the cost model's constant for the device class."""
     peak_bytes: int = 0
-    """The allocator's peak over one plain step, above what it held before (Rule 18; 0: not
+    """The allocator's peak over one plain step, above what it held before (Rule S6; 0: not
     measured)."""
     spans: list[SpanProfile] = field(default_factory=list)
-    """The head and the tail, as a scope would record them (Rule 22)."""
+    """The head and the tail, as a scope would record them (Rule M11)."""
     late: set[int] = field(default_factory=set)
-    """Storages saved after the model's forward returned (by the loss; Rule 22)."""
+    """Storages saved after the model's forward returned (by the loss; Rule M11)."""
 
     def objective(self, name: ObjectiveName) -> Objective:
-        """Rule 15: the weights of a second and of a FLOP of recompute. ``"time"``: seconds,
+        """Rule S4: the weights of a second and of a FLOP of recompute. ``"time"``: seconds,
         with FLOPs breaking near-ties (recomputing every FLOP of the regions' forward weighs
         ``_TIE_SHARE`` of its predicted time); ``"flops"``: FLOPs, with seconds breaking ties
         (all of the regions' time weighs less than half a FLOP)."""
@@ -133,10 +141,10 @@ class StepProfile:
         return Objective(seconds=1.0, flops=_TIE_SHARE * seconds / max(flops, 1))
 
     def problem(self, policy_seconds_per_op: float, objective: Objective | None = None) -> Problem:
-        """The solver's view of this step (Rules 4-6 decide which ops are units; ops after a
-        region's early stop cost nothing and are no units, Rule 16; the ops before it are the
-        region's replay graph, Rule 21); a selective policy costs ``policy_seconds_per_op`` per
-        op of a region call, forward and replay (Rule 13)."""
+        """The solver's view of this step (Rules M4-M6 decide which ops are units; ops after a
+        region's early stop cost nothing and are no units, Rule M9; the ops before it are the
+        region's replay graph, Rule S8); a selective policy costs ``policy_seconds_per_op`` per
+        op of a region call, forward and replay (Rule S3)."""
         regions = []
         for region in self.regions:
             written = {s for c in region.ops if c.kind in ("inplace", "random") for s in c.storages}
@@ -181,7 +189,7 @@ class StepProfile:
         )
 
     def trailed(self) -> tuple[StepProfile, list[SpanProfile]] | None:
-        """Rule 24: this step with every region that has a trail cut at its start (its ops,
+        """Rule M13: this step with every region that has a trail cut at its start (its ops,
         saves and early stop as they were when the child started), and the trails as spans;
         None where no region has one. A trail none of whose storages another region or the
         code outside them keeps (the last block's, making the model's output) is left out."""
@@ -211,7 +219,7 @@ class StepProfile:
 
 
 def _draws(region: RegionProfile, needed: list[OpCall]) -> Unit | None:
-    """Rule 19: the region's random ops as one group, or None where keeping them cannot help
+    """Rule S7: the region's random ops as one group, or None where keeping them cannot help
     (none runs before the early stop) or cannot be exact: an output of an out-of-place draw
     written in place later (the replay hands out the forward's tensor, which must be unchanged),
     or a draw into a region input (its snapshot would be a storage the count does not see)."""
@@ -239,9 +247,9 @@ def _draws(region: RegionProfile, needed: list[OpCall]) -> Unit | None:
 
 
 def structure(region: RegionProfile, storage_bytes: dict[int, int]) -> tuple[object, ...]:
-    """Rule 9: what makes two regions identical for the planner: the type, the calls, the early
+    """Rule M8: what makes two regions identical for the planner: the type, the calls, the early
     stop, and per op its key, kind, FLOPs, the sizes of its fresh storages, whether the replay
-    may skip it and which of the region's storages it reads (Rule 21); and which of them
+    may skip it and which of the region's storages it reads (Rule S8); and which of them
     autograd saves. Storages are numbered within the region (``_local_storages``): the ids
     differ between blocks, the pattern does not; what a block reads from outside it (its
     input, a block's or the example input) is left out, so the first block matches the others."""
@@ -281,7 +289,7 @@ def _reads(op: OpCall, local: dict[int, int]) -> tuple[int, ...]:
 
 
 def _replay_graph(region: RegionProfile, units: dict[int, int]) -> ReplayGraph:
-    """Rule 21: the ops recompute runs (up to the early stop, Rule 16) as the solver's plain
+    """Rule S8: the ops recompute runs (up to the early stop, Rule M9) as the solver's plain
     data: per op what it reads and writes among the region's own storages (numbered within the
     region, so identical blocks give equal graphs), its role, and its unit (by position in
     ``units``, op position -> unit); and which of those storages autograd saves."""

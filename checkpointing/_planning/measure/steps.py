@@ -2,8 +2,8 @@
 
 Shared by the recorder (``recorder``), the profile (``profile``), the peak (``live_bytes``'s
 caller) and the timed candidates (``trials``): the default loss, the gradients a step asks for
-(through ``torch.autograd.grad``, so ``.grad`` stays untouched, Rule 8), and the input shapes a
-plan compares (Rule 12).
+(through ``torch.autograd.grad``, so ``.grad`` stays untouched, Rule M7), and the input shapes a
+plan compares (Rule A2).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._trees import tensors
+from ..._trees import tensors
 
 __all__ = ["default_loss", "differentiate", "input_shapes", "plain_step", "step_setting"]
 
@@ -35,7 +35,7 @@ _MSG_NO_GRAD = (
 
 
 def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[int]]:
-    """Rule 12: the shapes a plan compares, positional inputs first, then keyword ones by name
+    """Rule A2: the shapes a plan compares, positional inputs first, then keyword ones by name
     (not in call order), 0-d tensors (a scalar such as a loss's token count) left out."""
     named = tuple(kwargs[name] for name in sorted(kwargs))
     return [list(t.shape) for t in tensors((args, named)) if t.dim() > 0]
@@ -69,7 +69,7 @@ def plain_step(
 
 
 def differentiate(loss: torch.Tensor, wrt: list[torch.Tensor]) -> None:
-    """A measured step's backward; its gradients go nowhere (Rules 8 and 26): ``autograd.grad``
+    """A measured step's backward; its gradients go nowhere (Rules M7 and M15): ``autograd.grad``
     with respect to ``wrt`` and every other leaf the loss's graph reaches (FSDP2's gathered
     parameters, which exist only during the step), so that the whole backward runs, hooks
     included, and no ``.grad`` is written: nothing for a sharding's hooks to reduce or

@@ -1,4 +1,4 @@
-"""Timing candidate plans on the model itself (NOTE [Planner model], Rule 23).
+"""Timing candidate plans on the model itself (NOTE [Planner measure], Rule M12).
 
 Owns running a few real steps with each candidate plan installed, interleaved so that a slow
 spell on a shared machine hits them alike, and naming the fastest. Which plans are candidates is
@@ -17,8 +17,8 @@ from typing import Any, Final, Protocol
 import torch
 from torch import nn
 
-from .._trees import tensors
-from .._untouched import untouched
+from ..._trees import tensors
+from ..._untouched import untouched
 from .profile import plain_step, step_setting
 
 _SURE: Final = 0.01  # the sign test's level for stopping early
@@ -48,7 +48,7 @@ def time_plans(
     fastest so far was faster than it in so many rounds that a coin would have done it with a
     chance below ``_SURE`` (a sign test; seven rounds at the least); the rounds end when one is
     left. Gradients go nowhere (``autograd.grad``); the model, ``.grad`` and the RNG states are
-    left as they were (Rule 8), and no plan is left applied."""
+    left as they were (Rule M7), and no plan is left applied."""
     inputs = list(tensors((args, kwargs)))
     wrt, _device, synchronize = step_setting(model, inputs)
     relative: list[list[float]] = [[] for _ in plans]

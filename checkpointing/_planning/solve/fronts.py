@@ -1,9 +1,9 @@
-"""A region's unit knapsacks: which sets of its units are worth keeping (Rules 17 and 21).
+"""A region's unit knapsacks: which sets of its units are worth keeping (Rules S5 and S8).
 
 A region's checkpointed options are the Pareto set of a 0/1 knapsack over its units
 (``UnitFront``), solved by dynamic programming over bytes: on the grid of the greatest common
 divisor of the units' sizes (exact) while that has at most ``_UNIT_POINTS`` points, else on
-``_UNIT_POINTS`` equal steps, sizes rounded up. Where a region's replay may skip ops (Rule 21:
+``_UNIT_POINTS`` equal steps, sizes rounded up. Where a region's replay may skip ops (Rule S8:
 ``ReplayGraph``), the knapsack values each unit with the skippable ops it alone keeps computing,
 takes at most one of the units that free one another (``unit_groups``: groups of alternatives,
 ``GroupFront``), and its sets are only proposals: ``options`` settles and prices each exactly by
@@ -30,7 +30,7 @@ class UnitFront:
     """The 0/1 knapsack over a region's units by dynamic programming over bytes: for every
     byte step, the most cost a set of units saves, with what it saves in seconds and FLOPs,
     its real bytes, and a table to read the set back. Shared by regions of equal unit sizes
-    and costs (Rule 17): computed once for all the blocks of a model."""
+    and costs (Rule S5): computed once for all the blocks of a model."""
 
     def __init__(self, units: tuple[Unit, ...], sizes: tuple[int, ...], gains: tuple[float, ...]):
         useful = [s for s, g in zip(sizes, gains, strict=True) if g > 0 and s > 0]
@@ -89,7 +89,7 @@ class UnitFront:
         return known
 
 
-# One alternative of a group of units (Rule 21): the units kept, their bytes, what they save.
+# One alternative of a group of units (Rule S8): the units kept, their bytes, what they save.
 Alternative = tuple[frozenset[int], int, float]
 _ALTERNATIVES: Final = 64  # a group's alternatives at most: the best per bytes, evenly spread
 
@@ -97,7 +97,7 @@ _ALTERNATIVES: Final = 64  # a group's alternatives at most: the best per bytes,
 def unit_groups(
     graph: ReplayGraph, sizes: tuple[int, ...], objective: Objective
 ) -> tuple[tuple[Alternative, ...], ...]:
-    """Rule 21: the region's units as knapsack groups. A unit that frees another
+    """Rule S8: the region's units as knapsack groups. A unit that frees another
     (``_unit_values``) makes keeping both a waste, so units form a forest (a unit's parent: the
     nearest one that frees it) and each tree is one group whose alternatives are its
     antichains, each worth the sum of its members' values, the best per bytes kept. The values
@@ -132,7 +132,7 @@ def unit_groups(
 def _unit_values(
     graph: ReplayGraph, objective: Objective
 ) -> tuple[dict[int, float], dict[int, frozenset[int]]]:
-    """Rule 21: per unit worth keeping, in op order, its value with nothing else kept (its own
+    """Rule S8: per unit worth keeping, in op order, its value with nothing else kept (its own
     cost and that of the skippable ops that then compute no more: those it alone needs; none
     for a unit the replay skips anyway) and the units among those ops."""
     running = graph.running(frozenset(), False)[0]
@@ -173,7 +173,7 @@ def _best_per_bytes(alternatives: list[Alternative]) -> list[Alternative]:
 
 
 class GroupFront:
-    """Rule 21: the knapsack over a region's groups of units (``unit_groups``), at most one
+    """Rule S8: the knapsack over a region's groups of units (``unit_groups``), at most one
     alternative per group, by dynamic programming over bytes as ``UnitFront``; for every byte step
     where the most value grows, the units of the best choice (proposals, priced exactly after).
     Shared by regions of equal groups: computed once for all the blocks of a model."""

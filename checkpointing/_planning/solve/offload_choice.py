@@ -1,4 +1,4 @@
-"""Which op outputs a plan offloads to host instead of recomputing them (Rule 10).
+"""Which op outputs a plan offloads to host instead of recomputing them (Rule S2).
 
 Owns ``offloads``: after ``solver.solve``, per checkpointed region, the units whose trip to host
 and back is predicted cheaper than recomputing them, within a host budget. The caller asks only
@@ -21,13 +21,13 @@ _HOST_BYTES_PER_SECOND: Final = 10e9
 def offloads(problem: Problem, solution: Solution, host_budget: int) -> list[frozenset[int]]:
     """Per region, the units to offload instead of recomputing: where moving the output to host
     and back is predicted cheaper than recomputing it, best gain per host byte first, within
-    ``host_budget`` (Rule 10; the caller asks only on an accelerator)."""
+    ``host_budget`` (Rule S2; the caller asks only on an accelerator)."""
     chosen: list[set[int]] = [set() for _ in problem.regions]
     candidates = []
     for index, (region, choice) in enumerate(zip(problem.regions, solution.choices, strict=True)):
         if not choice.checkpoint:
             continue
-        skips = set(skipped(problem, index, choice))  # Rule 21: nothing to serve
+        skips = set(skipped(problem, index, choice))  # Rule S8: nothing to serve
         for position, unit in enumerate(region.units):
             nbytes = sum(problem.storage_bytes[s] for s in unit.storages)
             gain = unit.seconds - 2 * nbytes / _HOST_BYTES_PER_SECOND

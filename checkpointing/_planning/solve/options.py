@@ -1,11 +1,11 @@
-"""One region's options: the Pareto set of what it may keep and what each costs (Rule 17).
+"""One region's options: the Pareto set of what it may keep and what each costs (Rule S5).
 
 Each region offers options: run plainly (keeps what autograd saves in it, costs nothing) or
 checkpoint it keeping some of its ops' outputs (keeps its inputs and those outputs, recomputes
-the other ops up to its early stop but those the replay skips, Rule 21, and pays the selective
-policy's cost, Rule 13, unless it keeps and skips none), each also keeping the outputs of all of
-its random ops where it has some (Rule 19), each checkpointed one carrying the region's charge
-(Rule 23). The sets of units come from ``fronts``; with a replay graph each proposed set is
+the other ops up to its early stop but those the replay skips, Rule S8, and pays the selective
+policy's cost, Rule S3, unless it keeps and skips none), each also keeping the outputs of all of
+its random ops where it has some (Rule S7), each checkpointed one carrying the region's charge
+(Rule M12). The sets of units come from ``fronts``; with a replay graph each proposed set is
 settled (the units the replay would skip anyway dropped) and priced exactly. Regions of one
 structure and costs share one set of options (``Fronts``): computed once.
 """
@@ -25,13 +25,13 @@ __all__ = ["Fronts", "Options", "region_options"]
 
 class Fronts:
     """The unit fronts of a problem's regions, one per distinct (sizes, costs), or per distinct
-    groups of units (Rule 21)."""
+    groups of units (Rule S8)."""
 
     def __init__(self) -> None:
         self.known: dict[tuple[object, ...], UnitFront | GroupFront] = {}
         self.replayed: dict[tuple[object, ...], _Settled] = {}
         """The settled options of regions with a replay graph, per (graph, unit and draws
-        bytes, policy): identical blocks are evaluated once (Rule 21)."""
+        bytes, policy): identical blocks are evaluated once (Rule S8)."""
 
     def get(
         self, units: tuple[Unit, ...], sizes: tuple[int, ...], gains: tuple[float, ...]
@@ -43,7 +43,7 @@ class Fronts:
         return front
 
     def groups(self, groups: tuple[tuple[Alternative, ...], ...]) -> GroupFront:
-        """Rule 21: the knapsack over these groups of units, once per distinct groups."""
+        """Rule S8: the knapsack over these groups of units, once per distinct groups."""
         key = ("groups", groups)
         front = self.known.get(key)
         if not isinstance(front, GroupFront):
@@ -65,9 +65,9 @@ class Options:
     flops: torch.Tensor
     point: torch.Tensor
     front: UnitFront | None
-    draws: torch.Tensor  # bool: the option keeps the region's random draws (Rule 19)
+    draws: torch.Tensor  # bool: the option keeps the region's random draws (Rule S7)
     sets: tuple[frozenset[int], ...] | None = None
-    """With a replay graph (Rule 21): the units each point keeps; its options but the one
+    """With a replay graph (Rule S8): the units each point keeps; its options but the one
     keeping nothing without a policy skip in the replay."""
 
     def choice(self, option: int) -> Choice:
@@ -87,7 +87,7 @@ class Options:
 def region_options(problem: Problem, index: int, fronts: Fronts | None = None) -> Options:
     """Region ``index``'s Pareto set of options, fewest bytes first (costliest first): plain,
     checkpointed keeping nothing or a point of its units' front, each of those also with its
-    random draws kept where it has some (Rule 19)."""
+    random draws kept where it has some (Rule S7)."""
     region = problem.regions[index]
     if region.plain_only:
         return Options(
@@ -125,7 +125,7 @@ def region_options(problem: Problem, index: int, fronts: Fronts | None = None) -
     columns = _with_draws(problem, region, (nbytes, cost, seconds, flops, point))
     nbytes, cost, seconds, flops, point, draws = columns
     nbytes = torch.cat([torch.tensor([own_bytes(problem, region.saved)]), nbytes])
-    charge = objective.cost(region.frame_seconds, 0)  # Rule 23
+    charge = objective.cost(region.frame_seconds, 0)  # Rule M12
     cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), cost + charge])
     seconds = torch.cat([torch.tensor([0.0], dtype=torch.float64), seconds])
     flops = torch.cat([torch.tensor([0]), flops])
@@ -140,7 +140,7 @@ def region_options(problem: Problem, index: int, fronts: Fronts | None = None) -
 def _replay_options(
     problem: Problem, region: RegionChoices, graph: ReplayGraph, fronts: Fronts
 ) -> Options:
-    """Rule 21: the options of a region with a replay graph: plain, or checkpointed as its
+    """Rule S8: the options of a region with a replay graph: plain, or checkpointed as its
     settled sets (``_settle``, once per distinct graph, sizes and policy) say, its inputs'
     bytes added; the Pareto set of them."""
     sizes = tuple(own_bytes(problem, u.storages) for u in region.units)
@@ -155,7 +155,7 @@ def _replay_options(
             settled.nbytes + own_bytes(problem, region.inputs),
         ]
     )
-    charge = problem.objective.cost(region.frame_seconds, 0)  # Rule 23
+    charge = problem.objective.cost(region.frame_seconds, 0)  # Rule M12
     cost = torch.cat([torch.tensor([0.0], dtype=torch.float64), settled.cost + charge])
     seconds = torch.cat([torch.tensor([0.0], dtype=torch.float64), settled.seconds])
     flops = torch.cat([torch.tensor([0]), settled.flops])
@@ -176,7 +176,7 @@ def _replay_options(
 
 @dataclass(frozen=True, slots=True)
 class _Settled:
-    """A replay graph's checkpointed options, priced exactly (Rule 21), as columns: bytes (the
+    """A replay graph's checkpointed options, priced exactly (Rule S8), as columns: bytes (the
     region's inputs not included), cost, seconds, FLOPs, point (``_NOTHING`` or a position in
     ``sets``), whether it keeps the draws."""
 
@@ -197,7 +197,7 @@ def _settle(
     group: int,
     fronts: Fronts,
 ) -> _Settled:
-    """Rule 21: the knapsack over the units' groups (``unit_groups``) proposes the sets; each
+    """Rule S8: the knapsack over the units' groups (``unit_groups``) proposes the sets; each
     is settled (the units the replay would skip anyway dropped: bytes for nothing) and priced
     exactly by the closure, with and without the draws (``group``: their bytes, -1: none),
     beside keeping nothing (or only the draws) without a selective policy."""
@@ -235,9 +235,9 @@ _Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 def _with_draws(
     problem: Problem, region: RegionChoices, columns: _Columns
 ) -> tuple[torch.Tensor, ...]:
-    """Rule 19: the checkpointed options (bytes, cost, seconds, FLOPs, point) and, where the
+    """Rule S7: the checkpointed options (bytes, cost, seconds, FLOPs, point) and, where the
     region draws, each of them again with its draws kept (their bytes added, their seconds and
-    FLOPs saved, the draws modes' cost paid, Rule 13); and which keep them."""
+    FLOPs saved, the draws modes' cost paid, Rule S3); and which keep them."""
     nbytes, cost, seconds, flops, point = columns
     group = region.draws
     if group is None:

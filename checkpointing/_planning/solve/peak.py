@@ -1,4 +1,4 @@
-"""The predicted peak of a planned step's memory (NOTE [Planner model], Rule 18).
+"""The predicted peak of a planned step's memory (NOTE [Planner solve], Rule S6).
 
 Owns ``predicted_peak``: per region, what is live while backward runs it under a choice (its
 working set), and what the plain step held above its own working set there (measured by
@@ -16,7 +16,7 @@ __all__ = ["predicted_peak"]
 
 
 def predicted_peak(problem: Problem, choices: Sequence[Choice]) -> int:
-    """Rule 18: the step's peak bytes under ``choices`` (0 where the plain peak is unknown).
+    """Rule S6: the step's peak bytes under ``choices`` (0 where the plain peak is unknown).
 
     While backward runs a region, a plan holds the region's working set under its choice and
     what the plain step held beyond its own working set there (the gradient flowing in, the
@@ -38,7 +38,7 @@ def predicted_peak(problem: Problem, choices: Sequence[Choice]) -> int:
 
 
 def _working_sets(problem: Problem, choices: Sequence[Choice]) -> list[int]:
-    """Rule 18: per region, the bytes live while backward runs it that the model counts: what
+    """Rule S6: per region, the bytes live while backward runs it that the model counts: what
     the regions before it keep, all it saves (recompute has restored it) and keeps, and the
     gradients of the parameters of the regions after it."""
     kept_before = set(problem.outside)

@@ -1,16 +1,16 @@
 """The planner's problem in the solver's terms, and the exact price of a choice.
 
 Owns the plain data a profiled step becomes (``Unit``; ``ReplayOp`` and ``ReplayGraph``, a
-region's replay and its closure, Rule 21; ``RegionChoices``; ``Objective``; ``Problem``), the
+region's replay and its closure, Rule S8; ``RegionChoices``; ``Objective``; ``Problem``), the
 answer's terms (``Choice``, ``Solution``), and the prices every later floor shares: the exact
-bytes a choice keeps (every storage once, Rules 1 and 7), its recompute seconds and FLOPs (Rules
-13, 15, 19, 21 and 22) and the cost the solver minimizes (Rule 23). Knows nothing about torch's
+bytes a choice keeps (every storage once, Rules M1 and S1), its recompute seconds and FLOPs (Rules
+S3, S4, S7, S8 and M11) and the cost the solver minimizes (Rule M12). Knows nothing about torch's
 ops: profiling belongs to ``profile``; a region's options to ``options`` (its unit knapsacks to
 ``fronts``), the choice across regions to ``solver``, offload to ``offload_choice``. See NOTE
-[Planner model] in ``checkpointing._planning``.
+[Planner solve] in ``checkpointing._planning.solve``.
 
 Storages that two regions or more keep when checkpointed (an RNG state they share, an input
-they all receive: Rule 14) are charged once, up front, in the additive count (``Problem.shared``,
+they all receive: Rule A3) are charged once, up front, in the additive count (``Problem.shared``,
 ``Problem.charged``, ``own_bytes``), not once per region: still an upper bound, and a chain of
 tiny regions sharing a ~5 KB state is not priced as if each kept its own.
 """
@@ -49,7 +49,7 @@ Method = Literal["exact", "grid"]
 @dataclass(frozen=True, slots=True)
 class Unit:
     """An op of a region whose output may be saved: its key, its time, its fresh storages, and
-    its FLOPs (Rule 15)."""
+    its FLOPs (Rule S4)."""
 
     key: tuple[str, int]
     seconds: float
@@ -62,9 +62,9 @@ ReplayRole = Literal["skippable", "root", "random", "view"]
 
 @dataclass(frozen=True, slots=True)
 class ReplayOp:
-    """One op a region's recompute runs (up to its early stop), for the replay's closure (Rule
-    21): its key, cost, the region's storages it reads and writes (numbered within the region),
-    its role, and its position among the region's units (-1: not a unit).
+    """One op a region's recompute runs (up to its early stop), for the replay's closure (Rule S8):
+    its key, cost, the region's storages it reads and writes (numbered within the region), its role,
+    and its position among the region's units (-1: not a unit).
 
     Roles: ``"skippable"`` runs only where an output's values are needed; ``"root"`` runs
     whatever is kept around it and needs what it reads (in-place writes, ops without a tensor
@@ -83,7 +83,7 @@ class ReplayOp:
 
 @dataclass(frozen=True, slots=True)
 class ReplayGraph:
-    """A region's replay as plain data (Rule 21): its ops in order and which of its storages
+    """A region's replay as plain data (Rule S8): its ops in order and which of its storages
     autograd saves. Identical blocks give equal graphs (their storages are numbered alike)."""
 
     ops: tuple[ReplayOp, ...]
@@ -100,7 +100,7 @@ class ReplayGraph:
         object.__setattr__(self, "writers", tuple(map(tuple, writers)))
 
     def running(self, kept: frozenset[int], draws: bool) -> tuple[bytearray, bytearray]:
-        """Rule 21: which ops compute in the replay, and which storages' values it needs, with
+        """Rule S8: which ops compute in the replay, and which storages' values it needs, with
         the units ``kept`` served from the forward (they run not, and need nothing) and, with
         ``draws``, the random ops too. Roots compute, and so does every writer of a needed
         storage; a storage is needed if autograd saves it or a computing op reads it."""
@@ -123,7 +123,7 @@ class ReplayGraph:
         while stack:
             op = ops[stack.pop()]
             if op.role == "random" and draws:
-                continue  # answered from the forward's draws (Rule 19)
+                continue  # answered from the forward's draws (Rule S7)
             for storage in op.reads:
                 if needed[storage]:
                     continue
@@ -155,7 +155,7 @@ class ReplayGraph:
 
     def useless(self, kept: frozenset[int], draws: bool) -> frozenset[int]:
         """The kept units the replay would skip anyway: skippable, none of their outputs needed
-        (keeping them costs bytes and saves nothing, Rule 21)."""
+        (keeping them costs bytes and saves nothing, Rule S8)."""
         needed = self.running(kept, draws)[1]
         return frozenset(
             op.unit
@@ -179,29 +179,29 @@ class RegionChoices:
     forced_flops: int = 0
     grad_bytes: int = 0
     draws: Unit | None = None
-    """The region's random ops as one group (Rule 19): kept all together or none; its seconds
+    """The region's random ops as one group (Rule S7): kept all together or none; its seconds
     and FLOPs are in ``forced_seconds``/``forced_flops`` unless kept."""
     replay: ReplayGraph | None = None
-    """The ops recompute runs, as a graph (Rule 21); where given, a choice's recompute is worked
+    """The ops recompute runs, as a graph (Rule S8); where given, a choice's recompute is worked
     out on it (the forced and unit costs are its sums), and the replay may skip ops. None: no
     op is skipped."""
     plain_only: bool = False
-    """The region runs plainly whatever the budget: a recorded tail's module (Rule 22), or one
-    that runs a ``with keeping():`` block (Rule 25)."""
+    """The region runs plainly whatever the budget: a recorded tail's module (Rule M11), or one
+    that runs a ``with keeping():`` block (Rule M14)."""
     referenced: frozenset[int] = frozenset()
-    """The inputs a checkpoint keeps by plain reference (keyword, nested; Rule 22)."""
+    """The inputs a checkpoint keeps by plain reference (keyword, nested; Rule M11)."""
     frame_seconds: float = 0.0
     """A charge for checkpointing the region at all, weighed into the cost the solver minimizes
     but not into the predicted seconds: how the planner draws candidate plans that checkpoint
-    fewer regions (Rule 23)."""
+    fewer regions (Rule M12)."""
     backward_peak: int = 0
-    """The most bytes live while the plain step's backward ran the region (Rule 18; 0: not
+    """The most bytes live while the plain step's backward ran the region (Rule S6; 0: not
     measured)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Objective:
-    """Rule 15: what one second and one FLOP of recompute weigh; the solver minimizes the sum."""
+    """Rule S4: what one second and one FLOP of recompute weigh; the solver minimizes the sum."""
 
     seconds: float = 1.0
     flops: float = 0.0
@@ -220,9 +220,9 @@ class Problem:
     outside: frozenset[int]
     objective: Objective = Objective()
     plain_peak: int = 0
-    """The allocator's peak over the plain step (Rule 18; 0: unknown)."""
+    """The allocator's peak over the plain step (Rule S6; 0: unknown)."""
     fixed_seconds: float = 0.0
-    """Recompute every choice pays: the replay of the recorded spans (Rule 22)."""
+    """Recompute every choice pays: the replay of the recorded spans (Rule M11)."""
     fixed_flops: int = 0
     shared: frozenset[int] = field(init=False)
     """Storages two regions or more keep when checkpointed, charged once up front."""
@@ -246,9 +246,9 @@ class Choice:
     checkpoint: bool
     saved: frozenset[int] = frozenset()
     draws: bool = False
-    """Keep the outputs of all of the region's random ops (Rule 19)."""
+    """Keep the outputs of all of the region's random ops (Rule S7)."""
     skip: bool = False
-    """Skip in the replay the ops whose outputs nothing needs (Rule 21; a selective policy)."""
+    """Skip in the replay the ops whose outputs nothing needs (Rule S8; a selective policy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +270,7 @@ class Solution:
 
 
 def kept_storages(problem: Problem, index: int, choice: Choice) -> frozenset[int]:
-    """The storages region ``index`` keeps under ``choice`` (Rule 7)."""
+    """The storages region ``index`` keeps under ``choice`` (Rule S1)."""
     region = problem.regions[index]
     if not choice.checkpoint:
         return region.saved
@@ -283,7 +283,7 @@ def kept_storages(problem: Problem, index: int, choice: Choice) -> frozenset[int
 
 
 def kept_bytes(problem: Problem, choices: Sequence[Choice]) -> int:
-    """Exact bytes kept by ``choices``: every storage once (Rule 1)."""
+    """Exact bytes kept by ``choices``: every storage once (Rule M1)."""
     kept = set(problem.outside)
     for index, choice in enumerate(choices):
         kept.update(kept_storages(problem, index, choice))
@@ -296,7 +296,7 @@ def region_recompute(problem: Problem, index: int, choice: Choice) -> tuple[floa
 
 
 def skipped(problem: Problem, index: int, choice: Choice) -> tuple[tuple[str, int], ...]:
-    """The keys of the ops region ``index``'s replay skips under ``choice`` (Rule 21)."""
+    """The keys of the ops region ``index``'s replay skips under ``choice`` (Rule S8)."""
     region = problem.regions[index]
     if region.replay is None or not choice.checkpoint or not choice.skip:
         return ()
@@ -307,7 +307,7 @@ def skipped(problem: Problem, index: int, choice: Choice) -> tuple[tuple[str, in
 
 def _region_recompute(region: RegionChoices, choice: Choice) -> tuple[float, int]:
     """(seconds, FLOPs) recompute costs in one region under ``choice``: on its replay graph
-    where it has one (Rule 21), else its forced cost and its units not kept."""
+    where it has one (Rule S8), else its forced cost and its units not kept."""
     if not choice.checkpoint:
         return 0.0, 0
     if region.replay is not None:
@@ -327,8 +327,8 @@ def _region_recompute(region: RegionChoices, choice: Choice) -> tuple[float, int
 
 
 def modes_seconds(region: RegionChoices, selective: bool, draws: bool) -> float:
-    """Rule 13: what the dispatch modes a choice installs cost per step: the selective modes
-    where it keeps outputs or skips ops, the draws modes where it keeps its draws (Rule 19),
+    """Rule S3: what the dispatch modes a choice installs cost per step: the selective modes
+    where it keeps outputs or skips ops, the draws modes where it keeps its draws (Rule S7),
     each priced as the measured selective policy (the draws modes do less per op: over, never
     under)."""
     return region.policy_seconds * (int(selective) + int(draws))
@@ -336,15 +336,15 @@ def modes_seconds(region: RegionChoices, selective: bool, draws: bool) -> float:
 
 def recompute_seconds(problem: Problem, choices: Sequence[Choice]) -> float:
     """Predicted recompute time: every op of a checkpointed region up to its early stop that is
-    not saved, plus the selective policy's cost in the regions that save some (Rule 13), plus
-    the recorded spans' replay (Rule 22)."""
+    not saved, plus the selective policy's cost in the regions that save some (Rule S3), plus
+    the recorded spans' replay (Rule M11)."""
     return problem.fixed_seconds + sum(
         _region_recompute(r, c)[0] for r, c in zip(problem.regions, choices, strict=True)
     )
 
 
 def recompute_flops(problem: Problem, choices: Sequence[Choice]) -> int:
-    """Predicted recompute FLOPs (Rule 15), the recorded spans' included (Rule 22)."""
+    """Predicted recompute FLOPs (Rule S4), the recorded spans' included (Rule M11)."""
     return problem.fixed_flops + sum(
         _region_recompute(r, c)[1] for r, c in zip(problem.regions, choices, strict=True)
     )
@@ -352,7 +352,7 @@ def recompute_flops(problem: Problem, choices: Sequence[Choice]) -> int:
 
 def recompute_cost(problem: Problem, choices: Sequence[Choice]) -> float:
     """What the solver minimizes: the objective's weighing of seconds and FLOPs, with each
-    checkpointed region's charge (Rule 23)."""
+    checkpointed region's charge (Rule M12)."""
     frames = sum(
         r.frame_seconds for r, c in zip(problem.regions, choices, strict=True) if c.checkpoint
     )

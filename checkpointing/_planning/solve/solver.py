@@ -1,12 +1,12 @@
 """The budget solver: which regions to checkpoint, and which op outputs inside them to keep.
 
-Owns ``solve``: the least-cost choice (Rule 15) whose exact kept bytes fit the budget, and the
+Owns ``solve``: the least-cost choice (Rule S4) whose exact kept bytes fit the budget, and the
 trade-off curve a ``Solution`` reports. The problem's terms and prices belong to ``problem``,
 each region's options to ``options``; installing and printing to ``plan``. See NOTE [Planner
-model] in ``checkpointing._planning``, Rules 7, 15-17 and 21.
+model] in ``checkpointing._planning``, Rules S1, S4, M9, S5 and S8.
 
-Method (Rule 17). Across regions it is a multiple-choice knapsack over the regions' options on
-an additive upper bound of the bytes (Rule 7), solved by dynamic programming over a byte grid:
+Method (Rule S5). Across regions it is a multiple-choice knapsack over the regions' options on
+an additive upper bound of the bytes (Rule S1), solved by dynamic programming over a byte grid:
 the greatest common divisor of the options' sizes (then the answer is the additive optimum,
 ``method == "exact"``) while that has at most ``grid_points`` points, else ``grid_points`` equal
 steps with every option's bytes rounded up (``method == "grid"``: the answer fits, and costs no
@@ -49,7 +49,7 @@ _FRONTIER_POINTS: Final = 64  # points of the trade-off curve a solution reports
 
 
 class _Table:
-    """Rule 17: the least cost at every byte step of the additive count, region by region, with
+    """Rule S5: the least cost at every byte step of the additive count, region by region, with
     back-pointers to read the options back."""
 
     _ROWS: Final = 64  # options compared at once (bounds the temporary's memory)
@@ -132,7 +132,7 @@ class _Table:
 
 
 def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> Solution:
-    """The choice of least recompute cost (Rule 15) whose exact kept bytes fit ``budget`` (the
+    """The choice of least recompute cost (Rule S4) whose exact kept bytes fit ``budget`` (the
     caller checks the budget against ``Solution.floor_bytes``: below it, the fewest-bytes
     choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
     fronts = Fronts()
