@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import torch
@@ -24,20 +24,21 @@ from .._errors import describe_value
 from .._module import is_module_checkpointed
 from .apply.installed import carries
 from .apply.plan import ActivationPlan
-from .measure.costs import costs_for
+from .measure.costs import DeviceCosts, costs_for
 from .measure.profile import ObjectiveName, StepProfile, profile_step, tail_regions
-from .measure.recorded_spans import SpanCost, span_problems
+from .measure.recorded_spans import SpanCost, SpanProfile, span_problems
 from .measure.trials import time_plans
 from .solve.offload_choice import offloads
 from .solve.problem import (
     Choice,
+    Objective,
     Problem,
     Solution,
     recompute_cost,
     recompute_flops,
     recompute_seconds,
 )
-from .solve.solver import solve
+from .solve.solver import baseline_bytes, floor_bytes, solve
 
 __all__ = ["find_regions", "plan_checkpointing"]
 
@@ -188,135 +189,225 @@ def plan_checkpointing(
         >>> _ = plan.remove(model)
     """
     _check_arguments(model, budget, example_kwargs, loss_fn, host_budget, objective, timing_steps)
-    planned = carries(model)  # NOTE [Installed plan], Rule 2
+    _refuse_planned_or_static(model)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    started = time.perf_counter()
+    named, tail = _regions_and_tail(model, regions, args, kwargs)
+    profile = profile_step(model, named, args, kwargs, loss_fn, tail=tail, warmed=regions is None)
+    measured = _Measured.of(profile, objective, len(named), tail, spans=regions is None)
+    _log.info("profiled in %.1f s; solving", time.perf_counter() - started)
+    variants = _variants(measured, 1.0, 1.0)
+    baseline, floor = _baseline_and_floor([problem for _, problem, _ in variants])
+    budget_bytes = _budget_bytes(budget, baseline, floor)
+    candidates = _candidate_plans(
+        measured, variants, budget_bytes, (baseline, floor), host_budget, objective, timing_steps
+    )
+    _log.info("solved in %.1f s since the start", time.perf_counter() - started)
+    chosen = candidates[0]
+    if timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
+        chosen = _rank_zeros(_fastest(model, candidates, args, kwargs, loss_fn, timing_steps))
+    chosen._model = weakref.ref(model)
+    return chosen
+
+
+def _refuse_planned_or_static(model: nn.Module) -> None:
+    """A model that carries a plan's hooks (NOTE [Installed plan], Rule 2), or a
+    ``DistributedDataParallel`` with a static graph before its first step (Rule M15), is refused
+    before anything runs."""
+    planned = carries(model)
     if planned is not None:
         where = f"module {planned!r} of the model" if planned else "the model"
         raise ValueError(_MSG_PLANNED.format(where=where))
-    for name, module in model.named_modules():  # Rule M15
+    for name, module in model.named_modules():
         if isinstance(module, nn.parallel.DistributedDataParallel) and awaits_first_static_step(
             module
         ):
             where = f"module {name!r} of the model" if name else "the model"
             raise ValueError(_MSG_STATIC_FIRST.format(where=where))
+
+
+def _regions_and_tail(
+    model: nn.Module,
+    regions: Callable[[nn.Module], bool] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[tuple[str, nn.Module]], int]:
+    """The regions (none already checkpointed) and, by default, the tail's modules after them
+    (Rule M10: what runs after the blocks is a region too), with how many of them are the
+    tail's."""
     named = find_regions(model, regions)
     for name, module in named:
         if is_module_checkpointed(module):
             raise ValueError(_MSG_CHECKPOINTED.format(name=name))
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
-    started = time.perf_counter()
     _log.info(
         "planning %s: %d regions, one forward and one recorded step",
         type(model).__name__,
         len(named),
     )
-    tail: list[tuple[str, nn.Module]] = []
-    if regions is None:  # Rule M10: what runs after the blocks is a region too
-        tail = [
-            (name, module)
-            for name, module in tail_regions(model, named, args, kwargs)
-            if not is_module_checkpointed(module)
-        ]
-        named += tail
-    profile = profile_step(
-        model, named, args, kwargs, loss_fn, tail=len(tail), warmed=regions is None
-    )
-    costs = costs_for(profile.device)
-    weights = profile.objective(objective)  # one weighing for every variant: costs compare
-    trailed = profile.trailed() if regions is None else None  # Rule M13
-    _log.info("profiled in %.1f s; solving", time.perf_counter() - started)
+    if regions is not None:
+        return named, 0
+    tail = [
+        (name, module)
+        for name, module in tail_regions(model, named, args, kwargs)
+        if not is_module_checkpointed(module)
+    ]
+    return named + tail, len(tail)
 
-    def variants_at(scale: float, frame: float) -> list[_Variant]:
-        """The problem and its span variants (Rules M11 and M13) with the selective policy's
-        per-op cost scaled by ``scale`` and what a checkpointed region costs beyond its ops by
-        ``frame`` (Rule M12: 1 and 1 but for the timed candidates)."""
-        policy = costs.policy_seconds_per_op * scale
 
-        def base_of(step: StepProfile) -> Problem:
-            base = step.problem(policy, weights)
-            per_op = costs.frame_seconds_per_op * frame
-            charged = zip(base.regions, step.regions, strict=True)
-            return replace(
-                base,
-                regions=tuple(
-                    replace(r, frame_seconds=per_op * p.stop * p.calls) for r, p in charged
-                ),
-            )
+@dataclass(frozen=True)
+class _Measured:
+    """What the search reads off the profiled step: the step, its device class's prices, the
+    objective's weights (one weighing for every variant: costs compare), the step cut at its
+    trails (Rule M13; None: none, or a ``regions`` predicate) and where the tail's regions are
+    (Rule M11). ``spans``: whether recorded spans may be offered (not with a predicate)."""
 
-        if regions is not None:
-            return [((), base_of(profile), profile)]
-        ends = range(len(named) - len(tail), len(named))
-        late = frozenset(profile.late)
-        call = costs.span_call_seconds
-        found = [
-            (span_costs, problem, profile)
+    profile: StepProfile
+    costs: DeviceCosts
+    weights: Objective
+    trailed: tuple[StepProfile, list[SpanProfile]] | None
+    ends: range
+    spans: bool
+
+    @classmethod
+    def of(
+        cls, profile: StepProfile, objective: ObjectiveName, regions: int, tail: int, spans: bool
+    ) -> _Measured:
+        trailed = profile.trailed() if spans else None
+        ends = range(regions - tail, regions)
+        costs = costs_for(profile.device)
+        return cls(profile, costs, profile.objective(objective), trailed, ends, spans)
+
+
+def _variants(measured: _Measured, scale: float, frame: float) -> list[_Variant]:
+    """The problem and its span variants (Rules M11 and M13), those without trails first, with
+    the selective policy's per-op cost scaled by ``scale`` and what a checkpointed region costs
+    beyond its ops by ``frame`` (Rule M12: 1 and 1 but for the timed candidates)."""
+    profile, costs = measured.profile, measured.costs
+    policy = costs.policy_seconds_per_op * scale
+
+    def charged(step: StepProfile) -> Problem:
+        base = step.problem(policy, measured.weights)
+        per_op = costs.frame_seconds_per_op * frame
+        pairs = zip(base.regions, step.regions, strict=True)
+        framed = tuple(replace(r, frame_seconds=per_op * p.stop * p.calls) for r, p in pairs)
+        return replace(base, regions=framed)
+
+    if not measured.spans:
+        return [((), charged(profile), profile)]
+    late, call = frozenset(profile.late), costs.span_call_seconds
+    found: list[_Variant] = [
+        (span_costs, problem, profile)
+        for span_costs, problem in span_problems(
+            charged(profile), profile.spans, measured.ends, policy, late, call_seconds=call
+        )
+    ]
+    if measured.trailed is not None:
+        step, trails = measured.trailed
+        found += [
+            (span_costs, problem, step)
             for span_costs, problem in span_problems(
-                base_of(profile), profile.spans, ends, policy, late, call_seconds=call
+                charged(step), profile.spans, measured.ends, policy, late, trails, call
             )
         ]
-        if trailed is not None:
-            step, trails = trailed
-            found += [
-                (span_costs, problem, step)
-                for span_costs, problem in span_problems(
-                    base_of(step), profile.spans, ends, policy, late, trails, call
-                )
-            ]
-        return found
+    return found
 
-    variants = variants_at(1.0, 1.0)
-    first = [solve(problem, 0) for _, problem, _ in variants]
-    baseline, floor = first[0].baseline_bytes, min(f.floor_bytes for f in first)
+
+def _baseline_and_floor(problems: list[Problem]) -> tuple[int, int]:
+    """The plain run's bytes (the first problem's: no span recorded) and the fewest any variant
+    can keep (Rule M11: the lowest floor), read off the problems."""
+    return baseline_bytes(problems[0]), min(floor_bytes(problem) for problem in problems)
+
+
+def _budget_bytes(budget: float | int, baseline: int, floor: int) -> int:
+    """The budget in bytes (a float is a share of ``baseline``), refused below ``floor``."""
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
     if budget_bytes < floor:
-        raise ValueError(
-            _MSG_BELOW_FLOOR.format(
-                budget=budget_bytes, floor=floor, baseline=baseline, share=floor / max(baseline, 1)
-            )
-        )
-    frontier = _pareto_front([p for f in first for p in f.frontier])
-    perturbed = _PERTURBED if timing_steps else ()
+        share = floor / max(baseline, 1)
+        found = {"budget": budget_bytes, "floor": floor, "baseline": baseline, "share": share}
+        raise ValueError(_MSG_BELOW_FLOOR.format(**found))
+    return budget_bytes
+
+
+def _candidate_plans(
+    measured: _Measured,
+    variants: list[_Variant],
+    budget: int,
+    ends: tuple[int, int],
+    host_budget: int | None,
+    objective: str,
+    timing_steps: int,
+) -> list[ActivationPlan]:
+    """The distinct plans that fit ``budget``: the cost model's own first, then (Rule M12, with
+    ``timing_steps``) those the least sure prices moved draw, and (Rule M13) the cheapest without
+    trails; each priced by the model whatever drew it, with the plain run's bytes and the floor
+    (``ends``) and the trade-off curve over every variant (Rule M11)."""
+    solved = [solve(problem, budget) for _, problem, _ in variants]
+    frontier = _pareto_front([point for s in solved for point in s.frontier])
     plans: dict[tuple[int, tuple[Choice, ...]], ActivationPlan] = {}
-    draws = [(1.0, 1.0, True), *((scale, frame, True) for scale, frame in perturbed)]
-    if perturbed and trailed is not None:
-        draws.append((1.0, 1.0, False))  # Rule M13: trails' machinery timed against none
-    for scale, frame, trails in draws:
-        drawn = variants_at(scale, frame)  # those without trails first: indices agree
-        index, found = _cheapest(
-            [problem for _, problem, step in drawn if trails or step is profile], budget_bytes
-        )
-        if (index, found.choices) in plans or found.kept_bytes > budget_bytes:
+    for index, found in _drawn(measured, variants, solved, budget, timing_steps):
+        if (index, found.choices) in plans or found.kept_bytes > budget:
             continue  # drawn before, or (without trails, below their floor) over the budget
         spans, problem, step = variants[index]  # Rule M12: priced by the model, whatever drew it
         solution = replace(  # Rule M11: the plan's ends and trade-off over all variants
             found,
             recompute_seconds=recompute_seconds(problem, found.choices),
             recompute_flops=recompute_flops(problem, found.choices),
-            floor_bytes=floor,
-            baseline_bytes=baseline,
+            floor_bytes=ends[1],
+            baseline_bytes=ends[0],
             frontier=frontier,
         )
         # Rule S2: nothing on CPU, where host memory is the device memory.
         offload = (
             [frozenset[int]()] * len(problem.regions)
-            if host_budget is None or profile.device.startswith("cpu")
+            if host_budget is None or measured.profile.device.startswith("cpu")
             else offloads(problem, solution, host_budget)
         )
         plans[(index, found.choices)] = ActivationPlan._from_solution(
-            step, problem, solution, budget_bytes, offload, objective, spans
+            step, problem, solution, budget, offload, objective, spans
         )
-    candidates = list(plans.values())
-    chosen = candidates[0]
-    _log.info("solved in %.1f s since the start", time.perf_counter() - started)
-    if timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
-        if len(candidates) > 1:
-            _log.info("timing %d candidate plans, at most %d rounds", len(candidates), timing_steps)
-            relative = time_plans(model, candidates, args, kwargs, loss_fn, timing_steps)
-            fastest = relative.index(min(relative))
-            chosen = candidates[fastest]
-            chosen.timed = (relative[fastest], *relative[:fastest], *relative[fastest + 1 :])
-        chosen = _rank_zeros(chosen)
-    chosen._model = weakref.ref(model)
+    return list(plans.values())
+
+
+def _drawn(
+    measured: _Measured,
+    variants: list[_Variant],
+    solved: list[Solution],
+    budget: int,
+    timing_steps: int,
+) -> Iterator[tuple[int, Solution]]:
+    """The cheapest variant's index (into ``variants``) and answer at the cost model's own prices
+    (``solved`` already), then (Rule M12, with ``timing_steps``) at each of ``_PERTURBED``, and
+    (Rule M13) without trails where the step has some."""
+    yield _cheapest_of([problem for _, problem, _ in variants], solved, budget)
+    if not timing_steps:
+        return
+    draws = [(scale, frame, True) for scale, frame in _PERTURBED]
+    if measured.trailed is not None:
+        draws.append((1.0, 1.0, False))  # Rule M13: trails' machinery timed against none
+    for scale, frame, trails in draws:
+        drawn = _variants(measured, scale, frame)  # those without trails first: indices agree
+        yield _cheapest(
+            [problem for _, problem, step in drawn if trails or step is measured.profile], budget
+        )
+
+
+def _fastest(
+    model: nn.Module,
+    candidates: list[ActivationPlan],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    timing_steps: int,
+) -> ActivationPlan:
+    """Rule M12: the candidate the model runs fastest, with the timings (alone: itself)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    _log.info("timing %d candidate plans, at most %d rounds", len(candidates), timing_steps)
+    relative = time_plans(model, candidates, args, kwargs, loss_fn, timing_steps)
+    fastest = relative.index(min(relative))
+    chosen = candidates[fastest]
+    chosen.timed = (relative[fastest], *relative[:fastest], *relative[fastest + 1 :])
     return chosen
 
 
@@ -343,7 +434,14 @@ def _cheapest(problems: list[Problem], budget: int) -> tuple[int, Solution]:
     """Rule M11: the index of the variant whose solution fits ``budget`` at the least cost (the
     fewest recorded spans on a tie: they are listed first), and that solution; where none
     fits, the fewest bytes."""
-    solved = [(index, solve(problem, budget)) for index, problem in enumerate(problems)]
+    return _cheapest_of(problems, [solve(problem, budget) for problem in problems], budget)
+
+
+def _cheapest_of(
+    problems: list[Problem], solutions: list[Solution], budget: int
+) -> tuple[int, Solution]:
+    """``_cheapest`` of the problems solved already (``solutions``, in their order)."""
+    solved = list(enumerate(solutions))
     fitting = [v for v in solved if v[1].kept_bytes <= budget]
     if not fitting:
         return min(solved, key=lambda v: v[1].kept_bytes)

@@ -42,7 +42,7 @@ from .problem import (
     recompute_seconds,
 )
 
-__all__ = ["solve"]
+__all__ = ["baseline_bytes", "floor_bytes", "solve"]
 
 _GRID_POINTS: Final = 8192  # the regions' knapsack: at most this many byte steps
 _FRONTIER_POINTS: Final = 64  # points of the trade-off curve a solution reports
@@ -135,11 +135,10 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
     """The choice of least recompute cost (Rule S4) whose exact kept bytes fit ``budget`` (the
     caller checks the budget against ``Solution.floor_bytes``: below it, the fewest-bytes
     choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
-    fronts = Fronts()
-    options = [region_options(problem, i, fronts) for i in range(len(problem.regions))]
+    options = _options(problem)
     lowest = [o.choice(0) for o in options]
     plain = [Choice(False)] * len(options)
-    baseline = kept_bytes(problem, plain)
+    baseline = baseline_bytes(problem)
     floor = min(kept_bytes(problem, lowest), baseline)  # shared storages: see the docstring
     budget = max(budget, floor)
     table = _Table(options, grid_points)
@@ -162,6 +161,25 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
         baseline_bytes=baseline,
         frontier=frontier,
     )
+
+
+def baseline_bytes(problem: Problem) -> int:
+    """The bytes the plain run keeps: no region checkpointed (Rule S1)."""
+    return kept_bytes(problem, [Choice(False)] * len(problem.regions))
+
+
+def floor_bytes(problem: Problem) -> int:
+    """The fewest bytes ``solve`` can answer with, read off the regions' options without solving:
+    each region's fewest-bytes option, counted exactly (Rule S1), or the plain run where that
+    keeps fewer (storages shared by regions: see the module's docstring)."""
+    lowest = [o.choice(0) for o in _options(problem)]
+    return min(kept_bytes(problem, lowest), baseline_bytes(problem))
+
+
+def _options(problem: Problem) -> list[Options]:
+    """Every region's options, regions of one structure and costs sharing one set (Rule S5)."""
+    fronts = Fronts()
+    return [region_options(problem, i, fronts) for i in range(len(problem.regions))]
 
 
 def _frontier(
