@@ -67,22 +67,78 @@ def imported_tests(tests: Path) -> dict[str, list[str]]:
     return found
 
 
-def citations(root: Path) -> list[str]:
-    """``path:line`` of every line under ``root`` that cites the design notes."""
+def read_texts(root: Path) -> dict[Path, str]:
+    """What a reader reads under ``root`` (``_TOP``, ``_READ``), as text, by path."""
     paths = [root / name for name in _TOP if (root / name).is_file()]
     for folder in _READ:
         paths += sorted(p for p in (root / folder).rglob("*") if p.is_file())
-    found = []
+    texts = {}
     for path in paths:
         if path.suffix not in _TEXT or "__pycache__" in path.parts:
             continue
         try:
-            lines = path.read_text().splitlines()
+            texts[path] = path.read_text()
         except UnicodeDecodeError:
             continue
-        for number, line in enumerate(lines, 1):
+    return texts
+
+
+def citations(root: Path) -> list[str]:
+    """``path:line`` of every line under ``root`` that cites the design notes."""
+    found = []
+    for path, text in read_texts(root).items():
+        for number, line in enumerate(text.splitlines(), 1):
             if _CITATION.search(line):
                 found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+# The planner's rules: one NOTE per wing (``checkpointing/_planning/<wing>/__init__.py``), each
+# rule labelled by its wing's letter ("Rule M3", "NOTE [Planner measure], Rules M4-M6 and M9").
+_WINGS = {"M": "measure", "S": "solve", "A": "apply"}
+_LABELS = r"[MSA]\d+(?:-[MSA]\d+)?(?:(?:,\s+|\s+and\s+)[MSA]\d+(?:-[MSA]\d+)?)*"
+_CITED = re.compile(r"(?:NOTE\s+\[Planner\s+(\w+)\],?\s+)?\bRules?\s+(" + _LABELS + r")\b")
+_DEFINED = re.compile(r"^  Rule ([MSA]\d+)\. ", re.MULTILINE)
+# The single NOTE the wings' NOTEs replaced, cited by rule number.
+_RETIRED = re.compile(r"NOTE\s+\[Planner\s+model\],?\s+Rules?\s+\d+")
+
+
+def planner_rules(planning: Path) -> dict[str, list[str]]:
+    """Per wing, the labels of the rules its NOTE defines, in order."""
+    found = {}
+    for letter, wing in _WINGS.items():
+        text = (planning / wing / "__init__.py").read_text()
+        note = text[text.index(f"NOTE [Planner {wing}]") :] if f"[Planner {wing}]" in text else ""
+        found[wing] = [label for label in _DEFINED.findall(note) if label.startswith(letter)]
+    return found
+
+
+def _expanded(labels: str) -> list[str]:
+    """``"M4-M6 and S2"`` -> ``["M4", "M5", "M6", "S2"]``."""
+    found = []
+    for item in re.split(r",\s+|\s+and\s+", labels):
+        first, _, last = item.partition("-")
+        end = int((last or first)[1:])
+        found += [f"{first[0]}{n}" for n in range(int(first[1:]), end + 1)]
+    return found
+
+
+def unresolved_rules(root: Path, defined: dict[str, list[str]]) -> list[str]:
+    """``path: citation`` of every planner rule cited under ``root`` that no wing's NOTE
+    defines, or named under another wing's NOTE, and of every citation of the retired NOTE."""
+    known = {label for labels in defined.values() for label in labels}
+    found = []
+    for path, text in read_texts(root).items():
+        if path == root / "tests" / "test_house.py":
+            continue  # the check's own examples
+        flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)  # a citation may break across lines
+        where = path.relative_to(root)
+        found += [f"{where}: {m.group(0)}" for m in _RETIRED.finditer(flat)]
+        for match in _CITED.finditer(flat):
+            wing, labels = match.group(1), _expanded(match.group(2))
+            wrong_wing = wing is not None and any(_WINGS[la[0]] != wing for la in labels)
+            if wrong_wing or not set(labels) <= known:
+                found.append(f"{where}: {match.group(0)}")
     return found
 
 
@@ -269,3 +325,36 @@ def test_nothing_cites_the_design_notes() -> None:
     """Comments, docstrings and docs state their reasons themselves: the design notes the
     project was built from are not in the repository, so a citation of them explains nothing."""
     assert citations(ROOT) == []
+
+
+def test_the_planner_rule_check_can_fail(tmp_path: Path) -> None:
+    """A rule no NOTE defines, a rule named under another wing's NOTE (across a line break) and
+    the retired NOTE's numbers are found; defined rules, ranges and other NOTEs' rules pass."""
+    for letter, wing in _WINGS.items():
+        folder = tmp_path / "checkpointing" / "_planning" / wing
+        folder.mkdir(parents=True)
+        rules = "".join(f"  Rule {letter}{n}. A rule.\n" for n in (1, 2, 3))
+        (folder / "__init__.py").write_text(f'"""Wing.\n\nNOTE [Planner {wing}]\n{rules}"""\n')
+    defined = planner_rules(tmp_path / "checkpointing" / "_planning")
+    assert defined == {w: [f"{x}1", f"{x}2", f"{x}3"] for x, w in _WINGS.items()}
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text(
+        "Rules M1-M3 and S2; NOTE [Selective checkpoint cache], Rule 10; Rule A4; NOTE [Planner\n"
+        "solve], Rule M2; NOTE [Planner model], Rule 22.\n"
+    )
+    assert unresolved_rules(tmp_path, defined) == [
+        "docs/a.md: NOTE [Planner model], Rule 22",
+        "docs/a.md: Rule A4",
+        "docs/a.md: NOTE [Planner solve], Rule M2",
+    ]
+
+
+def test_every_cited_planner_rule_exists() -> None:
+    """Every planner rule cited in the package, tests, benchmarks and docs is defined by its
+    wing's NOTE (``checkpointing/_planning/<wing>/__init__.py``), under that wing's NOTE name,
+    and each wing numbers its rules 1, 2, 3, ... in order."""
+    defined = planner_rules(ROOT / "checkpointing" / "_planning")
+    for letter, wing in _WINGS.items():
+        assert defined[wing] == [f"{letter}{n}" for n in range(1, len(defined[wing]) + 1)], wing
+        assert defined[wing], wing
+    assert unresolved_rules(ROOT, defined) == []
