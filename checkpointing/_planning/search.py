@@ -25,13 +25,14 @@ from .._module import is_module_checkpointed
 from .apply.installed import carries
 from .apply.plan import ActivationPlan
 from .measure.costs import DeviceCosts, costs_for
-from .measure.profile import ObjectiveName, StepProfile, profile_step, tail_regions
+from .measure.profile import StepProfile, profile_step, tail_regions
 from .measure.recorded_spans import SpanCost, SpanProfile, span_problems
 from .measure.trials import time_plans
 from .solve.offload_choice import offloads
 from .solve.problem import (
     Choice,
     Objective,
+    ObjectiveName,
     Problem,
     Solution,
     recompute_cost,

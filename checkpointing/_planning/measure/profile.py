@@ -22,11 +22,10 @@ from ..._untouched import untouched
 from .costs import DeviceCosts, costs_for
 from .live_bytes import step_peaks
 from .recorder import _Step, record_step
-from .step_profile import ObjectiveName, OpCall, RegionProfile, StepProfile, Trail, structure
+from .step_profile import OpCall, RegionProfile, StepProfile, Trail, structure
 from .steps import default_loss, input_shapes, plain_step, step_setting
 
 __all__ = [
-    "ObjectiveName",
     "OpCall",
     "RegionProfile",
     "StepProfile",

@@ -11,26 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final, Literal
 
 from ..solve.problem import (
     Objective,
+    ObjectiveName,
     Problem,
     RegionChoices,
     ReplayGraph,
     ReplayOp,
     ReplayRole,
     Unit,
+    objective_weights,
 )
 from .recorded_spans import SpanProfile
 
-__all__ = ["ObjectiveName", "OpCall", "RegionProfile", "StepProfile", "Trail", "structure"]
-
-# Rule S4: under objective "time", recomputing all of the regions' FLOPs weighs this share of
-# their predicted time: plans whose predicted times are within it are told apart by FLOPs.
-_TIE_SHARE: Final = 0.01
-
-ObjectiveName = Literal["time", "flops"]
+__all__ = ["OpCall", "RegionProfile", "StepProfile", "Trail", "structure"]
 
 
 @dataclass(slots=True)
@@ -128,17 +123,14 @@ class StepProfile:
     """Storages saved after the model's forward returned (by the loss; Rule M11)."""
 
     def objective(self, name: ObjectiveName) -> Objective:
-        """Rule S4: the weights of a second and of a FLOP of recompute. ``"time"``: seconds,
-        with FLOPs breaking near-ties (recomputing every FLOP of the regions' forward weighs
-        ``_TIE_SHARE`` of its predicted time); ``"flops"``: FLOPs, with seconds breaking ties
-        (all of the regions' time weighs less than half a FLOP)."""
+        """Rule S4: the weights of a second and of a FLOP of recompute (``objective_weights``),
+        from this step's regions: their ops' seconds and FLOPs, and the most seconds a plan
+        could recompute."""
         seconds = sum(op.seconds for r in self.regions for op in r.ops)
         flops = sum(op.flops for r in self.regions for op in r.ops)
-        if name == "flops":
-            ops = sum(len(r.ops) * r.calls for r in self.regions)
-            most = 2 * seconds + self.policy_seconds_per_op * ops  # no plan recomputes more
-            return Objective(seconds=0.5 / max(most, 1e-12), flops=1.0)
-        return Objective(seconds=1.0, flops=_TIE_SHARE * seconds / max(flops, 1))
+        ops = sum(len(r.ops) * r.calls for r in self.regions)
+        most = 2 * seconds + self.policy_seconds_per_op * ops  # no plan recomputes more
+        return objective_weights(name, seconds, flops, most)
 
     def problem(self, policy_seconds_per_op: float, objective: Objective | None = None) -> Problem:
         """The solver's view of this step (Rules M4-M6 decide which ops are units; ops after a

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 __all__ = [
     "Choice",
@@ -208,6 +208,24 @@ class Objective:
 
     def cost(self, seconds: float, flops: int) -> float:
         return self.seconds * seconds + self.flops * flops
+
+
+# The names ``plan_checkpointing(objective=...)`` takes (Rule S4).
+ObjectiveName = Literal["time", "flops"]
+# Rule S4: under objective "time", recomputing all of the regions' FLOPs weighs this share of
+# their predicted time: plans whose predicted times are within it are told apart by FLOPs.
+_TIE_SHARE: Final = 0.01
+
+
+def objective_weights(name: ObjectiveName, seconds: float, flops: int, most: float) -> Objective:
+    """Rule S4: the weights of a second and of a FLOP of recompute, given the regions' predicted
+    ``seconds`` and ``flops`` (all of their ops) and the ``most`` seconds any plan could
+    recompute. ``"time"``: seconds, with FLOPs breaking near-ties (recomputing every FLOP weighs
+    ``_TIE_SHARE`` of the predicted time); ``"flops"``: FLOPs, with seconds breaking ties (the
+    most seconds weigh less than half a FLOP)."""
+    if name == "flops":
+        return Objective(seconds=0.5 / max(most, 1e-12), flops=1.0)
+    return Objective(seconds=1.0, flops=_TIE_SHARE * seconds / max(flops, 1))
 
 
 @dataclass(frozen=True, slots=True)
