@@ -1,10 +1,11 @@
 """``plan_checkpointing``: the planner's front door, the search for a plan.
 
-Owns checking the arguments, choosing the regions, reading the budget, asking the solver with
-each span variant (Rules M11 and M13) and keeping the cheapest that fits; with ``timing_steps``,
-the candidates the least sure prices draw, timed on the model (Rule M12), and rank 0's choice on
-every rank. Recording the step belongs to ``profile``, the prices to ``costs``, deciding to
-``solver``, the plan object and installing it to ``plan``.
+Owns checking the arguments, choosing the regions, reading the budget against the floor, asking
+the solver with each span variant (Rules M11 and M13) and keeping the cheapest that fits; with
+``timing_steps``, the candidates the least sure prices draw, timed on the model (Rule M12), and
+rank 0's choice on every rank. ``plan_checkpointing`` reads as those steps, each a function
+below. Recording the step belongs to ``measure`` (``profile``), the prices to ``measure.costs``,
+deciding to ``solve`` (``solver``), the plan object and installing it to ``apply`` (``plan``).
 """
 
 from __future__ import annotations

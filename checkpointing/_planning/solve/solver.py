@@ -2,8 +2,8 @@
 
 Owns ``solve``: the least-cost choice (Rule S4) whose exact kept bytes fit the budget, and the
 trade-off curve a ``Solution`` reports. The problem's terms and prices belong to ``problem``,
-each region's options to ``options``; installing and printing to ``plan``. See NOTE [Planner
-model] in ``checkpointing._planning``, Rules S1, S4, M9, S5 and S8.
+each region's options to ``options``; installing and printing to ``apply.plan``. See NOTE
+[Planner solve] in ``checkpointing._planning.solve``, Rules S1, S4, S5 and S8, and Rule M9.
 
 Method (Rule S5). Across regions it is a multiple-choice knapsack over the regions' options on
 an additive upper bound of the bytes (Rule S1), solved by dynamic programming over a byte grid:
