@@ -14,7 +14,7 @@ from torch import nn
 
 import checkpointing
 from checkpointing import Tiling
-from checkpointing._planning.live_bytes import cpu_peak
+from checkpointing._planning.measure.live_bytes import cpu_peak
 
 
 class _Wide(nn.Module):
