@@ -485,3 +485,17 @@ def test_pages_define_the_workloads_they_name() -> None:
             if not re.search(rf"\b{name}\b[^.\n]{{0,6}}\d+ (x|tiny) ", text):
                 undefined.append(f"{_name(page)}: {name}")
     assert undefined == []
+
+
+def test_planner_page_quotes_the_real_size_measurement() -> None:
+    """The planner page's figures for the GPT-2-small-shaped model are RESULTS.md's: every
+    number of that passage appears in RESULTS.md's section on it."""
+    page = (ROOT / "docs" / "guide" / "planner.md").read_text()
+    start = page.index("At real size, a GPT-2-small-shaped model")
+    passage = page[start : page.index("\n- ", start)]
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    section = results[results.index("## The planner at real size") :]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else None]
+    figures = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?", passage)
+    assert {"2.17-2.26", "13.14", "58-86"} <= set(figures)
+    assert [f for f in figures if f not in section] == []
