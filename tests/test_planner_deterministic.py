@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,15 @@ def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="checkpointing.planner"):
         plan_checkpointing(model, x, budget=0.5)
     said = [r.getMessage() for r in caplog.records if r.name == "checkpointing.planner"]
-    assert any("planning" in m for m in said), said
-    assert any("solved" in m for m in said), said
+    assert any(re.fullmatch(r"planning \w+: \d+ regions, .*", m) for m in said), said
+    assert any(
+        re.fullmatch(r"profiled in \d+\.\d s: \d+ ops in \d+ regions; solving \d+ variants", m)
+        for m in said
+    ), said
+    assert any(
+        re.fullmatch(r"solved in .*: \d+ candidate plans, the first keeps \d+ of \d+ bytes", m)
+        for m in said
+    ), said
 
 
 def _timed_worker(rank: int, port: int, out_dir: str) -> None:

@@ -198,14 +198,26 @@ def plan_checkpointing(
     named, tail = _regions_and_tail(model, regions, args, kwargs)
     profile = profile_step(model, named, args, kwargs, loss_fn, tail=tail, warmed=regions is None)
     measured = _Measured.of(profile, objective, len(named), tail, spans=regions is None)
-    _log.info("profiled in %.1f s; solving", time.perf_counter() - started)
     variants = _variants(measured, 1.0, 1.0)
+    _log.info(
+        "profiled in %.1f s: %d ops in %d regions; solving %d variants",
+        time.perf_counter() - started,
+        sum(len(region.ops) for region in profile.regions),
+        len(profile.regions),
+        len(variants),
+    )
     baseline, floor = _baseline_and_floor([problem for _, problem, _ in variants])
     budget_bytes = _budget_bytes(budget, baseline, floor)
     candidates = _candidate_plans(
         measured, variants, budget_bytes, (baseline, floor), host_budget, objective, timing_steps
     )
-    _log.info("solved in %.1f s since the start", time.perf_counter() - started)
+    _log.info(
+        "solved in %.1f s since the start: %d candidate plans, the first keeps %d of %d bytes",
+        time.perf_counter() - started,
+        len(candidates),
+        candidates[0].kept_bytes,
+        budget_bytes,
+    )
     chosen = candidates[0]
     if timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
         chosen = _rank_zeros(_fastest(model, candidates, args, kwargs, loss_fn, timing_steps))
