@@ -46,6 +46,7 @@ from ._frame import GraphExecGroup, set_checkpoint_early_stop
 from ._keep import keep, keeping
 from ._megatron import megatron_spec
 from ._module import checkpoint_module, remove_checkpoint_module
+from ._options import Tiling
 from ._reentrant import CheckpointFunction
 from ._report import (
     SavedTensorRecord,
@@ -78,7 +79,7 @@ from ._state import (
 )
 from ._tiled_head import tiled_lm_head_loss
 from ._tiled_recipes import tiled_experts, tiled_mlp
-from ._tiling import Tiling, tiled
+from ._tiling import tiled
 from ._wrappers import (
     ActivationWrapper,
     CheckpointImpl,

@@ -22,7 +22,7 @@ from . import _compat, _compiled
 from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._errors import describe_value
 from ._frame import frame_generator, run_generator
-from ._options import DEFAULTS, CheckpointOptions
+from ._options import DEFAULTS, CheckpointOptions, Tiling
 from ._reentrant import CheckpointFunction
 from ._state import (
     RecomputeStateHook,
@@ -30,7 +30,7 @@ from ._state import (
     noop_context_fn,
     state_hooks_from,
 )
-from ._tiling import Tiling, check_tile_options, run_tiled
+from ._tiling import check_tile_options, run_tiled
 
 __all__ = [
     "CHECKPOINT_OPTIONS",

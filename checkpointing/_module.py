@@ -57,9 +57,9 @@ from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
 from ._frame import frame_generator, stop_recompute
-from ._options import CheckpointOptions
+from ._options import CheckpointOptions, Tiling
 from ._state import noop_context_fn, state_hooks_from
-from ._tiling import TiledForward, Tiling, check_tile_options, check_tiling, refuse_mixing
+from ._tiling import TiledForward, check_tile_options, check_tiling, refuse_mixing
 
 __all__ = ["checkpoint_module", "end_at", "is_module_checkpointed", "remove_checkpoint_module"]
 

@@ -1,4 +1,6 @@
-"""Ground floor: ``CheckpointOptions``, the options of one checkpoint carried as one value.
+"""Ground floor: ``CheckpointOptions``, the options of one checkpoint carried as one value, and
+``Tiling``, the value of its ``tile=`` option (a record with checks of its own, so it lives with
+the record that carries it: the run of a tiled region, ``_tiling``, sits a floor above).
 
 Owns the record that an entry point (``checkpoint`` and its decorator, ``checkpoint_module``,
 ``tiled``, torch's generator forms) builds from its keyword arguments, and that the layers below
@@ -33,14 +35,84 @@ hooks built a dict per call to pass them on.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from ._state import ContextFn, noop_context_fn
 
-if TYPE_CHECKING:  # annotations only: _tiling builds records of its own (TiledFunction)
-    from ._tiling import Tiling
+__all__ = ["DEFAULTS", "CheckpointOptions", "Tiling"]
 
-__all__ = ["DEFAULTS", "CheckpointOptions"]
+_MSG_BAD_TILING = (
+    "checkpointing.Tiling: {what}, got {got}. Fix: e.g. Tiling(dim=1, chunks=8) for inputs of "
+    "shape (batch, tokens, hidden), or Tiling(dim=1, chunk_size=2048)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """A checkpointed region declared position-wise along ``dim``, to run in chunks.
+
+    Its forward and its recompute then run chunk by chunk (NOTE [Tiled regions]): what lives
+    inside the region at once is about ``1/chunks`` of the untiled region's. Give ``chunks``
+    (how many) or ``chunk_size`` (positions per chunk, the last chunk may be shorter).
+
+    Args:
+        dim: the dimension of the positions (tokens) in every split input and every output;
+            ``1`` for ``(batch, tokens, hidden)``, ``0`` for routed tokens ``(tokens, hidden)``.
+        chunks: how many chunks (at most one per position).
+        chunk_size: how many positions per chunk, instead of ``chunks``.
+        split: the positional inputs sliced along ``dim`` (default: the first); the others
+            reach every chunk whole.
+    """
+
+    dim: int = 1
+    chunks: int | None = None
+    chunk_size: int | None = None
+    split: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        if type(self.dim) is not int:
+            raise TypeError(_MSG_BAD_TILING.format(what="dim must be an int", got=self.dim))
+        if (self.chunks is None) == (self.chunk_size is None):
+            raise ValueError(
+                _MSG_BAD_TILING.format(
+                    what="give exactly one of chunks and chunk_size",
+                    got=f"chunks={self.chunks!r}, chunk_size={self.chunk_size!r}",
+                )
+            )
+        count = self.chunks if self.chunks is not None else self.chunk_size
+        if type(count) is not int or count < 1:
+            name = "chunks" if self.chunks is not None else "chunk_size"
+            raise ValueError(_MSG_BAD_TILING.format(what=f"{name} must be an int >= 1", got=count))
+        split = tuple(self.split) if isinstance(self.split, list | tuple) else None
+        if (
+            not split
+            or any(type(i) is not int or i < 0 for i in split)
+            or len(set(split)) != len(split)
+        ):
+            raise ValueError(
+                _MSG_BAD_TILING.format(
+                    what="split must be distinct positional indices (ints >= 0), at least one",
+                    got=self.split,
+                )
+            )
+        object.__setattr__(self, "split", split)
+
+    def bounds(self, length: int) -> list[tuple[int, int]]:
+        """``(start, length)`` of each chunk of ``length`` positions; the first chunks take
+        one position more when ``chunks`` does not divide it."""
+        if length == 0:
+            return [(0, 0)]
+        if self.chunk_size is not None:
+            size = self.chunk_size
+            return [(start, min(size, length - start)) for start in range(0, length, size)]
+        count = min(self.chunks or 1, length)
+        base, extra = divmod(length, count)
+        out, start = [], 0
+        for k in range(count):
+            size = base + (1 if k < extra else 0)
+            out.append((start, size))
+            start += size
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

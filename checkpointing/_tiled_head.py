@@ -35,7 +35,7 @@ from torch import nn
 
 from . import _compat
 from ._errors import describe_value, internal_error
-from ._tiling import Tiling
+from ._options import Tiling
 
 __all__ = ["tiled_lm_head_loss"]
 

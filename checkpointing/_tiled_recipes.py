@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from ._module import checkpoint_module
-from ._tiling import Tiling
+from ._options import Tiling
 
 __all__ = ["tiled_experts", "tiled_mlp"]
 

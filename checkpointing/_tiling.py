@@ -83,7 +83,6 @@ stand-ins and its parameters' gradients would be lost.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -95,14 +94,13 @@ from torch import nn
 from . import _compat, _compiled
 from ._determinism import debug_enabled, metadata_fn_for
 from ._errors import describe_value, internal_error
-from ._options import CheckpointOptions
+from ._options import CheckpointOptions, Tiling
 from ._state import noop_context_fn
 from ._tiled_run import TiledNode, TiledRun
 
 __all__ = [
     "TiledForward",
     "TiledFunction",
-    "Tiling",
     "check_tile_options",
     "check_tiling",
     "module_parameters",
@@ -111,10 +109,6 @@ __all__ = [
     "tiled",
 ]
 
-_MSG_BAD_TILING = (
-    "checkpointing.Tiling: {what}, got {got}. Fix: e.g. Tiling(dim=1, chunks=8) for inputs of "
-    "shape (batch, tokens, hidden), or Tiling(dim=1, chunk_size=2048)."
-)
 _MSG_NOT_A_TILING = (
     "{api}: tile must be a checkpointing.Tiling, got {got}. Fix: tile=checkpointing.Tiling("
     "dim=1, chunks=8)."
@@ -133,74 +127,6 @@ _MSG_MIXING_MODULE = (
     "wrong. Fix: tile only the position-wise part (the MLP, the experts, the LM head and "
     "loss), and checkpoint the rest untiled."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-    """A checkpointed region declared position-wise along ``dim``, to run in chunks.
-
-    Its forward and its recompute then run chunk by chunk (NOTE [Tiled regions]): what lives
-    inside the region at once is about ``1/chunks`` of the untiled region's. Give ``chunks``
-    (how many) or ``chunk_size`` (positions per chunk, the last chunk may be shorter).
-
-    Args:
-        dim: the dimension of the positions (tokens) in every split input and every output;
-            ``1`` for ``(batch, tokens, hidden)``, ``0`` for routed tokens ``(tokens, hidden)``.
-        chunks: how many chunks (at most one per position).
-        chunk_size: how many positions per chunk, instead of ``chunks``.
-        split: the positional inputs sliced along ``dim`` (default: the first); the others
-            reach every chunk whole.
-    """
-
-    dim: int = 1
-    chunks: int | None = None
-    chunk_size: int | None = None
-    split: tuple[int, ...] = (0,)
-
-    def __post_init__(self) -> None:
-        if type(self.dim) is not int:
-            raise TypeError(_MSG_BAD_TILING.format(what="dim must be an int", got=self.dim))
-        if (self.chunks is None) == (self.chunk_size is None):
-            raise ValueError(
-                _MSG_BAD_TILING.format(
-                    what="give exactly one of chunks and chunk_size",
-                    got=f"chunks={self.chunks!r}, chunk_size={self.chunk_size!r}",
-                )
-            )
-        count = self.chunks if self.chunks is not None else self.chunk_size
-        if type(count) is not int or count < 1:
-            name = "chunks" if self.chunks is not None else "chunk_size"
-            raise ValueError(_MSG_BAD_TILING.format(what=f"{name} must be an int >= 1", got=count))
-        split = tuple(self.split) if isinstance(self.split, list | tuple) else None
-        if (
-            not split
-            or any(type(i) is not int or i < 0 for i in split)
-            or len(set(split)) != len(split)
-        ):
-            raise ValueError(
-                _MSG_BAD_TILING.format(
-                    what="split must be distinct positional indices (ints >= 0), at least one",
-                    got=self.split,
-                )
-            )
-        object.__setattr__(self, "split", split)
-
-    def bounds(self, length: int) -> list[tuple[int, int]]:
-        """``(start, length)`` of each chunk of ``length`` positions; the first chunks take
-        one position more when ``chunks`` does not divide it."""
-        if length == 0:
-            return [(0, 0)]
-        if self.chunk_size is not None:
-            size = self.chunk_size
-            return [(start, min(size, length - start)) for start in range(0, length, size)]
-        count = min(self.chunks or 1, length)
-        base, extra = divmod(length, count)
-        out, start = [], 0
-        for k in range(count):
-            size = base + (1 if k < extra else 0)
-            out.append((start, size))
-            start += size
-        return out
 
 
 def tiled(
