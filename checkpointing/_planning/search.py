@@ -212,7 +212,7 @@ def plan_checkpointing(
         measured, variants, budget_bytes, (baseline, floor), host_budget, objective, timing_steps
     )
     _log.info(
-        "solved in %.1f s since the start: %d candidate plans, the first keeps %d of %d bytes",
+        "solved in %.1f s since the start: candidate plans %d, the first keeps %d of %d bytes",
         time.perf_counter() - started,
         len(candidates),
         candidates[0].kept_bytes,
