@@ -1142,6 +1142,14 @@ def _plan(model: torch.nn.Module, budget: float = 1.0) -> checkpointing.Activati
     return checkpointing.plan_checkpointing(model, x, budget=budget)
 
 
+def _fake_input() -> torch.Tensor:
+    """A (2, 4) input made under ``FakeTensorMode``: a shape without memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.randn(2, 4)
+
+
 def _apply_twice(_: object) -> None:
     model = _blocks()
     plan = _plan(model)
@@ -1162,6 +1170,18 @@ PLANNER_MISTAKES: dict[str, Mistake] = {
         lambda _: checkpointing.plan_checkpointing(_blocks(), torch.randn(2, 4), budget="half"),
         TypeError,
         ("budget must be a float in (0, 1]", "or an int (bytes)", "got 'half'", "Fix"),
+    ),
+    "planner: a model on the meta device": Mistake(
+        lambda _: checkpointing.plan_checkpointing(
+            _blocks().to("meta"), torch.randn(2, 4, device="meta"), budget=0.5
+        ),
+        ValueError,
+        ("parameter '0.0.weight' is on the meta device", "empty plan", "to_empty", "Fix"),
+    ),
+    "planner: a fake example input": Mistake(
+        lambda _: checkpointing.plan_checkpointing(_blocks(), _fake_input(), budget=0.5),
+        ValueError,
+        ("an example input is a fake tensor", "not offered", "Fix"),
     ),
     "planner: no regions": Mistake(
         lambda _: checkpointing.plan_checkpointing(

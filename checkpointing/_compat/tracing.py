@@ -17,6 +17,7 @@ from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_co
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper as _dynamo_bypassing_wrapper
 from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_compiled_code
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor as _FunctionalTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -82,6 +83,12 @@ def is_traced_tensor(tensor: object) -> bool:
     2.11 such a trace can run with ``torch.compiler.is_compiling()`` false and no proxy mode
     visible to a dispatch mode below the functional one)."""
     return isinstance(tensor, _FunctionalTensor)
+
+
+def is_fake_tensor(tensor: object) -> bool:
+    """True for a fake tensor: shapes, dtype and a device, no memory (``FakeTensorMode``'s;
+    2.11-2.15: ``torch._subclasses.fake_tensor.FakeTensor``)."""
+    return isinstance(tensor, _FakeTensor)
 
 
 def set_traced_node_meta(key: str, value: object) -> None:

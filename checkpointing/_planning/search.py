@@ -10,6 +10,7 @@ deciding to ``solve`` (``solver``), the plan object and installing it to ``apply
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import weakref
@@ -20,9 +21,10 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from .._compat import awaits_first_static_step
+from .._compat import awaits_first_static_step, is_fake_tensor
 from .._errors import describe_value
 from .._module import is_module_checkpointed
+from .._trees import tensors
 from .apply.installed import carries
 from .apply.plan import ActivationPlan
 from .measure.costs import DeviceCosts, costs_for
@@ -105,6 +107,14 @@ _MSG_PLANNED = (
     "(a copy of a planned model, by copy.deepcopy or torch.save/load, carries them too), so "
     "profiling would measure the planned step, not the model's own. Fix: plan.remove(model) "
     "with that plan (or a pickled copy of it) before planning again."
+)
+_MSG_NO_MEMORY = (
+    "checkpointing.plan_checkpointing: {what} is {kind}: it has a shape but no memory, and the "
+    "planner measures one real step (the storages alive, the ops run), so it would see nothing "
+    "kept and return an empty plan. Planning a model without allocating it (for a device this "
+    "machine lacks) is not offered. Fix: materialise the model and the example inputs on a "
+    "device that runs here (model.to_empty(device='cpu'), then initialise the weights) before "
+    "planning."
 )
 _MSG_STATIC_FIRST = (
     "checkpointing.plan_checkpointing: {where} is a DistributedDataParallel with "
@@ -194,6 +204,7 @@ def plan_checkpointing(
     _refuse_planned_or_static(model)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    _refuse_without_memory(model, args, kwargs)
     started = time.perf_counter()
     named, tail = _regions_and_tail(model, regions, args, kwargs)
     profile = profile_step(model, named, args, kwargs, loss_fn, tail=tail, warmed=regions is None)
@@ -239,6 +250,26 @@ def _refuse_planned_or_static(model: nn.Module) -> None:
         ):
             where = f"module {name!r} of the model" if name else "the model"
             raise ValueError(_MSG_STATIC_FIRST.format(where=where))
+
+
+def _refuse_without_memory(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A parameter, buffer or example input on the meta device or fake is refused before
+    anything runs: a step of such tensors allocates nothing, so every plan would read as free."""
+    named = itertools.chain(
+        (f"parameter {name!r}" for name, _ in model.named_parameters()),
+        (f"buffer {name!r}" for name, _ in model.named_buffers()),
+    )
+    owned = itertools.chain(model.parameters(), model.buffers())
+    for what, tensor in itertools.chain(
+        zip(named, owned, strict=True),
+        (("an example input", t) for t in tensors((args, kwargs))),
+    ):
+        if is_fake_tensor(tensor):
+            raise ValueError(_MSG_NO_MEMORY.format(what=what, kind="a fake tensor"))
+        if tensor.is_meta:
+            raise ValueError(_MSG_NO_MEMORY.format(what=what, kind="on the meta device"))
 
 
 def _regions_and_tail(
