@@ -33,7 +33,8 @@ NOTE [Applied wrappers]
           Wrapped deepest first, so a selected module inside a selected one is wrapped before
           its parent (nested checkpoints, as with ``check_fn``). ``check_fn``,
           ``auto_wrap_policy`` or a ``context_fn`` of the call's beside a spec are refused: two
-          answers to one question.
+          answers to one question. A budget value is refused too: it is planned at the model's
+          first step (``apply_spec``), and this call wraps now.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from . import _compat
 from ._checkpoint import hooks_read_once
 from ._module import is_module_checkpointed
 from ._spec import select
-from ._spec_grammar import OFFLOAD_EVERYTHING
+from ._spec_grammar import OFFLOAD_EVERYTHING, budget_key
 from ._wrappers import CheckpointImpl, CheckpointWrapper, checked_options, checkpoint_wrapper
 
 __all__ = ["apply_activation_checkpointing"]
@@ -64,6 +65,12 @@ _MSG_BAD_POLICY = (
     "auto_wrap_policy=ModuleWrapPolicy({{Block}}), or check_fn=lambda m: isinstance(m, Block)."
 )
 
+_MSG_SPEC_BUDGET = (
+    "checkpointing.apply_activation_checkpointing: the spec key {key!r} has a budget, planned at "
+    "the model's first step; this call wraps its modules now. Fix: "
+    "checkpointing.apply_spec(model, spec) plans a budget key, or give the key 'full', a policy "
+    "or 'none' here."
+)
 _MSG_SPEC_AND = (
     "checkpointing.apply_activation_checkpointing: spec= picks the modules and their policies, "
     "so {other} cannot be given beside it. Fix: drop {other}, or write it into the spec "
@@ -160,6 +167,9 @@ def _wrap_by_spec(
     ):
         if given:
             raise ValueError(_MSG_SPEC_AND.format(other=other))
+    key = budget_key(spec, _API)
+    if key is not None:
+        raise ValueError(_MSG_SPEC_BUDGET.format(key=key))
     chosen = [item for item in select(model, spec, _API) if item.action.kind != "none"]
     for item in reversed(chosen):  # children before their parents
         parent_name, _, attribute = item.name.rpartition(".")

@@ -31,6 +31,28 @@ NOTE [Spec selection]
           caches], Rule 3).
   Rule 5. ``dry_run=True`` checks and selects exactly as a real call does and installs
           nothing: what it prints is what the real call will install.
+
+NOTE [Spec budget]
+  Rule 1. A budget value (``"budget:S"``, NOTE [Spec grammar], Rule 5) has the planner choose, per
+          module its key selects, not checkpointed, checkpointed, or checkpointed keeping some op
+          outputs. Its regions are the modules whose value it decides by Selection Rule 2: a
+          module a more specific key gives another value is not one of them (``"none"``
+          included). A budget region may neither lie inside nor hold a module another key
+          checkpoints (an error naming both): the plan's choice is made for the module as it
+          runs plainly, which a region nested in it, or around it, would change.
+  Rule 2. A spec has no example inputs: nothing is planned by ``apply_spec``. The model is
+          planned at its first forward with grad enabled (a forward under ``no_grad`` or
+          ``inference_mode`` before it leaves everything as it is and runs plainly), on that
+          forward's arguments (NOTE [Budget at the first step]); the other keys' regions are
+          installed right after the plan, before that forward runs on. So the planner measures
+          the model without checkpointing, as it must, and that first forward and every one
+          after it runs with the whole spec installed.
+  Rule 3. One budget key per spec: two shares would be two budgets over one step, which the
+          planner does not divide. A second is an error naming both keys and the fix (one key
+          selecting all the modules, or one budget).
+  Rule 4. Until the first step the printed result shows ``budget S (planned at first step)``;
+          then each budget module's row shows the plan's choice for it, and ``plan`` holds the
+          plan. ``remove()`` takes the plan off too, or cancels a planning not yet run.
 """
 
 from __future__ import annotations
@@ -40,7 +62,7 @@ import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -59,6 +81,9 @@ from ._spec_grammar import (
     parse_selector,
 )
 from ._state import noop_context_fn
+
+if TYPE_CHECKING:  # the planner is imported at the first step only
+    from ._planning import ActivationPlan
 
 __all__ = [
     "AppliedSpec",
@@ -106,6 +131,17 @@ _MSG_FLAGS = (
     "checkpointing.integrations.transformers.disable(model)) first, or pass the spec to "
     "checkpointing.integrations.transformers.enable(model, spec=...)."
 )
+_MSG_TWO_BUDGETS = (
+    "checkpointing.{api}: the spec has two budget keys, {a!r} ({va}) and {b!r} ({vb}); one "
+    "step is planned for one budget. Fix: one key selecting all the modules to plan, e.g. "
+    "'layers.*': 'budget:0.5', or give the other modules 'full', a policy or 'none'."
+)
+_MSG_BUDGET_NESTED = (
+    "checkpointing.{api}: the module {inner!r} ({vi}, from {ki!r}) lies inside {outer!r} ({vo}, "
+    "from {ko!r}); a budget's module is planned as it runs plainly, which a region inside or "
+    "around it would change. Fix: a more specific key giving one of the two 'none' or the "
+    "other's value, e.g. {{{inner!r}: 'none'}}; or keys that select modules beside the budget's."
+)
 _MSG_NOT_MODULE = (
     "checkpointing.{api}: expected an nn.Module, got {got}. Fix: pass the model, e.g. "
     "apply_spec(model, spec)."
@@ -130,13 +166,17 @@ class AppliedSpec:
     selected: list[Selected]
     modules: int
     dry_run: bool
+    plan: ActivationPlan | None = None
+    """A budget key's plan, once the first step with grad made it (NOTE [Spec budget])."""
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
     _installed: list[nn.Module] = field(default_factory=list, repr=False)
+    _model: nn.Module | None = field(default=None, repr=False)
 
     def actions(self) -> dict[str, str]:
         """Per selected module name, what it gets, as printed (``'full'``, ``'none'``,
-        ``'offload'``, or the policy's repr, ``'save_matmuls()'``)."""
-        return {s.name: str(s.action) for s in self.selected}
+        ``'offload'``, the policy's repr, ``'save_matmuls()'``, or a budget's,
+        ``'budget 0.5 (planned at first step)'`` and then the plan's choice)."""
+        return {s.name: self._shown(s) for s in self.selected}
 
     def remove(self) -> None:
         """Take the installed regions off: the modules run plainly again."""
@@ -145,21 +185,43 @@ class AppliedSpec:
                 remove_checkpoint_module(module)
         for handle in self._handles:
             handle.remove()
+        if self.plan is not None and self._model is not None:
+            self.plan.remove(self._model)
         self._installed.clear()
         self._handles.clear()
+        self._model = None
+
+    def _checkpoints(self, item: Selected) -> bool:
+        """Whether ``item`` is counted as checkpointed: a budget's module once its plan says so
+        (before the plan: to be planned)."""
+        if item.action.kind != "budget" or self.plan is None:
+            return item.action.kind != "none"
+        decided = {r.name: r for r in self.plan.regions}.get(item.name)
+        return decided is not None and decided.checkpoint
+
+    def _shown(self, item: Selected) -> str:
+        """NOTE [Spec budget], Rule 4: what a row says the module gets."""
+        if item.action.kind != "budget":
+            return str(item.action)
+        if self.plan is None:
+            return f"{item.action} (planned at first step)"
+        decided = {r.name: r for r in self.plan.regions}.get(item.name)
+        if decided is None:  # inside another module of the budget: the plan's region is that one
+            return f"{item.action}: inside a planned region"
+        return f"{item.action}: {decided.describe()}"
 
     def __str__(self) -> str:
-        shown = [s for s in self.selected if s.action.kind != "none"]
+        shown = [s for s in self.selected if self._checkpoints(s)]
         head = f"apply_spec: {len(shown)} of {self.modules} modules checkpointed" + (
             " (dry run: nothing installed)" if self.dry_run else ""
         )
         width = max((len(s.name) for s in self.selected), default=0)
         kind = max((len(type(s.module).__name__) for s in self.selected), default=0)
-        gets = max((len(str(s.action)) for s in self.selected), default=0)
+        shown_as = [self._shown(s) for s in self.selected]
+        gets = max((len(text) for text in shown_as), default=0)
         rows = [
-            f"  {s.name:<{width}}  {type(s.module).__name__:<{kind}}  {s.action!s:<{gets}}"
-            f"  <- {s.key!r}"
-            for s in self.selected
+            f"  {s.name:<{width}}  {type(s.module).__name__:<{kind}}  {text:<{gets}}  <- {s.key!r}"
+            for s, text in zip(self.selected, shown_as, strict=True)
         ]
         return "\n".join([head, *rows])
 
@@ -173,10 +235,13 @@ def apply_spec(model: nn.Module, spec: Mapping[str, Any], *, dry_run: bool = Fal
     components, globs within one component (``*``), ``**`` for any number of components, and
     layer selectors in braces over integer-named children (``{0:8}``, ``{::2}``, ``{-4:}``,
     ``{0,3,5}``). A value is ``"full"``, ``"offload"`` (nothing recomputed: what the module
-    saves is kept in host memory), ``"none"``/``None``, a policy name (``"save_matmuls"``) or
-    a policy object. A module selected by several keys gets the most specific key's value
-    (more literal components, then more layer selectors, then more globs); a tie is an
-    error, and so is a key that selects nothing (the message names the nearest modules).
+    saves is kept in host memory), ``"none"``/``None``, a policy name (``"save_matmuls"``), a
+    policy object, or a budget share, ``"budget:0.5"``: the planner chooses what the key's
+    modules checkpoint at the model's first forward with grad, keeping that share of the way
+    from full recompute of them (0) to keeping all they save (1); one budget key per spec.
+    A module selected by several keys gets the most specific key's value (more literal
+    components, then more layer selectors, then more globs); a tie is an error, and so is a
+    key that selects nothing (the message names the nearest modules).
 
     Args:
         model: the model; its submodules are selected, never the model itself.
@@ -184,7 +249,8 @@ def apply_spec(model: nn.Module, spec: Mapping[str, Any], *, dry_run: bool = Fal
         dry_run: select, check and return the result without installing anything.
 
     Returns:
-        An ``AppliedSpec``: ``print(result)``; ``result.actions()``; ``result.remove()``.
+        An ``AppliedSpec``: ``print(result)``; ``result.actions()``; ``result.remove()``;
+        ``result.plan`` (a budget key's plan, after the first step).
 
     Example:
         >>> import torch, checkpointing
@@ -203,15 +269,44 @@ def apply_spec(model: nn.Module, spec: Mapping[str, Any], *, dry_run: bool = Fal
 
 
 def install(result: AppliedSpec, model: nn.Module) -> None:
-    """Rule 4: each selected module that gets something becomes a region; all or nothing."""
+    """Rule 4: each selected module that gets something becomes a region; all or nothing.
+    With a budget key (NOTE [Spec budget], Rule 2) the regions wait for the first step."""
     try:
         if _takes_use_cache(model) and any(s.action.kind != "none" for s in result.selected):
             handle = model.register_forward_pre_hook(
                 spec_turns_cache_off, with_kwargs=True, prepend=True
             )
             result._handles.append(handle)
+        budget = [s for s in result.selected if s.action.kind == "budget"]
+        if not budget:
+            _install_regions(result)
+            return
+        from ._planning.first_step import plan_on_first_step  # the planner, when it is needed
+
+        def planned(plan: ActivationPlan) -> None:
+            result.plan, result._model = plan, model
+            _install_regions(result)
+
+        share = budget[0].action.share
+        assert share is not None  # a budget action carries its share
+        result._handles.append(
+            plan_on_first_step(model, [s.module for s in budget], share, planned, ready=_with_grad)
+        )
+    except BaseException:
+        result.remove()
+        raise
+
+
+def _with_grad(model: nn.Module) -> bool:
+    """NOTE [Spec budget], Rule 2: the first forward with grad enabled plans."""
+    return torch.is_grad_enabled()
+
+
+def _install_regions(result: AppliedSpec) -> None:
+    """Rule 4: the regions of every key but a budget's (whose plan installs its own)."""
+    try:
         for item in result.selected:
-            if item.action.kind == "none":
+            if item.action.kind in ("none", "budget"):
                 continue
             policy = OFFLOAD_EVERYTHING if item.action.kind == "offload" else item.action.policy
             context_fn = noop_context_fn if policy is None else policy
@@ -277,6 +372,10 @@ def select(model: nn.Module, spec: Mapping[str, Any], api: str) -> list[Selected
         raise TypeError(_MSG_NOT_MODULE.format(api=api, got=describe_value(model)))
     flat = flatten(spec, api)
     entries = [(parse_selector(k, api), parse_action(k, v, api)) for k, v in flat.items()]
+    budgets = [(sel, action) for sel, action in entries if action.kind == "budget"]
+    if len(budgets) > 1:  # NOTE [Spec budget], Rule 3
+        (a, va), (b, vb) = budgets[:2]
+        raise ValueError(_MSG_TWO_BUDGETS.format(api=api, a=a.key, va=va, b=b.key, vb=vb))
     best: dict[int, tuple[Selector, Action, str, nn.Module]] = {}
     for selector, action in entries:
         names = list(_matches(model, selector, api))
@@ -295,7 +394,35 @@ def select(model: nn.Module, spec: Mapping[str, Any], api: str) -> list[Selected
         flagged = next((n for n, m in model.named_modules() if _flagged(m)), None)
         if flagged is not None:
             raise ValueError(_MSG_FLAGS.format(api=api, name=flagged))
-    return [Selected(name, module, action, sel.key) for sel, action, name, module in chosen]
+    result = [Selected(name, module, action, sel.key) for sel, action, name, module in chosen]
+    _check_budget_apart(result, api)
+    return result
+
+
+def _check_budget_apart(selected: list[Selected], api: str) -> None:
+    """NOTE [Spec budget], Rule 1: no region of another key inside or around a budget's."""
+    budget = [s for s in selected if s.action.kind == "budget"]
+    others = [s for s in selected if s.action.kind not in ("none", "budget")]
+    for planned in budget:
+        inside = {id(m) for m in planned.module.modules()}
+        for other in others:
+            if id(other.module) in inside:
+                outer, inner = planned, other
+            elif any(m is planned.module for m in other.module.modules()):
+                outer, inner = other, planned
+            else:
+                continue
+            raise ValueError(
+                _MSG_BUDGET_NESTED.format(
+                    api=api,
+                    inner=inner.name,
+                    vi=inner.action,
+                    ki=inner.key,
+                    outer=outer.name,
+                    vo=outer.action,
+                    ko=outer.key,
+                )
+            )
 
 
 def _keep_most_specific(

@@ -30,6 +30,11 @@ NOTE [Spec grammar]
           ``checkpointing.policies`` reads, so names added to it work here too), or a policy
           object. A mapping as a value is a nested table: its keys are joined to the outer
           key with a dot (TOML tables and YAML mappings read naturally).
+  Rule 5. ``"budget:S"``, S a number from 0 to 1, is a budget share: the planner chooses what the
+          key's modules checkpoint, keeping that share of the way from full recompute of them
+          (0) to keeping all they save (1), as torchtitan's ``memory_budget`` reads (NOTE
+          [Spec budget] in ``_spec`` says when and over which modules it plans). One string,
+          not a mapping: a mapping as a value is a nested table.
 Rejected: matching by regular expression (dots in module names would need escaping in every
 key) and ``a-b`` ranges (``-1`` is an index from the end, and two spellings of a range is one
 too many).
@@ -52,6 +57,7 @@ from .policies import _NAMED, _named
 __all__ = [
     "Action",
     "Selector",
+    "budget_key",
     "check_spec",
     "flatten",
     "load_spec",
@@ -60,6 +66,7 @@ __all__ = [
 ]
 
 _WORDS: Final = ("full", "offload", "none")
+_BUDGET: Final = "budget:"
 _SUFFIXES: Final[dict[str, Literal["toml", "yaml"]]] = {
     ".toml": "toml",
     ".yaml": "yaml",
@@ -92,8 +99,13 @@ _MSG_BRACES = (
 )
 _MSG_ACTION = (
     "checkpointing.{api}: the spec key {key!r} has the unknown value {got!r}{close}. Expected "
-    "'full', 'offload', 'none' (or None), a policy name ({names}) or a policy object. Fix: "
-    "use one of those, e.g. {{{key!r}: 'full'}}."
+    "'full', 'offload', 'none' (or None), 'budget:S' (a share S from 0 to 1), a policy name "
+    "({names}) or a policy object. Fix: use one of those, e.g. {{{key!r}: 'full'}}."
+)
+_MSG_SHARE = (
+    "checkpointing.{api}: the spec key {key!r} has the budget {got!r}; expected 'budget:S' with "
+    "S a number from 0 (full recompute of the key's modules) to 1 (keep all they save). Fix: "
+    "e.g. {{{key!r}: 'budget:0.5'}}."
 )
 _MSG_ACTION_TYPE = (
     "checkpointing.{api}: the spec key {key!r} has the value {got}; expected 'full', "
@@ -122,10 +134,14 @@ _MSG_YAML_TOP = (
 class Action:
     """What a selected module gets (Rule 4): ``kind`` and, for a policy, the policy."""
 
-    kind: Literal["full", "offload", "none", "policy"]
+    kind: Literal["full", "offload", "none", "policy", "budget"]
     policy: Policy | None = None
+    share: float | None = None
+    """Rule 5: a budget's share, 0.0 (full recompute) to 1.0 (keep everything)."""
 
     def __str__(self) -> str:
+        if self.kind == "budget":
+            return f"budget {self.share}"
         return repr(self.policy) if self.kind == "policy" else self.kind
 
 
@@ -198,6 +214,8 @@ def parse_action(key: str, value: object, api: str) -> Action:
     if value is None:
         return Action("none")
     if isinstance(value, str):
+        if value.startswith(_BUDGET):
+            return _budget(key, value, api)
         if value in _WORDS:
             return Action(value)  # type: ignore[arg-type]  # one of the three words, checked
         if value not in _NAMED:
@@ -216,6 +234,17 @@ def parse_action(key: str, value: object, api: str) -> Action:
         return Action("policy", value)
     got = f"{value!r} of type {type(value).__name__}"
     raise TypeError(_MSG_ACTION_TYPE.format(api=api, key=key, got=got))
+
+
+def _budget(key: str, value: str, api: str) -> Action:
+    """Rule 5: ``"budget:S"`` as an ``Action``; a share outside [0, 1] is an error."""
+    try:
+        share = float(value.removeprefix(_BUDGET))
+    except ValueError:
+        share = float("nan")
+    if not 0 <= share <= 1:  # NaN fails too
+        raise ValueError(_MSG_SHARE.format(api=api, key=key, got=value))
+    return Action("budget", share=share)
 
 
 def flatten(spec: object, api: str) -> dict[str, object]:
@@ -275,6 +304,15 @@ def _yaml(text: str) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(_MSG_YAML_TOP.format(got=f"a {type(loaded).__name__}"))
     return loaded
+
+
+def budget_key(spec: object, api: str) -> str | None:
+    """Rule 5: the first key of ``spec`` whose value is a budget, for the callers that install
+    at once and so refuse one (a budget is planned at the model's first step)."""
+    for key, value in flatten(spec, api).items():
+        if isinstance(value, str) and value.startswith(_BUDGET):
+            return key
+    return None
 
 
 def check_spec(spec: object, api: str) -> None:

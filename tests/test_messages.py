@@ -801,6 +801,23 @@ MISTAKES: dict[str, Mistake] = {
         IndexError,
         ("checkpointing.apply_spec", "layer index 5 is out of range", "has 3", "Fix"),
     ),
+    "spec budget share outside [0, 1]": Mistake(
+        lambda m: m.apply_spec(_seq(), {"*": "budget:1.5"}),
+        ValueError,
+        ("checkpointing.apply_spec", "budget 'budget:1.5'", "from 0", "Fix"),
+    ),
+    "spec with two budget keys": Mistake(
+        lambda m: m.apply_spec(_seq(), {"0": "budget:0.5", "2": "budget:0.2"}),
+        ValueError,
+        ("checkpointing.apply_spec", "two budget keys, '0'", "'2'", "Fix"),
+    ),
+    "spec region inside a budget's module": Mistake(
+        lambda m: m.apply_spec(
+            torch.nn.Sequential(_seq(), _seq()), {"*": "budget:0.5", "0.1": "full"}
+        ),
+        ValueError,
+        ("checkpointing.apply_spec", "'0.1' (full, from '0.1') lies inside '0'", "Fix"),
+    ),
     "spec beside check_fn": Mistake(
         lambda m: m.apply_activation_checkpointing(
             _seq(), check_fn=lambda _: True, spec={"*": "full"}

@@ -468,3 +468,147 @@ def test_a_name_added_to_the_policy_table_works(monkeypatch: pytest.MonkeyPatch)
     assert got == {"0": "save_ops(aten.mm)"}
     with pytest.raises(ValueError, match=r"'test:save_mm'"):
         apply_spec(model, {"{0}": "test:save_m"})
+
+
+def _encoder() -> tuple[nn.Sequential, torch.Tensor]:
+    """Three encoder layers with dropout, training, and their input."""
+    torch.manual_seed(0)
+    layers = [
+        nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.1, batch_first=True)
+        for _ in range(3)
+    ]
+    return nn.Sequential(*layers).train(), torch.randn(2, 8, 32)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_budget_key_plans_at_the_first_step_with_grad(share: float) -> None:
+    """NOTE [Spec budget], Rules 2 and 4: nothing is planned under no_grad; the first step with
+    grad plans and gives bitwise the plain run's gradients, and so does the next; what the
+    step keeps fits the share of the way from full recompute to keeping everything."""
+    model, x = _encoder()
+    plain = copy.deepcopy(model)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).sum()
+
+    want = _grads(plain, step)
+    applied = apply_spec(model, {"*": f"budget:{share}"})
+    assert applied.actions()["0"] == f"budget {share} (planned at first step)"
+    assert f"budget {share} (planned at first step)" in str(applied)
+    with torch.no_grad():
+        model(x)
+    assert applied.plan is None
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+    _assert_bitwise(_grads(model, step), want)
+    plan = applied.plan
+    assert plan is not None
+    assert plan.budget_bytes == plan.floor_bytes + int(
+        share * (plan.baseline_bytes - plan.floor_bytes)
+    )
+    for name, text in applied.actions().items():
+        decided = {r.name: r for r in plan.regions}[name]
+        assert text == f"budget {share}: {decided.describe()}"
+    assert any(r.checkpoint for r in plan.regions)
+    _assert_bitwise(_grads(model, step), want)
+    torch.manual_seed(7)
+    with checkpointing.saved_tensors_report() as report:
+        step(model).backward()
+    assert report.activation_bytes <= plan.budget_bytes * 1.02, str(plan)
+    applied.remove()
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+    _assert_bitwise(_grads(model, step), want)
+
+
+def test_budget_key_beside_other_keys() -> None:
+    """NOTE [Spec budget], Rules 1 and 2: the budget plans the modules its key decides (not one
+    a more specific key gives another value); the other keys' regions go on at the first step
+    with grad, after the plan; gradients stay bitwise the plain run's."""
+    model, x = _encoder()
+    plain = copy.deepcopy(model)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).sum()
+
+    want = _grads(plain, step)
+    applied = apply_spec(model, {"*": "budget:0.3", "2": "full", "1": "none"})
+    assert not checkpointing._module.is_module_checkpointed(model[2])
+    _assert_bitwise(_grads(model, step), want)
+    assert applied.plan is not None
+    assert [r.name for r in applied.plan.regions] == ["0"]
+    assert checkpointing._module.is_module_checkpointed(model[2])
+    assert applied.actions()["2"] == "full"
+    assert applied.actions()["1"] == "none"
+    _assert_bitwise(_grads(model, step), want)
+    applied.remove()
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+
+
+def test_budget_removed_before_its_first_step_plans_nothing() -> None:
+    """NOTE [Spec budget], Rule 4: ``remove()`` cancels a planning not yet run."""
+    model, x = _encoder()
+    applied = apply_spec(model, {"{0:2}": "budget:0.5"})
+    applied.remove()
+    model(x).sum().backward()
+    assert applied.plan is None
+    assert not any(checkpointing._module.is_module_checkpointed(m) for m in model.modules())
+
+
+def test_budget_dry_run_shows_the_share() -> None:
+    model, _ = _encoder()
+    result = apply_spec(model, {"{-1}": "budget:1"}, dry_run=True)
+    assert str(result).splitlines()[1].split() == [
+        "2",
+        "TransformerEncoderLayer",
+        "budget",
+        "1.0",
+        "(planned",
+        "at",
+        "first",
+        "step)",
+        "<-",
+        "'{-1}'",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"{0}": "budget:0.5", "{1}": "budget:0.5"}, r"two budget keys, '\{0\}'"),
+        ({"*": "budget:1.5"}, r"the budget 'budget:1.5'; expected 'budget:S'"),
+        ({"*": "budget:-0.1"}, r"the budget 'budget:-0.1'"),
+        ({"*": "budget:half"}, r"the budget 'budget:half'"),
+        ({"*": "budget:nan"}, r"the budget 'budget:nan'"),
+        ({"*": "budget:0.5", "0.linear1": "full"}, r"'0.linear1' \(full, from '0.linear1'\)"),
+        ({"0.linear1": "budget:0.5", "0": "full"}, r"lies inside '0' \(full, from '0'\)"),
+    ],
+)
+def test_budget_errors(spec: dict[str, Any], match: str) -> None:
+    """NOTE [Spec grammar], Rule 5, and NOTE [Spec budget], Rules 1 and 3."""
+    model, _ = _encoder()
+    with pytest.raises(ValueError, match=match):
+        apply_spec(model, spec)
+    assert not model._forward_pre_hooks
+
+
+def test_budget_is_refused_where_a_spec_installs_at_once() -> None:
+    """A budget needs the first step: ``apply_activation_checkpointing`` refuses it."""
+    model, _ = _encoder()
+    with pytest.raises(ValueError, match=r"'\*' has a budget.*Fix: checkpointing.apply_spec"):
+        checkpointing.apply_activation_checkpointing(model, spec={"*": "budget:0.5"})
+
+
+@pytest.mark.once
+def test_hf_budget_key_gradients_equal_the_plain_run() -> None:
+    """NOTE [Spec budget] on GPT-2 (cache off): the planning step and the next are bitwise the
+    plain run's; ``enable(spec=...)`` refuses a budget value with the fix."""
+    from checkpointing.integrations import transformers as hf
+
+    model, step = _hf("gpt2")
+    want = _grads(copy.deepcopy(model), step)
+    applied = apply_spec(model, {"transformer.h.*": "budget:0.5"})
+    _assert_bitwise(_grads(model, step), want)
+    assert applied.plan is not None
+    _assert_bitwise(_grads(model, step), want)
+    applied.remove()
+    with pytest.raises(ValueError, match=r"has a budget.*Fix: enable\(model, budget=\.\.\.\)"):
+        hf.enable(model, spec={"transformer.h.*": "budget:0.5"})

@@ -5,8 +5,8 @@ torchtitan's parallelize function does (activation checkpointing first), then sh
 torchtitan's own ``apply_fsdp_to_decoder`` over a 2-rank CPU mesh, and trains one step on its own
 tokens. Ours and torchtitan's ``FullAC``/``SelectiveAC`` give bitwise the gradients of the
 unwrapped sharded step, and so does the eager budget, planned inside the first sharded step
-(NOTE [Budget at the first step], Rules 3 and 4). One pair of processes runs every case
-(``dist_support``).
+(NOTE [torchtitan budget], Rule 2; NOTE [Budget at the first step], Rule 3). One pair of
+processes runs every case (``dist_support``).
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def test_sharded_gradients_match_the_plain_sharded_step(
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_budget_plans_inside_the_sharded_step(results: list[dict[str, Any]], rank: int) -> None:
-    """NOTE [Budget at the first step], Rules 3 and 4: planned inside torchtitan's sharded model,
-    the planning step and the next give bitwise the plain sharded step's gradients, and both
-    ranks install one plan, which checkpoints a block."""
+    """NOTE [torchtitan budget], Rule 2, and [Budget at the first step], Rule 3: planned inside
+    torchtitan's sharded model, the planning step and the next give bitwise the plain sharded
+    step's gradients, and both ranks install one plan, which checkpoints a block."""
     got, want = case_result(results, "budget", rank), case_result(results, "plain", rank)
     for step in got["steps"]:
         assert step.keys() == want.keys()
@@ -152,7 +152,7 @@ def test_budget_plans_inside_the_sharded_step(results: list[dict[str, Any]], ran
 def test_budget_refuses_a_sharded_root_with_parameters(
     results: list[dict[str, Any]], rank: int
 ) -> None:
-    """NOTE [Budget at the first step], Rule 3: the error names the parameter and the fix."""
+    """NOTE [torchtitan budget], Rule 2: the error names the parameter and the fix."""
     refused = results[rank]["root"]
     assert "scale" in refused
     assert "fully_shard" in refused

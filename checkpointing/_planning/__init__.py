@@ -4,6 +4,9 @@ Three wings, in data-flow order, under one front door:
 
 - ``search.py``: the front door, ``plan_checkpointing``: the arguments, the regions, the budget
   against the floor, the span variants, the cheapest plan that fits, the timed race (opt-in).
+- ``first_step.py``: a second door beside it, for callers without example inputs
+  (``apply_spec``'s budget key, torchtitan's ``MemoryBudgetAC``): plan at a model's first
+  forward under grad. NOTE [Budget at the first step].
 - ``measure/``: running the model and turning what it saw into a problem: the profile, the
   recorder and what it watches, the cost model, the recorded spans, timing candidate plans.
   A model family's quirk goes here. NOTE [Planner measure], Rules M1-M15.

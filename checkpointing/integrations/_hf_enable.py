@@ -106,7 +106,8 @@ NOTE [transformers integration]
           while autograd records (Rule 7), and a model with a spec takes no other
           checkpointing until ``disable`` (Rule 8); with experts (Rule 13), ``full`` runs
           ``save_routing()`` and a policy ``either(policy, save_routing())``. What a spec
-          installed is found from the model (Rule 11).
+          installed is found from the model (Rule 11). A spec's budget value is refused (the
+          spec installs at once; ``budget=`` plans the layers).
   Rule 15. A policy that keeps tensors by MaxText's names (``"maxtext:minimal"``,
           ``policies.maxtext(...)``, or ``save_only_these_names("query_proj", ...)``) finds
           them tagged: ``enable`` puts tag hooks on the layers' projections for the names the

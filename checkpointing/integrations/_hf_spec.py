@@ -31,6 +31,13 @@ _MSG_ALREADY = (
     "checkpointing.integrations.transformers.disable(model) first (it also undoes "
     "transformers' own activation_checkpointing_enable())."
 )
+_MSG_BUDGET = (
+    "checkpointing.integrations.transformers.{api}: the spec key {key!r} has a budget ({value}); "
+    "a spec given here installs its regions now, and a budget is planned at the first step. Fix: "
+    "enable(model, budget=...) plans the layers for a budget; or, on a model without "
+    "transformers' checkpointing, checkpointing.apply_spec(model, spec) plans a budget key at "
+    "the first step."
+)
 _HOW_FLAGS = "its layers' gradient_checkpointing flags are on: enable(model) or transformers' own"
 _HOW_SPEC = "by enable(model, spec=...)"
 
@@ -58,6 +65,9 @@ def install_spec(
     if any(getattr(module, "gradient_checkpointing", False) for module in model.modules()):
         raise ValueError(_MSG_ALREADY.format(api=api, cls=cls, how=_HOW_FLAGS))
     chosen = select(model, spec, f"{api}(spec=...)")
+    budget = next((item for item in chosen if item.action.kind == "budget"), None)
+    if budget is not None:
+        raise ValueError(_MSG_BUDGET.format(api=api, key=budget.key, value=budget.action))
     if routing:
         chosen = [_keeping_routing(item) for item in chosen]
     result = AppliedSpec(chosen, sum(1 for _ in model.modules()) - 1, dry_run=False)

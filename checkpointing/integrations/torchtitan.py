@@ -86,6 +86,7 @@ from .._module import checkpoint_module  # noqa: E402
 from .._planning import ActivationPlan  # noqa: E402
 from .._selective.alternating import TorchtitanOp, torchtitan_save_ops  # noqa: E402
 from .._spec import AppliedSpec, apply_spec  # noqa: E402
+from .._spec_grammar import budget_key  # noqa: E402
 from ..policies import as_context_fn  # noqa: E402
 from ._titan_budget import plan_on_first_step  # noqa: E402
 
@@ -111,6 +112,12 @@ _MSG_BUDGET = (
     "checkpointing.integrations.torchtitan.MemoryBudgetAC: memory_budget must be a number in "
     "[0, 1] (0: what full checkpointing keeps, 1: what no checkpointing keeps), got {got!r}. "
     "Fix: e.g. memory_budget=0.5."
+)
+_MSG_SPEC_BUDGET = (
+    "checkpointing.integrations.torchtitan.SpecAC: the spec key {key!r} has a budget; under "
+    "torchtitan the budget is MemoryBudgetAC's, planned with its checks for a sharded model. "
+    "Fix: use MemoryBudgetAC(memory_budget=...) for the blocks, or give the key 'full', a "
+    "policy or 'none'."
 )
 _MSG_DEFAULTS = (
     "checkpointing.integrations.torchtitan.{cls}: {name}={got!r} cannot be honoured: this mode "
@@ -276,6 +283,7 @@ class SpecAC(_titan.ActivationCheckpointing):  # type: ignore[misc]  # untyped b
     ``spec`` maps module-name patterns of the model (``"layers.{::2}"``, ``"layers.*.moe"``)
     to ``"full"``, ``"offload"``, ``"none"``, a policy name (``"torchtitan:op"``,
     ``"save_matmuls"``) or a policy; ``checkpointing.load_spec`` reads one from TOML or YAML.
+    A budget value is refused: ``MemoryBudgetAC`` is torchtitan's budget.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -288,4 +296,7 @@ class SpecAC(_titan.ActivationCheckpointing):  # type: ignore[misc]  # untyped b
     def apply(self, model: nn.Module) -> None:
         """``checkpointing.apply_spec(model, spec)``; the result is kept as ``self.applied``."""
         _check_defaults(self.config, "SpecAC")
+        key = budget_key(self.config.spec, "integrations.torchtitan.SpecAC")
+        if key is not None:
+            raise ValueError(_MSG_SPEC_BUDGET.format(key=key))
         self.applied = apply_spec(model, self.config.spec)

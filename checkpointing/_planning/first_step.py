@@ -1,0 +1,102 @@
+"""Planning at a model's first forward under grad: for callers that have no example inputs.
+
+Owns the forward pre-hook that plans a given set of regions, for a share of the way from full
+recompute's bytes to none's, on the arguments of the first forward that is ready (the caller says
+what ready means), installs the plan and removes itself; and turning the share into the planner's
+bytes. The planning itself is ``search``'s. Used by ``checkpointing.apply_spec`` (a budget key)
+and by ``integrations.torchtitan.MemoryBudgetAC`` (its eager budget), which add their own checks.
+
+NOTE [Budget at the first step]
+  Rule 1. A caller without example inputs plans nothing when it is configured: a forward pre-hook
+          on the model plans at the first forward that is ready (with grad enabled, and for
+          torchtitan in training mode; an earlier forward leaves the hook in place), on that
+          forward's own arguments, then removes itself before planning (the planner's own step
+          calls the model again); the forward it interrupted runs with the plan installed.
+  Rule 2. The planner's budget is a share of the unplanned step's bytes; a share here is one of
+          the way from full recompute of the regions (the planner's floor, 0.0) to keeping all
+          they save (its baseline, 1.0), as torchtitan's ``memory_budget``. The first plan, at
+          budget 1.0, measures both; a share below 1 is then planned again, in bytes, at
+          ``floor + share * (baseline - floor)``. Twice the profiling of one step, once per job.
+          Rejected: a new budget form in the planner for these callers.
+  Rule 3. Under a process group every rank plans (the profiled step's collectives need all
+          of them) and then installs rank 0's plan, broadcast: one job trains one plan, also
+          where the ranks' tokens route a mixture of experts differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .apply.plan import ActivationPlan
+from .search import plan_checkpointing
+
+__all__ = ["plan_on_first_step"]
+
+
+def plan_on_first_step(
+    model: nn.Module,
+    regions: list[nn.Module],
+    share: float,
+    planned: Callable[[ActivationPlan], None],
+    *,
+    ready: Callable[[nn.Module], bool],
+    before: Callable[[nn.Module], None] | None = None,
+) -> RemovableHandle:
+    """Rule 1: plan ``regions`` at ``model``'s first forward for which ``ready(model)``, for
+    ``share``; ``before(model)`` runs first (a caller's checks), ``planned(plan)`` once the plan
+    is installed. Returns the hook's handle (removing it cancels the planning)."""
+
+    def plan_now(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not ready(module):
+            return
+        handle.remove()
+        if before is not None:
+            before(module)
+        plan = _rank_zeros(_plan(module, regions, args, kwargs, share))
+        plan.apply(module)
+        planned(plan)
+
+    handle = model.register_forward_pre_hook(plan_now, with_kwargs=True)
+    return handle
+
+
+def _rank_zeros(plan: ActivationPlan) -> ActivationPlan:
+    """Rule 3: rank 0's plan on every rank of the default process group, if there is one."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return plan
+    shared: list[Any] = [plan.to_json()]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    if torch.distributed.get_rank() == 0:
+        return plan
+    return ActivationPlan.from_json(shared[0])
+
+
+def _plan(
+    model: nn.Module,
+    regions: list[nn.Module],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    share: float,
+) -> ActivationPlan:
+    """Rule 2: the plan of ``regions`` at ``share``."""
+    ids = {id(region) for region in regions}
+
+    def plan_at(budget: float | int) -> ActivationPlan:
+        return plan_checkpointing(
+            model,
+            args,
+            budget=budget,
+            regions=lambda module: id(module) in ids,
+            example_kwargs=kwargs,
+        )
+
+    widest = plan_at(1.0)
+    if share >= 1:
+        return widest
+    floor, baseline = widest.floor_bytes, widest.baseline_bytes
+    return plan_at(floor + int(share * (baseline - floor)))
