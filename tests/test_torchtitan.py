@@ -244,6 +244,9 @@ def test_spec_mode_delegates_to_apply_spec() -> None:
     assert not any("layers.0" in r for r in regions), regions
     with pytest.raises(ValueError, match="preserve_rng_state"):
         ours.SpecAC.Config(spec={}, preserve_rng_state=False).build().apply(copy.deepcopy(base))
+    budget = ours.SpecAC.Config(spec={"layers.*": "budget:0.5"}).build()
+    with pytest.raises(ValueError, match=r"'layers\.\*' has a budget.*Fix: use MemoryBudgetAC"):
+        budget.apply(copy.deepcopy(base))
 
 
 def test_mistakes_raise_clear_errors() -> None:
