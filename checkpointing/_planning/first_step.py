@@ -28,12 +28,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .apply.plan import ActivationPlan
-from .search import plan_checkpointing
+from .search import plan_checkpointing, rank_zeros
 
 __all__ = ["plan_on_first_step"]
 
@@ -57,23 +56,12 @@ def plan_on_first_step(
         handle.remove()
         if before is not None:
             before(module)
-        plan = _rank_zeros(_plan(module, regions, args, kwargs, share))
+        plan = rank_zeros(_plan(module, regions, args, kwargs, share))
         plan.apply(module)
         planned(plan)
 
     handle = model.register_forward_pre_hook(plan_now, with_kwargs=True)
     return handle
-
-
-def _rank_zeros(plan: ActivationPlan) -> ActivationPlan:
-    """Rule 3: rank 0's plan on every rank of the default process group, if there is one."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return plan
-    shared: list[Any] = [plan.to_json()]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    if torch.distributed.get_rank() == 0:
-        return plan
-    return ActivationPlan.from_json(shared[0])
 
 
 def _plan(

@@ -44,7 +44,7 @@ from .solve.problem import (
 )
 from .solve.solver import baseline_bytes, floor_bytes, solve
 
-__all__ = ["find_regions", "plan_checkpointing"]
+__all__ = ["find_regions", "plan_checkpointing", "rank_zeros"]
 
 _log = logging.getLogger("checkpointing.planner")
 
@@ -231,7 +231,7 @@ def plan_checkpointing(
     )
     chosen = candidates[0]
     if timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
-        chosen = _rank_zeros(_fastest(model, candidates, args, kwargs, loss_fn, timing_steps))
+        chosen = rank_zeros(_fastest(model, candidates, args, kwargs, loss_fn, timing_steps))
     chosen._model = weakref.ref(model)
     return chosen
 
@@ -252,9 +252,7 @@ def _refuse_planned_or_static(model: nn.Module) -> None:
             raise ValueError(_MSG_STATIC_FIRST.format(where=where))
 
 
-def _refuse_without_memory(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
+def _refuse_without_memory(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A parameter, buffer or example input on the meta device or fake is refused before
     anything runs: a step of such tensors allocates nothing, so every plan would read as free."""
     named = itertools.chain(
@@ -456,9 +454,10 @@ def _fastest(
     return chosen
 
 
-def _rank_zeros(plan: ActivationPlan) -> ActivationPlan:
-    """Rule M12: where a default process group is initialized, rank 0's timed choice on every
-    rank (measured times differ between ranks; one job trains one plan)."""
+def rank_zeros(plan: ActivationPlan) -> ActivationPlan:
+    """Where a default process group is initialized, rank 0's plan on every rank: one job trains
+    one plan. The timed race's choice (Rule M12: measured times differ between ranks) and the
+    first-step planning's plan (NOTE [Budget at the first step], Rule 3) both go through here."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return plan
     shared: list[Any] = [(plan.to_json(), plan.timed)]
