@@ -22,7 +22,7 @@ from . import _compat, _compiled
 from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._errors import describe_value
 from ._frame import frame_generator, run_generator
-from ._options import DEFAULTS, CheckpointOptions, Tiling
+from ._options import CheckpointOptions, Tiling, options_of
 from ._reentrant import CheckpointFunction
 from ._state import (
     RecomputeStateHook,
@@ -204,7 +204,7 @@ def checkpoint(
             raise ValueError(_MSG_DECORATOR_KWARGS.format(names=",".join(kwargs)))
         if recompute_state_hooks is not None:
             recompute_state_hooks = hooks_read_once(recompute_state_hooks, _API)
-        options = CheckpointOptions(
+        options = options_of(
             use_reentrant,
             preserve_rng_state,
             context_fn,
@@ -225,19 +225,7 @@ def checkpoint(
         # The caller's line (no wrapper frame in between; torch's points into its own wrapper).
         warnings.warn(_MSG_USE_REENTRANT_OMITTED, UserWarning, stacklevel=2)
         use_reentrant = True
-    if (  # See NOTE [Checkpoint options], Rule 2
-        preserve_rng_state is True
-        and context_fn is noop_context_fn
-        and type(determinism_check) is str  # no other type's __eq__ runs here
-        and determinism_check == "default"
-        and debug is False
-        and early_stop is True
-        and respect_saved_tensors_hooks is None
-        and recompute_state_hooks is None
-        and tile is None
-    ):
-        return run(function, args, kwargs, DEFAULTS[use_reentrant])
-    options = CheckpointOptions(
+    options = options_of(  # NOTE [Checkpoint options], Rule 2: the defaults build nothing
         use_reentrant,
         preserve_rng_state,
         context_fn,

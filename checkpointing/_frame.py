@@ -92,7 +92,7 @@ from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
 from ._hook_marks import mark_recompute, mark_unpack_frame, unmark_recompute
 from ._kept_span import Span
-from ._options import CheckpointOptions
+from ._options import CheckpointOptions, options_of
 from ._recompute_context import declared, hand_respect
 from ._regions import region_label
 from ._selective import replay_taint
@@ -520,7 +520,7 @@ def checkpoint_without_reentrant_generator(
     """Torch's positional form of the generator (``fn``, the options, then ``fn``'s arguments),
     kept for code written against torch 2.13 and older; see
     ``checkpoint_without_reentrant_generator_impl``."""
-    options = CheckpointOptions(
+    options = options_of(
         False,
         preserve_rng_state,
         context_fn,
@@ -559,7 +559,7 @@ def checkpoint_without_reentrant_generator_impl(
     ``respect_saved_tensors_hooks`` reaches a selective-checkpoint forward context (ours or
     torch's), which routes what it keeps through the user's saved-tensors hooks when True.
     """
-    options = CheckpointOptions(
+    options = options_of(
         False,
         preserve_rng_state,
         context_fn,

@@ -57,7 +57,7 @@ from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._determinism import metadata_fn_for
 from ._errors import internal_error
 from ._frame import frame_generator, stop_recompute
-from ._options import CheckpointOptions, Tiling
+from ._options import CheckpointOptions, Tiling, options_of
 from ._state import noop_context_fn, state_hooks_from
 from ._tiling import TiledForward, check_tile_options, check_tiling, refuse_mixing
 
@@ -316,7 +316,7 @@ def checkpoint_module(
     metadata_fn_for(determinism_check)  # Rule 5: a bad value raises its ValueError now
     if is_module_checkpointed(module):
         raise ValueError(_MSG_APPLIED_TWICE.format(type_name=type(module).__name__))
-    options = CheckpointOptions(
+    options = options_of(
         False,
         preserve_rng_state,
         context_fn,

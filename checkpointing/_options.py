@@ -17,7 +17,7 @@ NOTE [Checkpoint options]
           keywords, torch's own.
   Rule 2. A call whose options all sit at their defaults takes a record built at import
           (``DEFAULTS``, keyed by ``use_reentrant``): ``checkpoint(fn, x, use_reentrant=False)``
-          builds nothing per call. A frozen dataclass's ``__init__`` sets each field through
+          builds nothing per call. ``options_of`` makes that choice for every entry point. A frozen dataclass's ``__init__`` sets each field through
           ``object.__setattr__``, which costs more than the identity tests that avoid it.
   Rule 3. ``recompute_state_hooks`` is carried as the caller gave it (one hook, a sequence, an
           iterator, or None) and read by ``_state.state_hooks_from`` where the variant runs, so
@@ -39,7 +39,7 @@ from typing import Final
 
 from ._state import ContextFn, noop_context_fn
 
-__all__ = ["DEFAULTS", "CheckpointOptions", "Tiling"]
+__all__ = ["DEFAULTS", "CheckpointOptions", "Tiling", "options_of"]
 
 _MSG_BAD_TILING = (
     "checkpointing.Tiling: {what}, got {got}. Fix: e.g. Tiling(dim=1, chunks=8) for inputs of "
@@ -137,3 +137,43 @@ DEFAULTS: Final[dict[bool | None, CheckpointOptions]] = {
     False: CheckpointOptions(use_reentrant=False),
     True: CheckpointOptions(use_reentrant=True),
 }
+
+
+def options_of(
+    use_reentrant: bool | None,
+    preserve_rng_state: bool,
+    context_fn: ContextFn,
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+    respect_saved_tensors_hooks: bool | None,
+    recompute_state_hooks: object,
+    tile: Tiling | None = None,
+) -> CheckpointOptions:
+    """The record of these options, in ``CheckpointOptions``' field order: the one built at
+    import where every option but ``use_reentrant`` sits at its default (Rule 2), else a new
+    one. Every entry point builds its record here."""
+    if (
+        preserve_rng_state is True
+        and context_fn is noop_context_fn
+        and type(determinism_check) is str  # no other type's __eq__ runs here
+        and determinism_check == "default"
+        and debug is False
+        and early_stop is True
+        and respect_saved_tensors_hooks is None
+        and recompute_state_hooks is None
+        and tile is None
+        and (use_reentrant is None or type(use_reentrant) is bool)
+    ):
+        return DEFAULTS[use_reentrant]
+    return CheckpointOptions(
+        use_reentrant,
+        preserve_rng_state,
+        context_fn,
+        determinism_check,
+        debug,
+        early_stop,
+        respect_saved_tensors_hooks,
+        recompute_state_hooks,
+        tile,
+    )
