@@ -17,8 +17,9 @@ NOTE [Checkpoint options]
           keywords, torch's own.
   Rule 2. A call whose options all sit at their defaults takes a record built at import
           (``DEFAULTS``, keyed by ``use_reentrant``): ``checkpoint(fn, x, use_reentrant=False)``
-          builds nothing per call. ``options_of`` makes that choice for every entry point. A frozen dataclass's ``__init__`` sets each field through
-          ``object.__setattr__``, which costs more than the identity tests that avoid it.
+          builds nothing per call; ``options_of`` makes that choice for every entry point. A
+          frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``, which
+          costs more than the identity tests that avoid it.
   Rule 3. ``recompute_state_hooks`` is carried as the caller gave it (one hook, a sequence, an
           iterator, or None) and read by ``_state.state_hooks_from`` where the variant runs, so
           a bad value is refused at the same point, with the same message, as before the

@@ -45,6 +45,17 @@ def _thread_counts_restored() -> Iterator[None]:
         torch.set_num_interop_threads(interop)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny models (``pytest.mark.usefixtures``): they gain
+    nothing from two, and on a busy machine the second thread's waiting costs more than the
+    work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     """Every test starts from the same CPU RNG state."""

@@ -90,6 +90,20 @@ def needs_torch(release: tuple[int, int], what: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(not has(release), reason=predates(release, what))
 
 
+def skip_without_torchtitan_models() -> None:
+    """Skip the calling test module unless torchtitan 0.3.0's model code can run here: torchtitan
+    and triton installed (its model code imports triton, for its MoE kernels), torch 2.13 or
+    later. Call at module level, before importing ``titan_support``."""
+    pytest.importorskip("torchtitan")
+    pytest.importorskip("triton")
+    if not has(TORCHTITAN_MODELS):
+        pytest.skip(
+            "torchtitan 0.3.0's model code needs torch 2.13 or later (it imports "
+            "DataParallelMeshDims from torch.distributed.fsdp)",
+            allow_module_level=True,
+        )
+
+
 def newest_sac_ignored_ops(torch_set: set[Any]) -> set[Any]:
     """torch 2.15's ``SAC_IGNORED_OPS`` as the installed torch would have it: its own set, plus
     ``prim.layout.default`` where it predates 2.15."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -48,13 +47,7 @@ MAXTEXT: dict[str, tuple[set[str], set[str]]] = {
 _LLAMA_NAMES = set(MAXTEXT_NAMES) - {"qkv_proj", "mlpwi", "mla_q", "mla_kv", "decoder_layer_input"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One torch thread: these tiny models gain nothing from two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _answers(policy: Any) -> dict[str, CheckpointPolicy]:

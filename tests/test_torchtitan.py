@@ -24,18 +24,11 @@ import releases
 import torch
 from torch import nn
 
-pytest.importorskip("torchtitan")
-pytest.importorskip("triton")  # torchtitan's model code imports it (its MoE kernels)
-if not releases.has(releases.TORCHTITAN_MODELS):
-    pytest.skip(
-        "torchtitan 0.3.0's model code needs torch 2.13 or later (it imports "
-        "DataParallelMeshDims from torch.distributed.fsdp)",
-        allow_module_level=True,
-    )
+releases.skip_without_torchtitan_models()
 
-from titan_support import build, ours, theirs
+from titan_support import build, ours, theirs  # noqa: E402 (after the skip)
 
-import checkpointing
+import checkpointing  # noqa: E402
 
 pytestmark = [
     pytest.mark.once,

@@ -22,16 +22,9 @@ from dist_support import SPAWNED_ONCE, case_result, run_cases, spawned_results
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-pytest.importorskip("torchtitan")
-pytest.importorskip("triton")  # torchtitan's model code imports it (its MoE kernels)
-if not releases.has(releases.TORCHTITAN_MODELS):
-    pytest.skip(
-        "torchtitan 0.3.0's model code needs torch 2.13 or later (it imports "
-        "DataParallelMeshDims from torch.distributed.fsdp)",
-        allow_module_level=True,
-    )
+releases.skip_without_torchtitan_models()
 
-from titan_support import apply_fsdp_to_decoder, build, ours, theirs
+from titan_support import apply_fsdp_to_decoder, build, ours, theirs  # noqa: E402 (after the skip)
 
 pytestmark = SPAWNED_ONCE
 

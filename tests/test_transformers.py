@@ -36,7 +36,7 @@ from checkpointing.policies import MATMUL_OPS, offload_ops, save_attention, save
 
 # Run in CI's first stage only (the `once` marker): an optional integration, whose checkpoint
 # mechanisms the rest of the suite tests on every release.
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.once, pytest.mark.usefixtures("one_torch_thread")]
 
 # A model whose checkpointing is switched by a setup function (None: plain).
 Setup = Callable[[transformers.PreTrainedModel], None] | None
@@ -109,16 +109,6 @@ def _assert_same_step(ours: Step, reference: Step) -> None:
         assert (mine is None) == (theirs is None)  # None: a frozen parameter, in both runs
         assert mine is None or torch.equal(mine, theirs)
     assert any(grad is not None for grad in ours.grads)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One torch thread: these tiny models gain nothing from two, and on a busy machine the
-    second thread's waiting costs more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

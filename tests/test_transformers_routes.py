@@ -40,6 +40,7 @@ from checkpointing.integrations.transformers import CheckpointingCallback  # noq
 from checkpointing.policies import save_matmuls  # noqa: E402
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
     # Run in CI's first stage only (the `once` marker): an optional integration, whose checkpoint
     # mechanisms the rest of the suite tests on every release.
     pytest.mark.once,
@@ -72,15 +73,6 @@ def _lora(model: transformers.PreTrainedModel) -> Any:
 
 def _ids(seed: int = 7, batch: int = BATCH) -> torch.Tensor:
     return torch.randint(VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One torch thread: these tiny models gain nothing from two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _step(model: torch.nn.Module, batch: int = BATCH) -> checkpointing.SavedTensorsReport:
