@@ -20,8 +20,9 @@ glossary of the words the code uses, and a check of the map against the imports)
    (``_tiled_run``, ``_tiling``, ``_tiled_head``).
 3. Front doors: ``_checkpoint``, ``_module``, ``_sequential``, ``_wrappers``, ``_auto_wrap``,
    ``_tiled_recipes``, ``_report``.
-4. The planner, ``_planning``: imported on first use of ``ActivationPlan`` or
-   ``plan_checkpointing`` (most programs never plan, and it is a quarter of the package).
+4. The planner, ``_planning``: imported on first use of ``ActivationPlan``,
+   ``plan_checkpointing`` or ``plan_sweep`` (most programs never plan, and it is a quarter of
+   the package).
 5. ``integrations``.
 
 Where a new policy, planner objective, release shim or model-family quirk goes, and how to test
@@ -90,7 +91,7 @@ from ._wrappers import (
 )
 
 if _typing.TYPE_CHECKING:  # imported on first use, below
-    from ._planning import ActivationPlan, plan_checkpointing
+    from ._planning import ActivationPlan, plan_checkpointing, plan_sweep
 
 # Not in __all__: torch's private names, for code written against torch's generator (README,
 # "For library authors"): the positional form of 2.13 and the ``fn, args, kwargs`` form of 2.14.
@@ -139,6 +140,7 @@ __all__ = [
     "noop_context_fn",
     "offload_wrapper",
     "plan_checkpointing",
+    "plan_sweep",
     "remove_checkpoint_module",
     "report_on_oom",
     "saved_tensors_report",
@@ -156,12 +158,16 @@ __all__ = [
 # The planner is imported on first use: it is a quarter of the package and most programs never
 # plan, so ``import checkpointing`` leaves it out (benchmarks/import_cost.py measures the import;
 # tests/test_import.py checks that the planner stays out of it).
-_LAZY: dict[str, str] = {"ActivationPlan": "._planning", "plan_checkpointing": "._planning"}
+_LAZY: dict[str, str] = {
+    "ActivationPlan": "._planning",
+    "plan_checkpointing": "._planning",
+    "plan_sweep": "._planning",
+}
 
 
 def __getattr__(name: str) -> _typing.Any:
-    """``checkpointing.ActivationPlan`` and ``checkpointing.plan_checkpointing``, imported from
-    the planner the first time one is asked for."""
+    """``checkpointing.ActivationPlan``, ``checkpointing.plan_checkpointing`` and
+    ``checkpointing.plan_sweep``, imported from the planner the first time one is asked for."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

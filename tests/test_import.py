@@ -11,7 +11,7 @@ import torch
 
 import checkpointing
 from checkpointing import _compat
-from checkpointing._planning import ActivationPlan, plan_checkpointing
+from checkpointing._planning import ActivationPlan, plan_checkpointing, plan_sweep
 
 # Imported by ``torch._dynamo`` (about 1 s on top of ``import torch``) and never by plain torch.
 _COMPILER_STACK = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.fsdp")
@@ -58,11 +58,12 @@ def test_import_leaves_the_planner_unimported() -> None:
 def test_the_planner_names_are_there_before_their_import() -> None:
     """The lazily imported names are in ``__all__`` and ``dir()``, resolve to the planner's
     objects, and an unknown name is still an ``AttributeError``."""
-    for name in ("ActivationPlan", "plan_checkpointing"):
+    for name in ("ActivationPlan", "plan_checkpointing", "plan_sweep"):
         assert name in checkpointing.__all__
         assert name in dir(checkpointing)
     assert checkpointing.ActivationPlan is ActivationPlan
     assert checkpointing.plan_checkpointing is plan_checkpointing
+    assert checkpointing.plan_sweep is plan_sweep
     with pytest.raises(AttributeError, match="no attribute 'plan_checkpoint'"):
         checkpointing.plan_checkpoint  # the look-up is the test
 

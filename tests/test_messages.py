@@ -1214,6 +1214,21 @@ PLANNER_MISTAKES: dict[str, Mistake] = {
         ValueError,
         ("no floating-point tensor that requires grad", "loss_fn", "Fix"),
     ),
+    "planner: sweep budgets not a list": Mistake(
+        lambda _: checkpointing.plan_sweep(_blocks(), torch.randn(2, 4), budgets=0.5),
+        TypeError,
+        ("plan_sweep", "non-empty list or tuple", "got 0.5", "Fix"),
+    ),
+    "planner: sweep budget of the wrong type": Mistake(
+        lambda _: checkpointing.plan_sweep(_blocks(), torch.randn(2, 4), budgets=[0.5, "half"]),
+        TypeError,
+        ("plan_sweep: budget must be a float in (0, 1]", "got 'half'", "Fix"),
+    ),
+    "planner: sweep budget below the floor": Mistake(
+        lambda _: checkpointing.plan_sweep(_blocks(), torch.randn(2, 4), budgets=[1.0, 1]),
+        ValueError,
+        ("plan_sweep", "below the smallest reachable", "bytes", "Fix"),
+    ),
     "planner: apply twice": Mistake(
         _apply_twice, ValueError, ("ActivationPlan.apply", "already applied", "plan.remove", "Fix")
     ),

@@ -54,6 +54,7 @@ OWN_NAMES = {
     "megatron_spec",
     "offload_wrapper",
     "plan_checkpointing",
+    "plan_sweep",
     "remove_checkpoint_module",
     "report_on_oom",
     "saved_tensors_report",

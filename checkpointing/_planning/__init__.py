@@ -4,6 +4,8 @@ Three wings, in data-flow order, under one front door:
 
 - ``search.py``: the front door, ``plan_checkpointing``: the arguments, the regions, the budget
   against the floor, the span variants, the cheapest plan that fits, the timed race (opt-in).
+- ``sweep.py``: ``plan_sweep``, the plans of several budgets from one profile, and the promise a
+  sweep keeps. NOTE [Budget sweep].
 - ``first_step.py``: a second door beside it, for callers without example inputs
   (``apply_spec``'s budget key, torchtitan's ``MemoryBudgetAC``): plan at a model's first
   forward under grad. NOTE [Budget at the first step].
@@ -18,10 +20,11 @@ Three wings, in data-flow order, under one front door:
   Rules A1-A3.
 
 ``solve`` imports neither other wing; ``measure`` imports ``solve``'s problem (it builds one);
-``apply`` imports both (a plan is made of a profile and a solution); none imports ``search``.
-Each wing's ``__init__`` holds its NOTE and imports nothing. Rules are cited by label everywhere
-("Rule S5", "NOTE [Planner solve], Rule S5" outside the planner); ``tests/test_house.py`` checks
-that every cited planner rule exists.
+``apply`` imports both (a plan is made of a profile and a solution); none imports ``search``
+(``sweep`` does: a second front door above it; both check their arguments with
+``arguments``). Each wing's ``__init__`` holds its NOTE and imports nothing. Rules are cited by
+label everywhere ("Rule S5", "NOTE [Planner solve], Rule S5" outside the planner);
+``tests/test_house.py`` checks that every cited planner rule exists.
 
 Glossary. *region*: a module the plan may checkpoint, one frame (a block; a tail module, Rule M10).
 *unit*: an op of a region whose outputs the plan may keep. *storage*: the unit of bytes, numbered
@@ -52,5 +55,6 @@ from __future__ import annotations
 
 from .apply.plan import ActivationPlan, RegionDecision, SpanDecision
 from .search import plan_checkpointing
+from .sweep import plan_sweep
 
-__all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing"]
+__all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing", "plan_sweep"]

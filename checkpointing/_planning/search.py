@@ -1,32 +1,30 @@
 """``plan_checkpointing``: the planner's front door, the search for a plan.
 
-Owns checking the arguments, choosing the regions, reading the budget against the floor, asking
-the solver with each span variant (Rules M11 and M13) and keeping the cheapest that fits; with
+Owns choosing the regions, profiling the step once (``profiled``: a ``Profiled`` step plans at
+any number of budgets, NOTE [Budget sweep]), reading each budget against the floor, asking the
+solver with each span variant (Rules M11 and M13) and keeping the cheapest that fits; with
 ``timing_steps``, the candidates the least sure prices draw, timed on the model (Rule M12), and
 rank 0's choice on every rank. ``plan_checkpointing`` reads as those steps, each a function
-below. Recording the step belongs to ``measure`` (``profile``), the prices to ``measure.costs``,
+below. Checking the arguments belongs to ``arguments``; ``plan_sweep`` to ``sweep``.
+Recording the step belongs to ``measure`` (``profile``), the prices to ``measure.costs``,
 deciding to ``solve`` (``solver``), the plan object and installing it to ``apply`` (``plan``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import torch
 from torch import nn
 
-from .._compat import awaits_first_static_step, is_fake_tensor
-from .._errors import describe_value
 from .._module import is_module_checkpointed
-from .._trees import tensors
-from .apply.installed import carries
 from .apply.plan import ActivationPlan
+from .arguments import check_arguments, refuse_planned_or_static, refuse_without_memory
 from .measure.costs import DeviceCosts, costs_for
 from .measure.profile import StepProfile, profile_step, tail_regions
 from .measure.recorded_spans import SpanCost, SpanProfile, span_problems
@@ -48,80 +46,25 @@ __all__ = ["find_regions", "plan_checkpointing", "rank_zeros"]
 
 _log = logging.getLogger("checkpointing.planner")
 
-_MSG_BUDGET_TYPE = (
-    "checkpointing.plan_checkpointing: budget must be a float in (0, 1] (a fraction of the "
-    "activation bytes the model keeps without checkpointing) or an int (bytes), got {got!r}. "
-    "Fix: e.g. budget=0.5 or budget=2 * 1024**3."
-)
-_MSG_HOST_BUDGET = (
-    "checkpointing.plan_checkpointing: host_budget must be None or an int >= 0 (bytes of host "
-    "memory offloaded activations may use), got {got}. Fix: e.g. host_budget=8 * 1024**3."
-)
-_MSG_TIMING_STEPS = (
-    "checkpointing.plan_checkpointing: timing_steps must be an int >= 0 (the most steps each "
-    "candidate plan is timed for; 0, the default: none), got {got}. Fix: e.g. timing_steps=0 "
-    "(the predicted plan, deterministic) or timing_steps=24 (time the candidates on the model)."
-)
-_MSG_OBJECTIVE = (
-    "checkpointing.plan_checkpointing: objective must be one of {allowed}, got {got}. Fix: "
-    "objective='time' (least predicted recompute time by the cost model, the default) or "
-    "objective='flops' (fewest recomputed FLOPs, as torch.compile's partitioner counts them)."
-)
-_MSG_MODEL_TYPE = (
-    "checkpointing.plan_checkpointing: model must be an nn.Module (its submodules are the "
-    "regions), got {got}. Fix: pass the model itself, e.g. plan_checkpointing(model, x, "
-    "budget=0.5); wrap a plain function in an nn.Module first."
-)
-_MSG_KWARGS_TYPE = (
-    "checkpointing.plan_checkpointing: example_kwargs must be None or a dict of the step's "
-    "keyword arguments by name, got {got}. Fix: pass positional inputs as example_inputs (a "
-    "tensor, or a tuple of them) and named ones as example_kwargs={{'attention_mask': mask}}."
-)
-_MSG_LOSS_FN_TYPE = (
-    "checkpointing.plan_checkpointing: loss_fn must be None or a callable loss_fn(output) -> "
-    "scalar tensor, got {got}. Fix: e.g. loss_fn=lambda output: output.logits.float().mean(), "
-    "or leave it out to backward the sum of the floating-point outputs."
-)
 _MSG_BELOW_FLOOR = (
-    "checkpointing.plan_checkpointing: budget {budget:,} bytes is below the smallest reachable "
+    "checkpointing.{api}: budget {budget:,} bytes is below the smallest reachable "
     "{floor:,} bytes ({share:.1%} of the {baseline:,} bytes kept without checkpointing: every "
     "region checkpointed, keeping only its inputs and RNG states, and what runs outside the "
     "regions). Fix: give a budget of at least {floor:,} bytes, or choose regions that split the "
     "model finer (regions=...) so that less is kept at their boundaries."
 )
 _MSG_NO_REGIONS = (
-    "checkpointing.plan_checkpointing: found no regions in {type_name}: {why}. Fix: pass "
+    "checkpointing.{api}: found no regions in {type_name}: {why}. Fix: pass "
     "regions=lambda module: isinstance(module, MyBlock) naming the blocks to checkpoint."
 )
 _MSG_REGIONS_TYPE = (
-    "checkpointing.plan_checkpointing: regions must be None or a predicate "
+    "checkpointing.{api}: regions must be None or a predicate "
     "(module) -> bool, got {got!r}. Fix: e.g. regions=lambda m: isinstance(m, MyBlock)."
 )
 _MSG_CHECKPOINTED = (
-    "checkpointing.plan_checkpointing: region {name!r} is already checkpointed, so profiling "
+    "checkpointing.{api}: region {name!r} is already checkpointed, so profiling "
     "would not see what it saves. Fix: checkpointing.remove_checkpoint_module(module) before "
     "planning again."
-)
-_MSG_PLANNED = (
-    "checkpointing.plan_checkpointing: {where} carries the hooks of an applied ActivationPlan "
-    "(a copy of a planned model, by copy.deepcopy or torch.save/load, carries them too), so "
-    "profiling would measure the planned step, not the model's own. Fix: plan.remove(model) "
-    "with that plan (or a pickled copy of it) before planning again."
-)
-_MSG_NO_MEMORY = (
-    "checkpointing.plan_checkpointing: {what} is {kind}: it has a shape but no memory, and the "
-    "planner measures one real step (the storages alive, the ops run), so it would see nothing "
-    "kept and return an empty plan. Planning a model without allocating it (for a device this "
-    "machine lacks) is not offered. Fix: materialise the model and the example inputs on a "
-    "device that runs here (model.to_empty(device='cpu'), then initialise the weights) before "
-    "planning."
-)
-_MSG_STATIC_FIRST = (
-    "checkpointing.plan_checkpointing: {where} is a DistributedDataParallel with "
-    "static_graph=True that has not trained its first step, the one whose backward records the "
-    "graph; the planner's measured steps would be that step and leave the replica's reduction "
-    "wrong. Fix: plan before wrapping (plan.apply(model), then DistributedDataParallel(model, "
-    "static_graph=True)), or after the first training step."
 )
 
 
@@ -200,13 +143,45 @@ def plan_checkpointing(
         >>> model(x).sum().backward()
         >>> _ = plan.remove(model)
     """
-    _check_arguments(model, budget, example_kwargs, loss_fn, host_budget, objective, timing_steps)
-    _refuse_planned_or_static(model)
+    step = profiled(
+        "plan_checkpointing",
+        model,
+        example_inputs,
+        [budget],
+        regions,
+        example_kwargs,
+        loss_fn,
+        host_budget,
+        objective,
+        timing_steps,
+    )
+    return step.plans([budget])[0]
+
+
+def profiled(
+    api: str,
+    model: nn.Module,
+    example_inputs: Any,
+    budgets: list[float | int],
+    regions: Callable[[nn.Module], bool] | None,
+    example_kwargs: dict[str, Any] | None,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    host_budget: int | None,
+    objective: ObjectiveName,
+    timing_steps: int,
+) -> Profiled:
+    """The arguments checked (each of ``budgets``; ``api`` speaks in the messages), then the
+    step profiled once, ready to be planned at any budget (``Profiled.plans``)."""
+    for budget in budgets:
+        check_arguments(
+            model, budget, example_kwargs, loss_fn, host_budget, objective, timing_steps, api
+        )
+    refuse_planned_or_static(model, api)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
-    _refuse_without_memory(model, args, kwargs)
+    refuse_without_memory(model, args, kwargs, api)
     started = time.perf_counter()
-    named, tail = _regions_and_tail(model, regions, args, kwargs)
+    named, tail = _regions_and_tail(model, regions, args, kwargs, api)
     profile = profile_step(model, named, args, kwargs, loss_fn, tail=tail, warmed=regions is None)
     measured = _Measured.of(profile, objective, len(named), tail, spans=regions is None)
     variants = _variants(measured, 1.0, 1.0)
@@ -218,56 +193,77 @@ def plan_checkpointing(
         len(variants),
     )
     baseline, floor = _baseline_and_floor([problem for _, problem, _ in variants])
-    budget_bytes = _budget_bytes(budget, baseline, floor)
-    candidates = _candidate_plans(
-        measured, variants, budget_bytes, (baseline, floor), host_budget, objective, timing_steps
-    )
-    _log.info(
-        "solved in %.1f s since the start: candidate plans %d, the first keeps %d of %d bytes",
-        time.perf_counter() - started,
-        len(candidates),
-        candidates[0].kept_bytes,
-        budget_bytes,
-    )
-    chosen = candidates[0]
-    if timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
-        chosen = rank_zeros(_fastest(model, candidates, args, kwargs, loss_fn, timing_steps))
-    chosen._model = weakref.ref(model)
-    return chosen
+    options = _Options(api, args, kwargs, loss_fn, host_budget, objective, timing_steps)
+    return Profiled(model, options, measured, variants, (baseline, floor), started)
 
 
-def _refuse_planned_or_static(model: nn.Module) -> None:
-    """A model that carries a plan's hooks (NOTE [Installed plan], Rule 2), or a
-    ``DistributedDataParallel`` with a static graph before its first step (Rule M15), is refused
-    before anything runs."""
-    planned = carries(model)
-    if planned is not None:
-        where = f"module {planned!r} of the model" if planned else "the model"
-        raise ValueError(_MSG_PLANNED.format(where=where))
-    for name, module in model.named_modules():
-        if isinstance(module, nn.parallel.DistributedDataParallel) and awaits_first_static_step(
-            module
-        ):
-            where = f"module {name!r} of the model" if name else "the model"
-            raise ValueError(_MSG_STATIC_FIRST.format(where=where))
+@dataclass(frozen=True)
+class _Options:
+    """What a ``Profiled`` step plans with besides the budget: the caller's name for the
+    messages, the step's inputs and loss (for the timed race) and the options."""
+
+    api: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    host_budget: int | None
+    objective: ObjectiveName
+    timing_steps: int
 
 
-def _refuse_without_memory(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A parameter, buffer or example input on the meta device or fake is refused before
-    anything runs: a step of such tensors allocates nothing, so every plan would read as free."""
-    named = itertools.chain(
-        (f"parameter {name!r}" for name, _ in model.named_parameters()),
-        (f"buffer {name!r}" for name, _ in model.named_buffers()),
-    )
-    owned = itertools.chain(model.parameters(), model.buffers())
-    for what, tensor in itertools.chain(
-        zip(named, owned, strict=True),
-        (("an example input", t) for t in tensors((args, kwargs))),
-    ):
-        if is_fake_tensor(tensor):
-            raise ValueError(_MSG_NO_MEMORY.format(what=what, kind="a fake tensor"))
-        if tensor.is_meta:
-            raise ValueError(_MSG_NO_MEMORY.format(what=what, kind="on the meta device"))
+@dataclass(frozen=True)
+class Profiled:
+    """One profiled step, planned at any number of budgets without running the model again
+    (but for the timed race, ``timing_steps``): each plan is the one ``plan_checkpointing`` gives
+    at that budget (the same solves of the same problems), bound to ``model``. ``ends``: the
+    plain run's bytes and the floor."""
+
+    model: nn.Module
+    options: _Options
+    measured: _Measured
+    variants: list[_Variant]
+    ends: tuple[int, int]
+    started: float
+
+    def plans(self, budgets: list[float | int]) -> list[ActivationPlan]:
+        """The plan at each of ``budgets``, in their order; every budget is read against the
+        floor (refused below it) before any is solved."""
+        baseline, floor = self.ends
+        limits = [_budget_bytes(b, baseline, floor, self.options.api) for b in budgets]
+        return [self._plan(limit) for limit in limits]
+
+    def _plan(self, budget_bytes: int) -> ActivationPlan:
+        options = self.options
+        candidates = _candidate_plans(
+            self.measured,
+            self.variants,
+            budget_bytes,
+            self.ends,
+            options.host_budget,
+            options.objective,
+            options.timing_steps,
+        )
+        _log.info(
+            "solved in %.1f s since the start: candidate plans %d, the first keeps %d of %d bytes",
+            time.perf_counter() - self.started,
+            len(candidates),
+            candidates[0].kept_bytes,
+            budget_bytes,
+        )
+        chosen = candidates[0]
+        if options.timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
+            chosen = rank_zeros(
+                _fastest(
+                    self.model,
+                    candidates,
+                    options.args,
+                    options.kwargs,
+                    options.loss_fn,
+                    options.timing_steps,
+                )
+            )
+        chosen._model = weakref.ref(self.model)
+        return chosen
 
 
 def _regions_and_tail(
@@ -275,14 +271,15 @@ def _regions_and_tail(
     regions: Callable[[nn.Module], bool] | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    api: str,
 ) -> tuple[list[tuple[str, nn.Module]], int]:
     """The regions (none already checkpointed) and, by default, the tail's modules after them
     (Rule M10: what runs after the blocks is a region too), with how many of them are the
     tail's."""
-    named = find_regions(model, regions)
+    named = find_regions(model, regions, api)
     for name, module in named:
         if is_module_checkpointed(module):
-            raise ValueError(_MSG_CHECKPOINTED.format(name=name))
+            raise ValueError(_MSG_CHECKPOINTED.format(api=api, name=name))
     _log.info(
         "planning %s: %d regions, one forward and one recorded step",
         type(model).__name__,
@@ -362,13 +359,13 @@ def _baseline_and_floor(problems: list[Problem]) -> tuple[int, int]:
     return baseline_bytes(problems[0]), min(floor_bytes(problem) for problem in problems)
 
 
-def _budget_bytes(budget: float | int, baseline: int, floor: int) -> int:
+def _budget_bytes(budget: float | int, baseline: int, floor: int, api: str) -> int:
     """The budget in bytes (a float is a share of ``baseline``), refused below ``floor``."""
     budget_bytes = int(budget * baseline) if isinstance(budget, float) else budget
     if budget_bytes < floor:
         share = floor / max(baseline, 1)
         found = {"budget": budget_bytes, "floor": floor, "baseline": baseline, "share": share}
-        raise ValueError(_MSG_BELOW_FLOOR.format(**found))
+        raise ValueError(_MSG_BELOW_FLOOR.format(api=api, **found))
     return budget_bytes
 
 
@@ -501,45 +498,6 @@ def _pareto_front(points: list[tuple[int, float]]) -> tuple[tuple[int, float], .
     return tuple(reversed(kept))
 
 
-def _check_arguments(
-    model: object,
-    budget: object,
-    example_kwargs: object,
-    loss_fn: object,
-    host_budget: object,
-    objective: object,
-    timing_steps: object = 0,
-) -> None:
-    """Every argument's type and range, before anything runs."""
-    if not isinstance(objective, str) or objective not in _OBJECTIVES:
-        raise ValueError(_MSG_OBJECTIVE.format(allowed=_OBJECTIVES, got=describe_value(objective)))
-    if not isinstance(model, nn.Module):
-        raise TypeError(_MSG_MODEL_TYPE.format(got=describe_value(model)))
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise TypeError(_MSG_BUDGET_TYPE.format(got=budget))
-    if isinstance(budget, float) and not 0 < budget <= 1:
-        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
-    if isinstance(budget, int) and budget < 0:
-        raise ValueError(_MSG_BUDGET_TYPE.format(got=budget))
-    if example_kwargs is not None and (
-        not isinstance(example_kwargs, Mapping)
-        or not all(isinstance(name, str) for name in example_kwargs)
-    ):
-        raise TypeError(_MSG_KWARGS_TYPE.format(got=describe_value(example_kwargs)))
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(_MSG_LOSS_FN_TYPE.format(got=describe_value(loss_fn)))
-    if host_budget is not None:
-        if isinstance(host_budget, bool) or not isinstance(host_budget, int):
-            raise TypeError(_MSG_HOST_BUDGET.format(got=describe_value(host_budget)))
-        if host_budget < 0:
-            raise ValueError(_MSG_HOST_BUDGET.format(got=host_budget))
-    if isinstance(timing_steps, bool) or not isinstance(timing_steps, int):
-        raise TypeError(_MSG_TIMING_STEPS.format(got=describe_value(timing_steps)))
-    if timing_steps < 0:
-        raise ValueError(_MSG_TIMING_STEPS.format(got=timing_steps))
-
-
-_OBJECTIVES = ("time", "flops")
 # Rule M12 (timing_steps > 0 only): (scale of the selective policy's per-op cost, scale of what a
 # checkpointed region costs beyond its ops) of the prices that draw the timed candidate plans
 # besides the cost model's own (1, 1).
@@ -547,10 +505,13 @@ _PERTURBED: Final = ((0.5, 1.0), (2.0, 1.0), (1.0, 0.0), (0.5, 2.0))
 
 
 def find_regions(
-    model: nn.Module, predicate: Callable[[nn.Module], bool] | None
+    model: nn.Module,
+    predicate: Callable[[nn.Module], bool] | None,
+    api: str = "plan_checkpointing",
 ) -> list[tuple[str, nn.Module]]:
     """The regions, outermost matches of ``predicate`` (default: the longest container's
-    blocks), in the model's module order, with their qualified names."""
+    blocks), in the model's module order, with their qualified names (``api`` speaks in the
+    messages)."""
     if predicate is None:
         containers = [
             (name, m)
@@ -560,14 +521,16 @@ def find_regions(
         if not containers:
             raise ValueError(
                 _MSG_NO_REGIONS.format(
-                    type_name=type(model).__name__, why="it has no nn.ModuleList or nn.Sequential"
+                    api=api,
+                    type_name=type(model).__name__,
+                    why="it has no nn.ModuleList or nn.Sequential",
                 )
             )
         name, container = max(containers, key=lambda c: len(c[1]))  # the first longest
         prefix = f"{name}." if name else ""
         return [(f"{prefix}{child}", m) for child, m in container.named_children()]
     if not callable(predicate):
-        raise TypeError(_MSG_REGIONS_TYPE.format(got=predicate))
+        raise TypeError(_MSG_REGIONS_TYPE.format(api=api, got=predicate))
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         inside = any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found)
@@ -575,7 +538,9 @@ def find_regions(
             found.append((name, module))
     if not found:
         raise ValueError(
-            _MSG_NO_REGIONS.format(type_name=type(model).__name__, why="the predicate matched none")
+            _MSG_NO_REGIONS.format(
+                api=api, type_name=type(model).__name__, why="the predicate matched none"
+            )
         )
     return found
 

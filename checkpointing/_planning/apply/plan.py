@@ -27,7 +27,15 @@ from ..measure.profile import StepProfile
 from ..measure.recorded_spans import SpanCost, SpanKind
 from ..measure.step_profile import RegionProfile
 from ..solve.peak import predicted_peak
-from ..solve.problem import Choice, Problem, Solution, kept_storages, region_recompute, skipped
+from ..solve.problem import (
+    Choice,
+    Problem,
+    Solution,
+    kept_storages,
+    recompute_cost,
+    region_recompute,
+    skipped,
+)
 from . import plan_json
 from .contexts import Answer, _RegionContexts, resolve_op
 from .contexts import _region_contexts_by_name as _region_contexts_by_name
@@ -179,6 +187,12 @@ class ActivationPlan:
             Rule M12), their step times relative to each other (per round over the round's mean,
             the median of the rounds), this plan's first; else empty (also after JSON).
         objective: what the plan minimizes, ``"time"`` or ``"flops"``.
+        cost: the objective's predicted cost, what the solver minimized (``"time"``: seconds of
+            recompute, what the checkpointed regions cost beyond their ops included, FLOPs
+            weighing on near-ties; ``"flops"``: FLOPs, seconds on ties). It compares plans of
+            one model and objective: along a sweep it never falls as the budget falls (NOTE
+            [Budget sweep], Rule 2), where ``recompute_ms`` alone may. 0 in JSON from before
+            the field.
         solver: ``"exact"``, or ``"grid"``: solved on a byte grid of ``grid_bytes``, as if
             each region's bytes were rounded up to it.
     """
@@ -203,6 +217,7 @@ class ActivationPlan:
         recompute_flops: int = 0,
         peak_bytes: int = 0,
         spans: tuple[SpanDecision, ...] = (),
+        cost: float = 0.0,
     ) -> None:
         self.regions = regions
         self.spans = spans
@@ -218,6 +233,7 @@ class ActivationPlan:
         self.objective = objective
         self.recompute_flops = recompute_flops
         self.peak_bytes = peak_bytes
+        self.cost = cost
         self.device = device
         self.input_shapes = input_shapes
         self._frontier = frontier
@@ -307,6 +323,7 @@ class ActivationPlan:
             recompute_flops=sum(d.recompute_flops for d in decisions)
             + sum(s.recompute_flops for s in spans),
             peak_bytes=predicted_peak(problem, solution.choices),
+            cost=recompute_cost(problem, solution.choices),
         )
 
     # -- installing ---------------------------------------------------------------------------
@@ -545,6 +562,7 @@ class ActivationPlan:
                 "frontier": self._frontier,
                 "regions": [asdict(r) for r in self.regions],
                 "spans": [asdict(s) for s in self.spans],
+                "cost": self.cost,
             }
         )
 

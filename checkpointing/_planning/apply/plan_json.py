@@ -199,4 +199,5 @@ _PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "recompute_flops": (_count, 0),
     "peak_bytes": (_count, 0),
     "spans": (_list(_object(_SPAN)), []),
+    "cost": (_number, 0.0),
 }
