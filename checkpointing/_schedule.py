@@ -491,12 +491,11 @@ def _optimal(costs: tuple[LayerCost, ...], input_bytes: int, budget: int) -> tup
     model = _Model(costs, input_bytes)
     unit, slots = _unit(model, budget)
     available = slots - _slots(model.x[0], unit) - _slots(model.x[-1], unit)
-    if available < 0 or not math.isfinite(float(table.cost[0, n][available])):
+    if available < 0 or not math.isfinite(float(table.least_time(0, n)[available])):
         # Rounding lost every schedule (Rule 5): the memory-minimal one fits the budget.
         _, first = _floor_table(costs, input_bytes)
         return _tidy(_rebuild(lambda a, b, m: first[a, b], model, 0, n, 0, unit))
-    choices = table.choice
-    return _tidy(_rebuild(lambda a, b, m: int(choices[a, b][m]), model, 0, n, available, unit))
+    return _tidy(_rebuild(table.first_step, model, 0, n, available, unit))
 
 
 def _unit(model: _Model, budget: int) -> tuple[float, int]:
@@ -519,57 +518,114 @@ def _slots(size: int, unit: float) -> int:
 
 @dataclass(frozen=True)
 class _Table:
-    """Per node ``(a, b)`` and memory ``m`` (slots): least recompute time, first step."""
+    """Per node ``(a, b)`` and memory ``m`` (slots): least recompute time, first step.
 
-    cost: dict[tuple[int, int], torch.Tensor]
-    choice: dict[tuple[int, int], torch.Tensor]
+    Stored by node length: ``cost[b - a][a, m]``; ``cost[0]`` is the empty node (zero time).
+    """
+
+    cost: list[torch.Tensor]
+    choice: list[torch.Tensor]
+
+    def least_time(self, a: int, b: int) -> torch.Tensor:
+        """Node ``(a, b)``'s least recompute time at every memory size."""
+        return self.cost[b - a][a]
+
+    def first_step(self, a: int, b: int, memory: int) -> int:
+        """Node ``(a, b)``'s first step at ``memory`` slots: 0 runs layer ``a``, ``k``
+        checkpoints ``[a, k)``."""
+        return int(self.choice[b - a][a, memory])
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """One chain's sizes in memory slots, and its prefix times, as tensors the table reads."""
+
+    memory: torch.Tensor  # 0 .. slots
+    x: torch.Tensor  # x[i], layer i's input
+    keep: torch.Tensor  # what run layer i holds while the rest of its node runs
+    own: torch.Tensor  # [i, last]: run layer i's own need, last in its node or not
+    forward: torch.Tensor  # [a, k]: the forward need of checkpointing [a, k)
+    times: torch.Tensor  # times[i]: the forward time of layers [0, i)
+
+
+def _slot_sizes(model: _Model, unit: float, slots: int) -> _Sizes:
+    n = len(model.costs)
+
+    def tensor(values: list[Any]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return _Sizes(
+        memory=torch.arange(slots + 1),
+        x=tensor([_slots(s, unit) for s in model.x]),
+        keep=tensor([_slots(model.keep(i), unit) for i in range(n)]),
+        own=tensor(
+            [[_slots(model.run_need(i, last), unit) for last in (False, True)] for i in range(n)]
+        ),
+        forward=tensor(
+            [[_slots(v, unit) for v in row] for row in _checkpoint_forward_needs(model, n)]
+        ),
+        times=torch.tensor(
+            [0.0, *itertools.accumulate(c.time for c in model.costs)], dtype=torch.float64
+        ),
+    )
+
+
+# Most numbers one tensor op of the table handles: below torch's grain size (32768) an op runs on
+# the calling thread. Above it, and always for reductions over a dimension, torch wakes its
+# worker threads, which on a busy machine costs milliseconds per op: more than the op's work.
+_OP_NUMBERS = 32768
 
 
 def _cost_table(costs: tuple[LayerCost, ...], input_bytes: int, budget: int) -> _Table:
-    # One pass over nodes by length; each node's options (run its first layer, or checkpoint
-    # [a, k) for every k) are compared for all memory sizes at once, as tensors over m. The
-    # steps share the prefix sums and slot sizes computed here, so they stay in one function.
-    model, n = _Model(costs, input_bytes), len(costs)
+    """Rules 1 and 2 at every memory size, one node length at a time (a node only reads
+    shorter ones): the nodes of a length are computed together, a block of rows per op."""
+    model = _Model(costs, input_bytes)
     unit, slots = _unit(model, budget)
-    size = slots + 1
-    memory = torch.arange(size)
-    x = [_slots(s, unit) for s in model.x]
-    keep = [_slots(model.keep(i), unit) for i in range(n)]
-    forward = [[_slots(v, unit) for v in row] for row in _checkpoint_forward_needs(model, n)]
-    times = [0.0, *itertools.accumulate(c.time for c in costs)]
-    empty = torch.zeros(size, dtype=torch.float64)
-    cost: dict[tuple[int, int], torch.Tensor] = {}
-    choice: dict[tuple[int, int], torch.Tensor] = {}
+    sizes = _slot_sizes(model, unit, slots)
+    n, size = len(costs), slots + 1
+    rows = max(1, _OP_NUMBERS // size)
+    cost = [torch.zeros(n + 1, size, dtype=torch.float64)]
+    choice = [torch.zeros(n + 1, size, dtype=torch.int32)]
     for length in range(1, n + 1):
-        for a in range(n - length + 1):
-            b = a + length
-            own = _slots(model.run_need(a, a + 1 == b), unit)
-            best = _shifted(cost.get((a + 1, b), empty), keep[a])
-            best[memory < own] = _INF
-            pick = torch.zeros(size, dtype=torch.int32)
-            if length > 1:
-                ks = range(a + 1, b)
-                options = torch.stack([cost[a, k] + cost[k, b] for k in ks])
-                # Rule 2: both the checkpointed child and the rest get x[k] less memory.
-                shift = torch.tensor([x[k] for k in ks])[:, None]
-                index = memory[None, :] - shift
-                options = options.gather(1, index.clamp(min=0))
-                too_low = torch.tensor([forward[a][k] for k in ks])[:, None]
-                options[(index < 0) | (memory[None, :] < too_low)] = _INF
-                rerun = torch.tensor([times[k] - times[a] for k in ks], dtype=torch.float64)
-                value, where = (options + rerun[:, None]).min(dim=0)
-                better = value < best
-                best = torch.where(better, value, best)
-                pick = torch.where(better, where.to(torch.int32) + a + 1, pick)
-            cost[a, b], choice[a, b] = best, pick
+        nodes = n - length + 1
+        parts = [
+            _nodes(cost, sizes, length, a, min(a + rows, nodes)) for a in range(0, nodes, rows)
+        ]
+        cost.append(torch.cat([best for best, _ in parts]))
+        choice.append(torch.cat([pick for _, pick in parts]))
     return _Table(cost, choice)
 
 
-def _shifted(values: torch.Tensor, by: int) -> torch.Tensor:
-    """``out[m] = values[m - by]``, infinite where ``m < by``."""
-    out = torch.full_like(values, _INF)
-    if by < values.numel():
-        out[by:] = values[: values.numel() - by]
+def _nodes(
+    cost: list[torch.Tensor], sizes: _Sizes, length: int, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least time and first step of the nodes ``(a, a + length)`` for ``a`` in
+    ``[start, stop)``, at every memory size."""
+    memory, starts = sizes.memory[None, :], torch.arange(start, stop)
+    # Rule 1: run layer a, then the rest (a + 1, b) with what layer a keeps less.
+    best = _shifted_rows(cost[length - 1][start + 1 : stop + 1], sizes.keep[starts])
+    best[memory < sizes.own[starts, 1 if length == 1 else 0][:, None]] = _INF
+    pick = torch.zeros(best.shape, dtype=torch.int32)
+    # Rule 2: checkpoint [a, k), then the rest, both with x[k] less. Taking k in order and
+    # only strictly better options keeps the first best step (running layer a first of all).
+    for j in range(1, length):
+        k = starts + j
+        both = cost[j][start:stop] + cost[length - j][start + j : stop + j]
+        index = memory - sizes.x[k][:, None]
+        option = both.gather(1, index.clamp(min=0))
+        option[(index < 0) | (memory < sizes.forward[starts, k][:, None])] = _INF
+        option += (sizes.times[k] - sizes.times[starts])[:, None]
+        better = option < best
+        best = torch.where(better, option, best)
+        pick = torch.where(better, k[:, None].to(torch.int32), pick)
+    return best, pick
+
+
+def _shifted_rows(values: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+    """``out[i, m] = values[i, m - by[i]]``, infinite where ``m < by[i]``."""
+    index = torch.arange(values.shape[1])[None, :] - by[:, None]
+    out = values.gather(1, index.clamp(min=0))
+    out[index < 0] = _INF
     return out
 
 

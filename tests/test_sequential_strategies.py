@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,18 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import checkpointing
 from checkpointing import LayerCost, SequentialSchedule
-from checkpointing._schedule import memory_floor
+from checkpointing._schedule import (
+    _checkpoint_forward_needs,
+    _cost_table,
+    _Model,
+    _slots,
+    _unit,
+    memory_floor,
+)
+
+# Tiny layers: a second torch thread only waits, and on a busy machine its waking costs more
+# than the work.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 _RNG_STATE_BYTES = torch.get_rng_state().numel()
 VARIANTS = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "frame"])
@@ -396,6 +408,85 @@ def test_optimal_nests_when_memory_is_tight() -> None:
     assert schedule.depth >= 2
     assert schedule.peak_bytes is not None
     assert schedule.peak_bytes <= floor
+
+
+def _reference_table(
+    costs: tuple[LayerCost, ...], input_bytes: int, budget: int
+) -> tuple[dict[tuple[int, int], list[float]], dict[tuple[int, int], list[int]]]:
+    """The ``"optimal"`` table written out one node, memory size and first step at a time
+    (Rules 1 and 2): least recompute time and first step (0: run layer ``a``; ``k``: checkpoint
+    ``[a, k)``; the first best in that order) per node ``(a, b)``, per memory slot."""
+    model = _Model(costs, input_bytes)
+    unit, slots = _unit(model, budget)
+    n = len(costs)
+    x = [_slots(size, unit) for size in model.x]
+    forward = _checkpoint_forward_needs(model, n)
+    times = [0.0, *itertools.accumulate(cost.time for cost in costs)]
+    least = {(a, a): [0.0] * (slots + 1) for a in range(n + 1)}
+    first: dict[tuple[int, int], list[int]] = {}
+    for length in range(1, n + 1):
+        for a in range(n - length + 1):
+            b = a + length
+            own = _slots(model.run_need(a, length == 1), unit)
+            keep = _slots(model.keep(a), unit)
+            least[a, b], first[a, b] = [], []
+            for m in range(slots + 1):
+                best = least[a + 1, b][m - keep] if m >= max(own, keep) else math.inf
+                step = 0
+                for k in range(a + 1, b):
+                    left = m - x[k]
+                    if left < 0 or m < _slots(forward[a][k], unit):
+                        continue
+                    option = least[a, k][left] + least[k, b][left] + (times[k] - times[a])
+                    if option < best:
+                        best, step = option, k
+                least[a, b].append(best)
+                first[a, b].append(step)
+    return least, first
+
+
+@pytest.mark.parametrize(
+    ("n", "unit", "jitter", "seed"),
+    [
+        (1, 64, 0, 0),
+        (2, 64, 0, 1),
+        (5, 1, 0, 2),
+        (7, 4, 0, 3),
+        (9, 16, 0, 4),
+        (10, 100, 0, 5),
+        (11, 8, 0, 6),
+        (4, 1000, 7, 7),
+        (5, 1000, 7, 8),
+    ],
+)
+def test_cost_table_equals_written_out_reference(n: int, unit: int, jitter: int, seed: int) -> None:
+    """The ``"optimal"`` table (computed a block of nodes per tensor op) equals the written-out
+    dynamic program exactly, times and first steps, on random chains: equal times (ties),
+    empty outputs, large temporaries, budgets from the floor up, exact slots and (sizes off
+    the ``unit`` grid by up to ``jitter`` bytes) rounded ones (NOTE [Sequential memory model],
+    Rule 5)."""
+    rng = random.Random(seed)
+    costs = tuple(
+        LayerCost(
+            time=rng.choice([1.0, 2.0, 0.1 * rng.randint(1, 30)]),
+            output_bytes=unit * rng.randint(0, 9) + rng.randint(0, jitter),
+            saved_bytes=unit * rng.randint(0, 3),
+            keeps_input=rng.random() < 0.5,
+            keeps_output=rng.random() < 0.5,
+            temporary_bytes=unit * rng.choice([0, rng.randint(1, 20)]),
+        )
+        for _ in range(n)
+    )
+    input_bytes = unit * rng.randint(1, 5)
+    floor = memory_floor(costs, input_bytes)
+    for budget in (floor, int(floor * 1.7), 3 * floor):
+        table = _cost_table(costs, input_bytes, budget)
+        least, first = _reference_table(costs, input_bytes, budget)
+        for a, b in itertools.combinations(range(n + 1), 2):
+            expected = torch.tensor(least[a, b], dtype=torch.float64)
+            assert torch.equal(table.least_time(a, b), expected), (budget, a, b)
+            steps = [table.first_step(a, b, m) for m in range(len(first[a, b]))]
+            assert steps == first[a, b], (budget, a, b)
 
 
 def test_schedule_prints_as_a_tree() -> None:
