@@ -214,6 +214,7 @@ def checkpoint(
             respect_saved_tensors_hooks,
             recompute_state_hooks,
             tile,
+            api=_API,
         )
         return functools.partial(CheckpointedFunction, options=options)
     run: Callable[[Any, tuple[Any, ...], dict[str, Any], CheckpointOptions], Any] = checkpoint_call
@@ -235,6 +236,7 @@ def checkpoint(
         respect_saved_tensors_hooks,
         recompute_state_hooks,
         tile,
+        api=_API,
     )
     return run(function, args, kwargs, options)
 

@@ -529,6 +529,7 @@ def checkpoint_without_reentrant_generator(
         early_stop,
         respect_saved_tensors_hooks,
         recompute_state_hooks,
+        api="checkpointing._checkpoint_without_reentrant_generator",
     )
     return frame_generator(fn, args, kwargs, options)
 
@@ -568,6 +569,7 @@ def checkpoint_without_reentrant_generator_impl(
         early_stop,
         respect_saved_tensors_hooks,
         recompute_state_hooks,
+        api="checkpointing._checkpoint_without_reentrant_generator_impl",
     )
     yield from frame_generator(fn, args, kwargs, options)
 

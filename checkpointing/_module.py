@@ -103,12 +103,6 @@ _MSG_REMOVE_IN_FORWARD = (
     "checkpointing.remove_checkpoint_module: called while the module's forward is running. "
     "Fix: remove the checkpoint between steps, not from inside the module's forward."
 )
-_MSG_CONTEXT_FN = (
-    "checkpointing.checkpoint_module: context_fn must be callable and return two context "
-    "managers (or be a policy, or a policy's name), got {type_name}. Fix: pass e.g. "
-    "context_fn=checkpointing.policies.save_matmuls(), or functools.partial("
-    "create_selective_checkpoint_contexts, policy)."
-)
 
 
 class _ModuleCheckpoint:
@@ -311,8 +305,6 @@ def checkpoint_module(
             _MSG_UNEXPECTED.format(names=",".join(unexpected), allowed=", ".join(_OPTIONS))
         )
     context_fn = context_fn_from(context_fn, "checkpointing.checkpoint_module")
-    if not callable(context_fn):
-        raise TypeError(_MSG_CONTEXT_FN.format(type_name=type(context_fn).__name__))
     metadata_fn_for(determinism_check)  # Rule 5: a bad value raises its ValueError now
     if is_module_checkpointed(module):
         raise ValueError(_MSG_APPLIED_TWICE.format(type_name=type(module).__name__))
@@ -326,6 +318,7 @@ def checkpoint_module(
         respect_saved_tensors_hooks,
         recompute_state_hooks,
         tile,
+        api="checkpointing.checkpoint_module",
     )
     if tile is not None:
         return _tile(module, tile, options)

@@ -6,8 +6,9 @@ Owns the record that an entry point (``checkpoint`` and its decorator, ``checkpo
 ``tiled``, torch's generator forms) builds from its keyword arguments, and that the layers below
 it read: ``_checkpoint.checkpoint_call``, ``_frame``'s generator, ``_compiled.torch_region`` and
 ``_tiling.run_tiled``. Checking the values belongs to the entry points and to the variants that
-use them (their messages name the API that speaks); the record only carries them. It imports
-nothing of the package but ``_state``, so any floor may use it.
+use them (their messages name the API that speaks); the record only carries them, but for
+Rule 5. It imports nothing of the package but ``_state`` and ``_errors``, so any floor above the
+ground may use it.
 
 NOTE [Checkpoint options]
   Rule 1. Public signatures keep their keyword arguments (torch's, for the parity names). An
@@ -27,6 +28,12 @@ NOTE [Checkpoint options]
   Rule 4. ``use_reentrant`` is ``None`` only where the caller omitted it and nothing resolved it
           yet: the decorator's record (resolved, with the warning, per call) and a region handed
           to torch while dynamo traces (torch is given what the caller gave).
+  Rule 5. A ``context_fn`` that is not callable is refused here, the one place every entry
+          point passes (``TypeError``, as torch's call of it raises, but naming the API and the
+          fix), when the record is built rather than when a region first runs. Where
+          ``use_reentrant`` is True it is left to the reentrant variant, which refuses any
+          ``context_fn`` with torch's ``ValueError``. What a callable ``context_fn`` returns is
+          checked where it is called (``_frame``).
 
 Rejected: spreading a dict of keyword arguments (``**options``) through every layer, the state
 before this module: each signature repeated the nine names, and the decorator and the module
@@ -38,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
+from ._errors import describe_value
 from ._state import ContextFn, noop_context_fn
 
 __all__ = ["DEFAULTS", "CheckpointOptions", "Tiling", "options_of"]
@@ -45,6 +53,14 @@ __all__ = ["DEFAULTS", "CheckpointOptions", "Tiling", "options_of"]
 _MSG_BAD_TILING = (
     "checkpointing.Tiling: {what}, got {got}. Fix: e.g. Tiling(dim=1, chunks=8) for inputs of "
     "shape (batch, tokens, hidden), or Tiling(dim=1, chunk_size=2048)."
+)
+
+_MSG_CONTEXT_FN_NOT_CALLABLE = (
+    "{api}: context_fn must be a function returning two context managers (forward, "
+    "recompute), a policy, or a policy's name; got {got}. Fix: pass e.g. "
+    "context_fn=checkpointing.policies.save_matmuls(), context_fn='save_matmuls', or "
+    "functools.partial(checkpointing.create_selective_checkpoint_contexts, policy); omit "
+    "context_fn for plain checkpointing."
 )
 
 
@@ -150,10 +166,12 @@ def options_of(
     respect_saved_tensors_hooks: bool | None,
     recompute_state_hooks: object,
     tile: Tiling | None = None,
+    *,
+    api: str,
 ) -> CheckpointOptions:
     """The record of these options, in ``CheckpointOptions``' field order: the one built at
     import where every option but ``use_reentrant`` sits at its default (Rule 2), else a new
-    one. Every entry point builds its record here."""
+    one. Every entry point builds its record here; ``api`` names it in errors (Rule 5)."""
     if (
         preserve_rng_state is True
         and context_fn is noop_context_fn
@@ -167,6 +185,10 @@ def options_of(
         and (use_reentrant is None or type(use_reentrant) is bool)
     ):
         return DEFAULTS[use_reentrant]
+    given: object = context_fn  # typed as torch's contract, but whatever the caller passed
+    if not callable(given) and use_reentrant is not True:  # Rule 5
+        got = describe_value(given)
+        raise TypeError(_MSG_CONTEXT_FN_NOT_CALLABLE.format(api=api, got=got))
     return CheckpointOptions(
         use_reentrant,
         preserve_rng_state,

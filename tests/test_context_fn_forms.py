@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import releases
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
@@ -269,6 +270,63 @@ def test_a_name_with_the_reentrant_variant_is_refused_as_any_context_fn() -> Non
             use_reentrant=True,
             context_fn="save_matmuls",
         )
+
+
+def _not_callable_at(api: str, module: Any) -> Callable[[], object]:
+    """The call of ``api`` (of ``module``: ours or torch's) with ``context_fn=5``."""
+    x = torch.randn(2, requires_grad=True)
+    if api == "checkpoint":
+        return lambda: module.checkpoint(torch.sin, x, use_reentrant=False, context_fn=5)
+    if api == "decorator":
+        return lambda: module.checkpoint(use_reentrant=False, context_fn=5)(torch.sin)(x)
+    if api == "checkpoint_module":
+        return lambda: module.checkpoint_module(nn.Linear(2, 2), context_fn=5)
+    if api == "_checkpoint_without_reentrant_generator":
+        return lambda: next(
+            module._checkpoint_without_reentrant_generator(torch.sin, True, 5, "default")
+        )
+    return lambda: next(
+        module._checkpoint_without_reentrant_generator_impl(torch.sin, (x,), {}, context_fn=5)
+    )
+
+
+@pytest.mark.parametrize(
+    "api",
+    [
+        "checkpoint",
+        "decorator",
+        "checkpoint_module",
+        "_checkpoint_without_reentrant_generator",
+        "_checkpoint_without_reentrant_generator_impl",
+    ],
+)
+def test_options_rule_5_a_context_fn_not_callable_is_a_clear_type_error(api: str) -> None:
+    """NOTE [Checkpoint options], Rule 5: ``context_fn=5`` is refused when each entry point
+    builds its options, with torch's exception type (where torch has the API, side by side)
+    and a message naming the API, what was expected and the fix, not "'int' object is not
+    callable"."""
+    with pytest.raises(TypeError) as info:
+        _not_callable_at(api, checkpointing)()
+    message = str(info.value)
+    name = "checkpoint" if api == "decorator" else api
+    assert message.startswith(f"checkpointing.{name}: context_fn must be a function returning")
+    assert "got 5 of type int" in message
+    assert "Fix: pass e.g. context_fn=checkpointing.policies.save_matmuls()" in message
+    torch_has = (
+        releases.has(releases.DECORATOR) if api == "decorator" else hasattr(torch_checkpoint, api)
+    )
+    if torch_has:
+        with pytest.raises(TypeError, match="'int' object is not callable"):
+            _not_callable_at(api, torch_checkpoint)()
+
+
+def test_options_rule_5_reentrant_leaves_context_fn_to_torchs_value_error() -> None:
+    """NOTE [Checkpoint options], Rule 5: with ``use_reentrant=True`` a ``context_fn`` that is
+    not callable is refused as any ``context_fn`` there, a ``ValueError``, as torch's."""
+    x = torch.randn(2, requires_grad=True)
+    for module in (checkpointing, torch_checkpoint):
+        with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
+            module.checkpoint(torch.sin, x, use_reentrant=True, context_fn=5)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

@@ -407,6 +407,17 @@ MISTAKES: dict[str, Mistake] = {
             "Fix: pass e.g. context_fn='save_attention'",
         ),
     ),
+    "context_fn that is not callable": Mistake(
+        lambda m: m.checkpoint(torch.sin, _x(), use_reentrant=False, context_fn=5),
+        TypeError,
+        (
+            "checkpointing.checkpoint: context_fn must be a function returning two context "
+            "managers",
+            "got 5 of type int",
+            "Fix: pass e.g. context_fn=checkpointing.policies.save_matmuls()",
+        ),
+        torch_too=True,
+    ),
     "as_context_fn: an unknown policy name": Mistake(
         lambda m: policies.as_context_fn("save_attn"),
         ValueError,
