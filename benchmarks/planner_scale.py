@@ -4,6 +4,7 @@ Usage (from the repository root; it times, so hold the benchmark lock on a share
 
     flock /work/bench.lock python benchmarks/planner_scale.py
     python benchmarks/planner_scale.py --layers 2 --tokens 64   # a quick smaller run
+    flock /work/bench.lock python benchmarks/planner_scale.py --sweep 12  # one profile, 12 budgets
 
 Model: Hugging Face ``GPT2LMHeadModel`` from a ``GPT2Config`` (12 layers, 768 wide, 12 heads,
 1024 positions, 50257 tokens, random weights, ``use_cache=False``), training mode (dropout on),
@@ -17,6 +18,13 @@ timed ones: the step time is their median. Then ``plan_checkpointing`` at each b
 seconds; ratios are planning over a plain step, measured in the same process under the same
 load. The first call also pays torch's lazy imports (the dispatch modes load ``torch._dynamo``).
 
+``--sweep N`` instead plans N budgets from the floor to 1.0 (evenly in bytes) from one profile:
+first the profile alone (``search.profiled``, what ``plan_sweep`` runs once) and the N solves on
+it, each part timed and its resident peak measured as above; then one ``plan_sweep`` call at the
+same N budgets, timed whole, whose plans must equal the first ones to the byte of their JSON.
+Every plan is checked against the sweep's promise (NOTE [Budget sweep], Rule 2), and the table
+prints each plan's kept bytes, cost and decisions.
+
 Memory: the process's resident high-water mark (``VmHWM``), reset before each measured part
 through ``/proc/self/clear_refs`` (Linux): the peak during that part, and that peak less the
 resident bytes just before it (what the part added above the model, the process and the memory
@@ -27,6 +35,7 @@ planning call.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import statistics
 import sys
@@ -103,6 +112,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed plain steps (median)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--sweep", type=int, default=0, metavar="N", help="N budgets from one profile instead"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.WARNING)
@@ -134,6 +146,9 @@ def main() -> None:
         f"resident peak {step_peak / 2**20:.0f} MiB, {step_added / 2**20:.0f} MiB above the "
         "resident bytes before it"
     )
+    if args.sweep:
+        sweep(model, ids, loss_fn, args.sweep, step_cpu, step_wall)
+        return
     for budget in args.budgets:
 
         def plan_at(b: float = budget) -> Any:
@@ -151,6 +166,66 @@ def main() -> None:
             f"{peak / 2**20:.0f} MiB, {added / 2**20:.0f} MiB above the resident bytes before it"
         )
         print(plan)
+
+
+def sweep(
+    model: torch.nn.Module, ids: torch.Tensor, loss_fn: Any, points: int, cpu: float, wall: float
+) -> None:
+    """``--sweep``: the profile and ``points`` solves timed apart, then one ``plan_sweep`` call;
+    the promise checked, the plans printed as a table."""
+    from checkpointing._planning.search import profiled
+
+    kwargs = {"labels": ids}
+
+    def profile() -> Any:
+        return profiled("plan_sweep", model, ids, [1.0], None, kwargs, loss_fn, None, "time", 0)
+
+    step, p_cpu, p_wall, p_added, p_peak = measured(profile)
+    baseline, floor = step.ends
+    budgets = [baseline - (baseline - floor) * i // (points - 1) for i in range(points)]
+    plans, s_cpu, s_wall, s_added, s_peak = measured(lambda: step.plans(budgets))
+    again, a_cpu, a_wall, a_added, a_peak = measured(
+        lambda: checkpointing.plan_sweep(
+            model, ids, budgets=budgets, example_kwargs=kwargs, loss_fn=loss_fn
+        )
+    )
+    rows = [
+        ("profile (once)", p_cpu, p_wall, p_peak, p_added),
+        (f"{points} solves on it", s_cpu, s_wall, s_peak, s_added),
+        (f"plan_sweep, {points} budgets, one call", a_cpu, a_wall, a_peak, a_added),
+    ]
+    print(
+        "| | CPU s | wall s | / plain step (CPU) | (wall) | resident peak | above before |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    for name, c, w, peak, added in rows:
+        print(
+            f"| {name} | {c:.2f} | {w:.2f} | {c / cpu:.2f} | {w / wall:.2f} | "
+            f"{peak / 2**20:.0f} MiB | {added / 2**20:.0f} MiB |"
+        )
+    same = [a.to_json() == b.to_json() for a, b in zip(plans, again, strict=True)]
+    print(f"\nplan_sweep's plans equal the profiled step's, to the JSON byte: {all(same)}")
+    broken = []
+    for wider, narrower in itertools.pairwise(plans):
+        if narrower.kept_bytes > wider.kept_bytes or narrower.cost < wider.cost:
+            broken.append(narrower.budget_bytes)
+    broken += [p.budget_bytes for p in plans if p.kept_bytes > p.budget_bytes]
+    print(f"the promise holds at every point: {not broken} {broken or ''}\n")
+    print(
+        "| budget (bytes) | of the baseline | kept (predicted) | cost | recompute ms | "
+        "recompute GFLOP | blocks kept whole | checkpointed whole | selective | spans |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for plan in plans:
+        whole = sum(r.checkpoint and not r.save for r in plan.regions)
+        selective = sum(r.checkpoint and bool(r.save) for r in plan.regions)
+        kept = len(plan.regions) - whole - selective
+        spans = ", ".join(s.kind for s in plan.spans) or "none"
+        print(
+            f"| {plan.budget_bytes:,} | {plan.budget_bytes / baseline:.3f} | "
+            f"{plan.kept_bytes:,} | {plan.cost:.4f} | {plan.recompute_ms:.1f} | "
+            f"{plan.recompute_flops / 1e9:.3f} | {kept} | {whole} | {selective} | {spans} |"
+        )
 
 
 if __name__ == "__main__":
