@@ -8,6 +8,7 @@ Usage (from the repository root)::
     python benchmarks/planner.py --planning-time       # planning / a plain step, W2 and GPT-2
     python benchmarks/planner.py --cost-model          # the cost model's constants, this CPU
     python benchmarks/planner.py --from-results  # only the plot, from RESULTS.md's W1/W2 tables
+    python benchmarks/planner.py --sweep    # plan_sweep's 12 budgets against HAND, six families
     PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
     python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
 
@@ -1167,6 +1168,16 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="the torch.compile comparison")
     parser.add_argument(
+        "--sweep", action="store_true", help="a budget sweep per family (planner_sweep.py)"
+    )
+    parser.add_argument("--sweep-rounds", type=int, default=15, help="--sweep: timed rounds")
+    parser.add_argument(
+        "--sweep-families",
+        default="W2,llama,decoder,vit,gpt_neox,gpt2",
+        help="--sweep: which (comma-separated)",
+    )
+    parser.add_argument("--sweep-plot", default="docs/planner_sweep.png")
+    parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="--compile: which (comma-separated)"
     )
     parser.add_argument("--solve-time", action="store_true", help="only time the solver")
@@ -1182,6 +1193,17 @@ def main() -> None:
         "--objective", choices=("time", "flops"), help="--dump-plans/--ab: plan with this one"
     )
     args = parser.parse_args()
+    if args.sweep:  # the figure from RESULTS.md with --from-results, else the measured sweep
+        import planner_sweep
+
+        if args.from_results:
+            planner_sweep.plot(planner_sweep.recorded_panels(), Path(args.sweep_plot))
+            print(f"plot: {args.sweep_plot}")
+        else:
+            torch.set_num_threads(1)
+            families = args.sweep_families.split(",")
+            planner_sweep.main(families, args.sweep_rounds, Path(args.sweep_plot))
+        return
     if args.from_results:
         plot(recorded_panels(), Path(args.plot))
         print(f"plot: {args.plot}")

@@ -213,7 +213,7 @@ def sweep(
     print(f"the promise holds at every point: {not broken} {broken or ''}\n")
     print(
         "| budget (bytes) | of the baseline | kept (predicted) | cost | recompute ms | "
-        "recompute GFLOP | blocks kept whole | checkpointed whole | selective | spans |\n"
+        "recompute GFLOP | regions kept whole | checkpointed whole | selective | spans |\n"
         "|---|---|---|---|---|---|---|---|---|---|"
     )
     for plan in plans:
