@@ -14,10 +14,10 @@ NOTE [Budget at the first step]
           calls the model again); the forward it interrupted runs with the plan installed.
   Rule 2. The planner's budget is a share of the unplanned step's bytes; a share here is one of
           the way from full recompute of the regions (the planner's floor, 0.0) to keeping all
-          they save (its baseline, 1.0), as torchtitan's ``memory_budget``. The first plan, at
-          budget 1.0, measures both; a share below 1 is then planned again, in bytes, at
-          ``floor + share * (baseline - floor)``. Twice the profiling of one step, once per job.
-          Rejected: a new budget form in the planner for these callers.
+          they save (its baseline, 1.0), as torchtitan's ``memory_budget``. The step is profiled
+          once (NOTE [Budget sweep], Rule 1): the plan at budget 1.0 reads both, and a share
+          below 1 is then solved on the same profile, in bytes, at ``floor + share * (baseline -
+          floor)``. Rejected: a new budget form in the planner for these callers.
   Rule 3. Under a process group every rank plans (the profiled step's collectives need all
           of them) and then installs rank 0's plan, broadcast: one job trains one plan, also
           where the ranks' tokens route a mixture of experts differently.
@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .apply.plan import ActivationPlan
-from .search import plan_checkpointing, rank_zeros
+from .search import profiled, rank_zeros
 
 __all__ = ["plan_on_first_step"]
 
@@ -74,17 +74,12 @@ def _plan(
     """Rule 2: the plan of ``regions`` at ``share``."""
     ids = {id(region) for region in regions}
 
-    def plan_at(budget: float | int) -> ActivationPlan:
-        return plan_checkpointing(
-            model,
-            args,
-            budget=budget,
-            regions=lambda module: id(module) in ids,
-            example_kwargs=kwargs,
-        )
+    def chosen(module: nn.Module) -> bool:
+        return id(module) in ids
 
-    widest = plan_at(1.0)
+    step = profiled("plan_checkpointing", model, args, [1.0], chosen, kwargs, None, None, "time", 0)
+    widest = step.plans([1.0])[0]
     if share >= 1:
         return widest
     floor, baseline = widest.floor_bytes, widest.baseline_bytes
-    return plan_at(floor + int(share * (baseline - floor)))
+    return step.plans([floor + int(share * (baseline - floor))])[0]
