@@ -34,11 +34,16 @@ NOTE [Applied wrappers]
           its parent (nested checkpoints, as with ``check_fn``). ``check_fn``,
           ``auto_wrap_policy`` or a ``context_fn`` of the call's beside a spec are refused: two
           answers to one question. A budget value is refused too: it is planned at the model's
-          first step (``apply_spec``), and this call wraps now.
+          first step (``apply_spec``), and this call wraps now. A policy (or ``"offload"``) for
+          a ``checkpoint_wrapper_fn`` that takes no ``context_fn`` is refused before any module
+          is wrapped: ``offload_wrapper`` recomputes nothing, so a policy, which chooses what a
+          checkpoint keeps and what it recomputes, has no choice to make there (keeping
+          everything in host memory is what it does with ``"full"``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -70,6 +75,15 @@ _MSG_SPEC_BUDGET = (
     "the model's first step; this call wraps its modules now. Fix: "
     "checkpointing.apply_spec(model, spec) plans a budget key, or give the key 'full', a policy "
     "or 'none' here."
+)
+_MSG_SPEC_POLICY_UNTAKEN = (
+    "checkpointing.apply_activation_checkpointing: the spec gives {keys} a policy, which the "
+    "wrapper runs as context_fn=, but checkpoint_wrapper_fn={wrapper} takes no context_fn. "
+    "An offload wrapper recomputes nothing, so a policy (what a checkpoint keeps, what it "
+    "recomputes) has no choice to make there. Fix: give those keys 'full' (every selected "
+    "module gets {wrapper}: for offload_wrapper, all it saves waits in host memory), or keep "
+    "the default checkpoint_wrapper_fn to run each policy (the value 'offload' keeps every "
+    "op's output in host memory, under a checkpoint)."
 )
 _MSG_SPEC_AND = (
     "checkpointing.apply_activation_checkpointing: spec= picks the modules and their policies, "
@@ -137,7 +151,8 @@ def apply_activation_checkpointing(
         return checkpoint_wrapper_fn(module, **_merged(options, extra))
 
     if spec is not None:
-        _wrap_by_spec(model, spec, wrap, check_fn, auto_wrap_policy, checkpoint_options)
+        given = (check_fn, auto_wrap_policy, checkpoint_options)
+        _wrap_by_spec(model, spec, wrap, checkpoint_wrapper_fn, *given)
     elif auto_wrap_policy is None:
         _wrap_by_policy(model, _check_fn_policy(check_fn), wrap, is_root=True)
     elif callable(auto_wrap_policy):
@@ -155,11 +170,13 @@ def _wrap_by_spec(
     model: nn.Module,
     spec: Mapping[str, Any],
     wrap: Wrap,
+    wrapper_fn: Wrap,
     check_fn: object,
     auto_wrap_policy: object,
     options: dict[str, Any],
 ) -> None:
-    """Rule 4: the modules ``spec`` selects wrapped, deepest first, each with its policy."""
+    """Rule 4: the modules ``spec`` selects wrapped by ``wrap`` (``wrapper_fn`` with the
+    call's options), deepest first, each with its policy."""
     for other, given in (
         ("check_fn", check_fn is not _every_module),
         ("auto_wrap_policy", auto_wrap_policy is not None),
@@ -171,12 +188,30 @@ def _wrap_by_spec(
     if key is not None:
         raise ValueError(_MSG_SPEC_BUDGET.format(key=key))
     chosen = [item for item in select(model, spec, _API) if item.action.kind != "none"]
+    with_policy = [item.key for item in chosen if item.action.kind in ("policy", "offload")]
+    if with_policy and not _takes_context_fn(wrapper_fn):
+        keys = ", ".join(repr(key) for key in dict.fromkeys(with_policy))
+        wrapper = getattr(wrapper_fn, "__name__", repr(wrapper_fn))
+        raise TypeError(_MSG_SPEC_POLICY_UNTAKEN.format(keys=keys, wrapper=wrapper))
     for item in reversed(chosen):  # children before their parents
         parent_name, _, attribute = item.name.rpartition(".")
         parent = model.get_submodule(parent_name)
         policy = OFFLOAD_EVERYTHING if item.action.kind == "offload" else item.action.policy
         extra = {} if policy is None else {"context_fn": policy}
         setattr(parent, attribute, wrap(item.module, **extra))
+
+
+def _takes_context_fn(wrapper_fn: Wrap) -> bool:
+    """Rule 4: whether ``wrapper_fn`` can be called with ``context_fn=`` (by name, or through
+    ``**kwargs``); one whose signature cannot be read is given the benefit of the doubt."""
+    try:
+        parameters = inspect.signature(wrapper_fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == "context_fn" and p.kind is not p.POSITIONAL_ONLY)
+        for p in parameters
+    )
 
 
 def _checked(wrapper_fn: Wrap, options: dict[str, Any]) -> dict[str, Any]:

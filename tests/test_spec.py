@@ -17,6 +17,7 @@ import pytest
 import torch
 from hf_support import zoo_member
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
 
 import checkpointing
 from checkpointing import apply_spec, load_spec
@@ -357,6 +358,45 @@ def test_apply_activation_checkpointing_spec_refuses_a_second_answer(
     with pytest.raises(ValueError, match=f"so {other} cannot be given beside it"):
         checkpointing.apply_activation_checkpointing(model, spec={"*": "full"}, **given)
     assert not _wrappers(model)
+
+
+@pytest.mark.parametrize(
+    "wrapper_fn",
+    [checkpointing.offload_wrapper, checkpointing.OffloadWrapper, offload_wrapper],
+    ids=["ours", "our-class", "torch"],
+)
+def test_apply_activation_checkpointing_spec_policy_needs_a_wrapper_taking_it(
+    wrapper_fn: Any,
+) -> None:
+    """Rule 4: a policy (or ``"offload"``) in the spec for an offload wrapper, which takes no
+    ``context_fn`` and recomputes nothing, is refused before any module is wrapped, naming the
+    keys and the fix (it was Python's "unexpected keyword argument 'context_fn'")."""
+    model = _stack(3)
+    spec = {"{0}": "save_matmuls", "{1}": "offload", "{2}": "full"}
+    with pytest.raises(TypeError) as info:
+        checkpointing.apply_activation_checkpointing(model, wrapper_fn, spec=spec)
+    message = str(info.value)
+    assert message.startswith("checkpointing.apply_activation_checkpointing: the spec gives")
+    assert "'{0}', '{1}' a policy" in message
+    assert f"checkpoint_wrapper_fn={wrapper_fn.__name__} takes no context_fn" in message
+    assert "Fix: give those keys 'full'" in message
+    assert [type(m).__name__ for m in model] == ["Sequential"] * 3  # nothing wrapped
+
+
+def test_apply_activation_checkpointing_spec_full_with_offload_wrapper() -> None:
+    """Rule 4: ``"full"`` hands the selected modules to any ``checkpoint_wrapper_fn`` as they
+    are; with ``offload_wrapper``, they are wrapped and the gradients are the plain run's."""
+    model = _stack(3)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).square().sum()
+
+    plain = _grads(copy.deepcopy(model), step)
+    spec = {"{0:2}": "full", "{2}": None}
+    checkpointing.apply_activation_checkpointing(model, checkpointing.offload_wrapper, spec=spec)
+    assert [type(m).__name__ for m in model] == ["OffloadWrapper", "OffloadWrapper", "Sequential"]
+    _assert_bitwise(_grads(model, step), plain)
 
 
 # --- integrations.transformers: enable(spec=...) and CheckpointingCallback(spec=...) ----------
