@@ -301,6 +301,58 @@ def test_several_roots_share_nodes_and_storages() -> None:
 
 
 @pytest.mark.parametrize(
+    ("shape", "bias"), [((4, 8), True), ((2, 3, 8), False)], ids=["addmm", "mm"]
+)
+def test_linear_keeps_its_input_not_its_weight(shape: tuple[int, ...], bias: bool) -> None:
+    """NOTE [Report from a graph], Rule 4, in both forms: the transposed weight ``linear``
+    saves is a view of the parameter (its storage), so the activation bytes are the input it
+    saved and nothing of the weight; the kept bytes add the weight once."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 16, bias=bias)
+    x = torch.randn(*shape, requires_grad=True)
+
+    def loss_of() -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.tanh()  # tanh saves h, and so does linear (or a view of it)
+        return linear(h).sum(), h
+
+    with saved_tensors_report() as watched:
+        loss, h = loss_of()
+    loss.backward()
+    loss, h = loss_of()
+    for report in (watched, saved_tensors_report(loss), saved_tensors_report(loss, model=linear)):
+        assert report.activation_bytes == h.nbytes, report.table()
+        assert report.kept_bytes == h.nbytes + linear.weight.nbytes, report.table()
+
+
+class _Rotary(torch.nn.Module):
+    """A block that multiplies by a slice of a table it holds as a buffer (RoPE's pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(256, 8))
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * self.table[: x.shape[0]])  # mul saves the slice: a view
+
+
+def test_model_buffers_are_not_activations_from_a_loss() -> None:
+    """NOTE [Report from a graph], Rule 4: with ``model=``, a saved slice of the model's buffer
+    is model state, as in the watched report, not an activation counted by its whole storage;
+    without ``model``, the walk cannot tell it from a tensor the step made."""
+    torch.manual_seed(0)
+    model, x = _Rotary(), torch.randn(4, 8, requires_grad=True)
+    with saved_tensors_report(model=model) as watched:
+        model(x).sum().backward()
+    loss = model(x).sum()
+    walked = saved_tensors_report(loss, model=model)
+    product = 4 * 8 * 4  # x * table[:4], saved by linear
+    assert walked.activation_bytes == watched.activation_bytes == product, walked.table()
+    assert walked.kept_bytes == watched.kept_bytes
+    assert saved_tensors_report(loss).activation_bytes == product + model.table.nbytes
+
+
+@pytest.mark.parametrize(
     ("outputs", "error", "phrases"),
     [
         (torch.randn(3), ValueError, ("grad_fn=None", "before backward", "position 0")),

@@ -92,7 +92,9 @@ def saved_tensors_report(
     that runs a plain function is labelled ``checkpoint(<its qualified name>)``.
 
     ``activation_bytes`` is what an ``ActivationPlan`` calls ``kept_bytes``; the report's own
-    ``kept_bytes`` also counts the inputs and parameters that backward needs.
+    ``kept_bytes`` also counts the inputs and parameters that backward needs. From a loss,
+    give ``model=`` so that the model's buffers are not counted as activations (what each form
+    counts: ``SavedTensorsReport.activation_bytes``).
 
     Example:
         >>> import torch, checkpointing

@@ -29,9 +29,13 @@ NOTE [Report from a graph]
           entries: "saved" and "offloaded" rows in the frame's region, as the watched report
           names them. Entries already handed out to a recompute are gone, and not listed.
   Rule 4. Bytes: each storage counts once (``records.Tally``). Every kept storage is an
-          activation except those of leaf tensors that require grad (and views of them): the
-          walk cannot tell when a tensor was made, so a tensor made before the step without
-          grad (token ids, a buffer) counts as an activation here, not in the watched report.
+          activation except those of leaf tensors that require grad (and views of them: the
+          transposed weight ``linear`` saves shares the parameter's storage) and, with
+          ``model`` given, those of its parameters and buffers (views of them too: the slice of
+          a RoPE table a block saves). The walk cannot tell when a tensor was made, so a
+          tensor made before the step without grad that is not the model's (token ids; a
+          buffer when no ``model`` is given, counted by its whole storage) counts as an
+          activation here, not in the watched report.
   Rule 5. Ops: a save of a node's own output (``result*``) is that node's op; a saved input
           that has a ``grad_fn`` is that node's op; a leaf that requires grad is "(input or
           parameter)"; otherwise (a recomputed input, a tensor made without grad) the row says
@@ -75,7 +79,7 @@ from .._selective.cache import _HostAlias, _HostCopy, _Packed, _Saved, _Shrunk, 
 from .._selective.collectives import is_collective
 from .._selective.ops import _op_facts
 from .._selective.recompute import _CachedMode
-from .._trees import tensors
+from .._trees import StorageKey, storage_key, tensors
 from .records import LEAF, OUTSIDE, SavedTensorRecord, SavedTensorsReport, Tally, record_of
 from .watch import watcher_unpack
 
@@ -155,7 +159,7 @@ def report_from_graph(roots: Iterable[Any], model: nn.Module | None = None) -> S
     """Walk the graph from ``roots`` (autograd nodes) and report what it saved (the NOTE);
     ``model`` names module regions by path (Rule 7)."""
     report = SavedTensorsReport(recompute_counted=False)
-    walk = _Walk(Tally(report))
+    walk = _Walk(Tally(report), _state_of(model))
     token = naming.set(RegionNames(model))
     try:
         walk.run(roots)
@@ -187,8 +191,9 @@ class _FrameRows:
 class _Walk:
     """One walk: nodes seen, frames met, rows found (sorted into forward order at the end)."""
 
-    def __init__(self, tally: Tally) -> None:
+    def __init__(self, tally: Tally, state: frozenset[StorageKey]) -> None:
         self.tally = tally
+        self.state = state  # Rule 4: the storages of the model's parameters and buffers
         self.frames: dict[int, _FrameRows] = {}
         self.rows: list[tuple[_Key, int, SavedTensorRecord]] = []  # (key, tie-break, row)
         self.slots = 0  # raw saves met, freed or not
@@ -317,7 +322,11 @@ class _Walk:
         op = _op_of_tensor(tensor, saver, producer)
         self.add(key, record_of(op, tensor, region, decision, tag_name(tensor), nbytes))
         if decision == "saved":
-            self.tally.keep(tensor, activation=_is_activation(tensor))
+            self.tally.keep(tensor, activation=self.is_activation(tensor))
+
+    def is_activation(self, tensor: torch.Tensor) -> bool:
+        """Rule 4: not a leaf that requires grad, nor a view of one, nor the model's state."""
+        return _is_activation(tensor) and storage_key(tensor) not in self.state
 
     def compressed(self, packed: Packed, on_host: bool, key: _Key, region: str, op: str) -> None:
         """A row for a compressed tensor (NOTE [Compressed saves]): its packed bytes, counted
@@ -332,7 +341,7 @@ class _Walk:
         """A row for what a frame keeps by plain reference (Rule 3)."""
         self.add(key, record_of(what, tensor, region, "saved", tag_name(tensor)))
         rng = what == "rng state"
-        self.tally.keep(tensor, activation=not rng and _is_activation(tensor), rng=rng)
+        self.tally.keep(tensor, activation=not rng and self.is_activation(tensor), rng=rng)
 
     def add_meta(
         self,
@@ -434,6 +443,14 @@ def _frame_of(hook: Any) -> Frame | None:
     else:
         owner = unpack_frame(hook)
     return owner if isinstance(owner, Frame) else None
+
+
+def _state_of(model: nn.Module | None) -> frozenset[StorageKey]:
+    """Rule 4: the storages of ``model``'s parameters and buffers (none without a model)."""
+    if model is None:
+        return frozenset()
+    held = (*model.parameters(), *model.buffers())
+    return frozenset(key for tensor in held if (key := storage_key(tensor)) is not None)
 
 
 def _is_activation(tensor: torch.Tensor) -> bool:

@@ -89,10 +89,17 @@ class SavedTensorsReport:
     ``activation_bytes`` here."""
     activation_bytes: int = 0
     """The part of ``kept_bytes`` that is activations: storages that ops made inside the block
-    (saved masks included, though they do not require grad), not those of inputs and
-    parameters, which stay in memory whether or not anything is checkpointed. This is what an
-    ``ActivationPlan``'s ``kept_bytes`` predicts. A report built from a loss sees no block:
-    there, every kept storage but those of leaf tensors that require grad is an activation."""
+    (saved masks included, though they do not require grad), each once, not those of inputs and
+    parameters, which stay in memory whether or not anything is checkpointed. A view shares its
+    base's storage: the transposed weight ``linear`` saves is the parameter's, not an
+    activation. This is what an ``ActivationPlan``'s ``kept_bytes`` predicts for the same
+    step: a plan made on the model's forward alone (``plan_checkpointing`` without
+    ``loss_fn``, torchtitan's ``MemoryBudgetAC``) leaves out what the loss saves (cross-entropy
+    keeps its log-softmax, tokens x vocabulary), which a report around forward and loss
+    counts. A report built from a loss sees no block: there, every kept storage is an
+    activation but those of leaf tensors that require grad and, with ``model=`` given, those of
+    the model's parameters and buffers; tensors made before the step without grad (token ids,
+    a buffer of a model not given) count, by their whole storage."""
     rng_state_bytes: int = 0
     """The part of ``activation_bytes`` that is RNG states our checkpoints keep for recompute
     (each distinct state once). torch's own checkpoint keeps one per region too, but out of
