@@ -104,11 +104,14 @@ class PatchedTiledMLP(torch.autograd.Function):
 Step = Callable[[], None]
 
 
-def mlp_steps(tokens: int, scale: int) -> dict[str, Step]:
-    """Each MLP variant's training step (fresh gradients each time)."""
+def mlp_steps(tokens: int, scale: int, frozen: bool = False) -> dict[str, Step]:
+    """Each MLP variant's training step (fresh gradients each time); ``frozen``: the MLP's
+    weights do not require grad, so the step makes no weight gradient (the in-layer transient
+    without them)."""
     hidden, inner = FULL["hidden"] // scale, FULL["intermediate"] // scale
     torch.manual_seed(0)
     mlp, norm = SwiGLU(hidden, inner), nn.RMSNorm(hidden)
+    mlp.requires_grad_(not frozen)
     x = torch.randn(1, tokens, hidden, requires_grad=True)
 
     def step(layer: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -247,7 +250,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--only", nargs="+", help="variants whose names contain one of these (and the baseline)"
     )
-    parser.add_argument("--blocks", nargs="+", default=["mlp", "head"], help="mlp and/or head")
+    parser.add_argument(
+        "--blocks",
+        nargs="+",
+        default=["mlp", "head"],
+        help="mlp, head, and mlp-frozen (the MLP's weights frozen: no weight gradients)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the peak runs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -280,6 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = (
         ("mlp", "MLP layer", mlp_steps, args.tokens, args.time_tokens),
         ("head", "LM head + loss", head_steps, args.head_tokens, args.head_tokens[0]),
+        (
+            "mlp-frozen",
+            "MLP layer, weights frozen (no weight gradients)",
+            functools.partial(mlp_steps, frozen=True),
+            args.tokens,
+            args.time_tokens,
+        ),
     )
     for key, title, make, lengths, timed in blocks:
         if key not in args.blocks:

@@ -3,10 +3,10 @@
 Owns ``TiledRun`` (what one call keeps: the saved inputs, each chunk's forward state, what the
 outputs looked like) and ``TiledNode`` (its autograd node): slicing the split inputs, writing
 the chunks' outputs into full-length buffers, the per-chunk recompute and backward with the
-gradients put together (the parameters' stand-ins, ``StandIns``), the debug probe, the check
-of undeclared tensors and of what the recompute made. The rules are NOTE [Tiled regions]
-(``_tiling``, which owns the declaration ``Tiling`` and the entry points and builds one
-``TiledRun`` per call).
+gradients put together, the debug probe, the check of undeclared tensors and of what the
+recompute made. The rules are NOTE [Tiled regions] (``_tiling``, which owns the declaration
+``Tiling`` and the entry points and builds one ``TiledRun`` per call); the parameters'
+stand-ins and their gradients' sums are ``_tiled_grads``'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from . import _compat
 from ._determinism import metadata_of
@@ -24,8 +23,9 @@ from ._errors import CheckpointError, describe_value, internal_error
 from ._events import announce_kept, listener
 from ._regions import region_label
 from ._state import ForwardState, enter_span, exit_span, get_device_states
+from ._tiled_grads import StandIns, take_grad
 
-__all__ = ["StandIns", "TiledNode", "TiledRun"]
+__all__ = ["TiledNode", "TiledRun"]
 
 _MSG_SPLIT_MISSING = (
     "{api}: Tiling.split names positional input {index}, but the call passed {count} positional "
@@ -339,9 +339,9 @@ class TiledRun:
         if stand_ins is not None:
             for slot, index in enumerate(self.grad_args):
                 if index not in split:
-                    results[slot] = _take_grad(shared[index])
+                    results[slot] = take_grad(shared[index])
             for k, stand_in in enumerate(stand_ins.tensors):
-                results[n_args + k] = _take_grad(stand_in)
+                results[n_args + k] = stand_ins.take(stand_in)
         return results
 
     def _accumulate(
@@ -465,38 +465,6 @@ class _Bypassed(Exception):
     """A recomputed chunk reached a declared parameter itself, not its stand-in (Rule 11)."""
 
 
-class StandIns(TorchFunctionMode):
-    """Rule 11: while a chunk is recomputed, every torch function given a declared parameter
-    gets its stand-in instead: a leaf sharing the parameter's memory, into whose ``.grad``
-    backward adds each chunk's gradient as soon as it is made. A mode, so per thread: another
-    thread's use of the module is untouched."""
-
-    def __init__(self, params: tuple[torch.Tensor, ...], needed: Sequence[bool]) -> None:
-        super().__init__()
-        self.tensors = tuple(
-            p.detach().requires_grad_(n) for p, n in zip(params, needed, strict=True)
-        )
-        self._by_id = {id(p): s for p, s in zip(params, self.tensors, strict=True)}
-
-    def _swap(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._by_id.get(id(value), value)
-        if isinstance(value, list | tuple):
-            return type(value)(self._swap(v) for v in value)
-        return value
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        args = [self._swap(a) for a in args]
-        kwargs = {k: self._swap(v) for k, v in (kwargs or {}).items()}
-        return func(*args, **kwargs)
-
-
 def _saved_as_is(tensor: torch.Tensor) -> torch.Tensor:
     """Rule 12: a chunk's save, kept as it is (detached: the tensor itself would be a reference
     cycle through its ``grad_fn``)."""
@@ -505,10 +473,3 @@ def _saved_as_is(tensor: torch.Tensor) -> torch.Tensor:
 
 def _unpacked_as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-def _take_grad(leaf: torch.Tensor) -> torch.Tensor | None:
-    """A leaf's accumulated gradient, which the leaf lets go of (no second reference: the
-    engine may then keep it as the parameter's ``.grad`` without a copy)."""
-    grad, leaf.grad = leaf.grad, None
-    return grad

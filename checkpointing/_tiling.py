@@ -60,11 +60,13 @@ NOTE [Tiled regions]
           sharing its memory), and each chunk's backward is ``torch.autograd.backward(...,
           inputs=...)`` onto the stand-ins and the inputs' leaves: autograd adds a chunk's
           gradient of a weight into the running sum as soon as it is made and frees it, so
-          backward holds the sums and one weight's chunk gradient, not the sums and every
-          weight's chunk gradient (``torch.autograd.grad`` would keep all of a chunk's captured
-          gradients until its call ends). The mode is per thread: another thread using the
-          module meanwhile reads its own parameters. The sums are the same additions in the
-          same order as before (Rule 4). A parameter reached past the mode (an
+          backward holds the sums and at most one weight's chunk gradient, not the sums and
+          every weight's chunk gradient (``torch.autograd.grad`` would keep all of a chunk's
+          captured gradients until its call ends); a linear layer's weight has its chunks'
+          gradients multiplied straight into its sum, with no chunk gradient of it at all (NOTE
+          [Tiled gradient sums], ``_tiled_grads``). The mode is per thread: another thread
+          using the module meanwhile reads its own parameters. The sums run in chunk order
+          (Rule 4). A parameter reached past the mode (an
           ``autograd.Function`` given it directly: its ``apply`` is no torch function) is seen
           in chunk 0's graph; that backward then starts over with the parameters themselves as
           targets of ``torch.autograd.grad``, summed by hand (correct, with the higher peak).

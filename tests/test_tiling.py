@@ -78,10 +78,11 @@ def test_rule_4_elementwise_input_gradients_are_bitwise_the_untiled_ones(
 
 
 @pytest.mark.parametrize("chunks", [2, 5])
-def test_rule_4_module_gradients_are_the_chunkwise_run_bitwise(chunks: int) -> None:
-    """``checkpoint_module(tile=)``: input and parameter gradients bitwise those of the
-    chunk-by-chunk plain run (parameters summed in chunk order); against the untiled run
-    (and torch's checkpoint of it, side by side) within the documented tolerance."""
+def test_rule_4_module_input_gradients_are_the_chunkwise_run_bitwise(chunks: int) -> None:
+    """``checkpoint_module(tile=)``: the input gradient bitwise that of the chunk-by-chunk
+    plain run; parameter gradients (summed in chunk order, the linears' by ``addmm_``) within
+    the documented tolerance of it, and of the untiled run (and torch's checkpoint of it,
+    side by side)."""
     torch.manual_seed(0)
     mlp = _MLP()
     x = torch.randn(3, 23, 8, requires_grad=True)
@@ -103,9 +104,10 @@ def test_rule_4_module_gradients_are_the_chunkwise_run_bitwise(chunks: int) -> N
     checkpointing.checkpoint_module(mlp, tile=Tiling(dim=1, chunks=chunks))
     mlp(x).square().sum().backward()
     got = _grads(mlp, x)
-    assert_tensors_equal(got, reference, "tiled vs chunkwise plain autograd")
-    for a, b in zip(got, untiled, strict=True):
+    assert_tensors_equal(got[:1], reference[:1], "tiled vs chunkwise plain autograd")
+    for a, b, c in zip(got, untiled, reference, strict=True):
         torch.testing.assert_close(a, b, **PARAM_TOL)
+        torch.testing.assert_close(a, c, **PARAM_TOL)
 
 
 def test_rule_1_each_chunk_runs_once_in_forward_and_once_in_backward() -> None:
