@@ -10,11 +10,15 @@ Two blocks, each the whole of one checkpointed layer, in float32:
 
 * MLP: a pre-norm layer ``h + mlp(norm(h))`` with a Llama-shaped SwiGLU MLP (hidden 2048,
   intermediate 8192), checkpointed with ``checkpoint(..., use_reentrant=False)``. Variants: the
-  MLP untiled (the baseline); the MLP tiled with ``checkpointing.tiled_mlp`` at 1, 2, 4, 8, 16
-  chunks; and the patch-the-model way at 8 chunks: a tiled MLP module as the libraries that patch
-  models write it (an ``autograd.Function`` that runs the chunks under ``no_grad``, saves its
-  input with ``save_for_backward`` and recomputes chunk by chunk in backward), inside the same
-  checkpointed layer, where the layer's recompute runs it a third time.
+  MLP untiled (the baseline); the MLP tiled (``checkpointing.tiled``, the mechanism of
+  ``tiled_mlp``) at 1, 2, 4, 8, 16 chunks, differentiated by hand (NOTE [Tiled gated MLP]); the
+  same MLP written with ``F.silu`` inline, which the tiled region does not recognise, through its
+  generic per-chunk autograd at 8 chunks; and the patch-the-model way at 8 chunks: a tiled MLP
+  module as the libraries that patch models write it (an ``autograd.Function`` that runs the
+  chunks under ``no_grad``, saves its input with ``save_for_backward`` and recomputes chunk by
+  chunk in backward), inside the same checkpointed layer, where the layer's recompute runs it a
+  third time. Block ``mlp-frozen``: the same with the MLP's weights frozen (no weight gradient
+  made), the in-layer transient without the weights' gradients.
 * LM head + loss: ``cross_entropy(linear(norm(h), W).float(), labels)`` with a 128k vocabulary
   (128256, Llama 3's), checkpointed. Variants: untiled; ``checkpointing.tiled_lm_head_loss`` at
   1, 2, 4, 8, 16 chunks; and the generic tiled region (``checkpoint(..., tile=Tiling(...))`` of
@@ -63,13 +67,23 @@ CHUNKS = (1, 2, 4, 8, 16)
 
 
 class SwiGLU(nn.Module):
-    """Llama's MLP: ``down(silu(gate(x)) * up(x))``, no biases."""
+    """Llama's MLP: ``down(silu(gate(x)) * up(x))``, no biases, written as transformers writes
+    it (so a tiled region differentiates it by hand, NOTE [Tiled gated MLP])."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GenericSwiGLU(SwiGLU):
+    """The same MLP written another way (``F.silu`` inline): not recognised, so a tiled region
+    runs it through its generic per-chunk autograd."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -111,21 +125,25 @@ def mlp_steps(tokens: int, scale: int, frozen: bool = False) -> dict[str, Step]:
     hidden, inner = FULL["hidden"] // scale, FULL["intermediate"] // scale
     torch.manual_seed(0)
     mlp, norm = SwiGLU(hidden, inner), nn.RMSNorm(hidden)
+    generic = GenericSwiGLU(hidden, inner)
+    generic.load_state_dict(mlp.state_dict())
     mlp.requires_grad_(not frozen)
+    generic.requires_grad_(not frozen)
     x = torch.randn(1, tokens, hidden, requires_grad=True)
 
     def step(layer: Callable[[torch.Tensor], torch.Tensor]) -> None:
         x.grad = None
-        for p in (*mlp.parameters(), *norm.parameters()):
+        for p in (*mlp.parameters(), *generic.parameters(), *norm.parameters()):
             p.grad = None
         checkpointing.checkpoint(layer, x, use_reentrant=False).sum().backward()
 
-    def tiled(chunks: int) -> Step:
-        run = checkpointing.tiled(mlp, dim=1, chunks=chunks)
+    def tiled(chunks: int, module: nn.Module = mlp) -> Step:
+        run = checkpointing.tiled(module, dim=1, chunks=chunks)
         return functools.partial(step, lambda h: h + run(norm(h)))
 
     steps = {"checkpoint, untiled": functools.partial(step, lambda h: h + mlp(norm(h)))}
     steps |= {f"tiled_mlp, {c} chunks": tiled(c) for c in CHUNKS}
+    steps["tiled, generic autograd path, 8 chunks"] = tiled(8, generic)
     steps["patched tiled MLP, 8 chunks"] = functools.partial(
         step, lambda h: h + PatchedTiledMLP.apply(mlp, norm(h), 8)
     )

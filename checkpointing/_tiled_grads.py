@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["StandIns", "take_grad"]
+__all__ = ["StandIns", "linear_input_grad", "stored_transposed", "take_grad", "weight_grad_into"]
 
 
 class StandIns(TorchFunctionMode):
@@ -82,11 +82,7 @@ class StandIns(TorchFunctionMode):
     def add(self, key: int, grad: torch.Tensor, inputs: torch.Tensor) -> None:
         """Multiply one chunk's gradient of a weight (the stand-in whose ``id`` is ``key``)
         into its sum (Rules 1 and 3)."""
-        total = self.sums.get(key)
-        if total is None:
-            self.sums[key] = grad.t().mm(inputs)
-        else:
-            total.addmm_(grad.t(), inputs)
+        self.sums[key] = weight_grad_into(self.sums.get(key), grad, inputs)
 
     def take(self, stand_in: torch.Tensor) -> torch.Tensor | None:
         """A stand-in's gradient: its sum, plus what reached its ``.grad`` (Rule 4); neither
@@ -133,17 +129,38 @@ class _SummedLinear(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])
         d_x = d_bias = None
         if ctx.needs_input_grad[1]:
-            flat = x.reshape(-1, x.shape[-1])
-            if flat.stride(0) == 1 and flat.stride(1) == flat.shape[0]:
-                d_x = weight.t().mm(rows.t()).t()  # stored transposed: autograd's form
-            else:
-                d_x = rows.mm(weight)
-            d_x = d_x.reshape(x.shape)
+            transposed = stored_transposed(x.reshape(-1, x.shape[-1]))
+            d_x = linear_input_grad(rows, weight, transposed).reshape(x.shape)
         if ctx.needs_input_grad[2]:
             ctx.stand_ins.add(ctx.key, rows, x.reshape(-1, x.shape[-1]))
         if ctx.needs_input_grad[3]:
             d_bias = rows.sum(0)
         return None, d_x, None, d_bias
+
+
+def weight_grad_into(
+    total: torch.Tensor | None, grad: torch.Tensor, inputs: torch.Tensor
+) -> torch.Tensor:
+    """A linear's weight gradient for one chunk, ``grad.t() @ inputs`` (rows of the output's
+    gradient and of the input), made by ``mm`` for chunk 0 and added into ``total`` by
+    ``addmm_`` for each later one (Rules 1 and 3)."""
+    if total is None:
+        return grad.t().mm(inputs)
+    return total.addmm_(grad.t(), inputs)
+
+
+def stored_transposed(inputs: torch.Tensor) -> bool:
+    """Whether a linear's input rows (2-d) are stored transposed (column-major), where
+    autograd's linear makes the input gradient in its transposed form (Rule 2)."""
+    return inputs.stride(0) == 1 and inputs.stride(1) == inputs.shape[0]
+
+
+def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A linear's input gradient from the rows of its output's gradient, as autograd makes it
+    (Rule 2): ``grad @ weight``, or its transposed form for an input stored transposed."""
+    if transposed:
+        return weight.t().mm(grad.t()).t()
+    return grad.mm(weight)
 
 
 def take_grad(leaf: torch.Tensor) -> torch.Tensor | None:

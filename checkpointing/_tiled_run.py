@@ -23,6 +23,7 @@ from ._errors import CheckpointError, describe_value, internal_error
 from ._events import announce_kept, listener
 from ._regions import region_label
 from ._state import ForwardState, enter_span, exit_span, get_device_states
+from ._tiled_gated import GatedMLP
 from ._tiled_grads import StandIns, take_grad
 
 __all__ = ["TiledNode", "TiledRun"]
@@ -141,6 +142,7 @@ class TiledRun:
         self.metadata: list[list[Any]] = []
         self.kind: type | None = None  # Tensor, tuple or list: what the function returned
         self.out_dims: list[int] = []
+        self.gated: GatedMLP | None = None  # a gated MLP's hand-written backward
 
     def _split_length(self, args: tuple[Any, ...]) -> int:
         """The number of positions: every split input's length along ``dim`` (Rule 3)."""
@@ -268,6 +270,18 @@ class TiledRun:
     ) -> list[torch.Tensor | None]:
         """Recompute chunk by chunk and backpropagate each chunk at once (Rules 1, 4, 5, 11)."""
         inputs = _compat.unpack_inputs(self.saved)
+        if self.gated is not None and self.kind is torch.Tensor and self.gated.usable(inputs[0]):
+            got = self.gated.backward(  # NOTE [Tiled gated MLP]
+                inputs[0],
+                grads[0],
+                self.bounds,
+                self.dim,
+                self.states,
+                self.params,
+                (bool(self.grad_args) and needed[0], *needed[len(self.grad_args) :]),
+            )
+            if got is not None:
+                return got if self.grad_args else got[1:]
         if self.params:
             stand_ins = StandIns(self.params, needed[len(self.grad_args) :])
             try:

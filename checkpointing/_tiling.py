@@ -98,6 +98,7 @@ from ._determinism import debug_enabled, metadata_fn_for
 from ._errors import describe_value, internal_error
 from ._options import CheckpointOptions, Tiling
 from ._state import noop_context_fn
+from ._tiled_gated import gated_mlp
 from ._tiled_run import TiledNode, TiledRun
 
 __all__ = [
@@ -287,6 +288,7 @@ def run_tiled(
         params = module_parameters(function)
     run = TiledRun(function, args, kwargs, tiling.dim, tiling.split, tiling.bounds, params, api)
     run.check_values = metadata_fn_for(options.determinism_check) is not None
+    run.gated = gated_mlp(function, args, kwargs, tiling.dim, tiling.split)
     run.probe = debug_enabled(options.debug)
     wants_grad = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     if not torch.is_grad_enabled() or not (wants_grad or params):

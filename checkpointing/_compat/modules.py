@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as checkpoint_wrapper
+from torch.nn.modules import module as module_py
 
 
 def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
@@ -23,6 +24,26 @@ def forward_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     """The forward hooks registered on ``module`` (2.11-2.15: ``nn.Module._forward_hooks``; there
     is no public accessor)."""
     return list(module._forward_hooks.values())
+
+
+def has_module_hooks(module: torch.nn.Module) -> bool:
+    """Whether a forward or backward hook (or pre-hook) would run when ``module`` is called:
+    one of its own, or one registered for every module (2.11-2.15: the ``nn.Module._forward*``
+    and ``_backward*`` dicts, and ``torch.nn.modules.module``'s ``_global_*_hooks`` dicts;
+    there is no public accessor)."""
+    own = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+    )
+    shared = (
+        module_py._global_forward_hooks,
+        module_py._global_forward_pre_hooks,
+        module_py._global_backward_hooks,
+        module_py._global_backward_pre_hooks,
+    )
+    return any(len(hooks) for hooks in (*own, *shared))
 
 
 def remove_forward_hooks(
