@@ -57,7 +57,7 @@ from torch import nn
 
 from . import _compat
 from ._state import ForwardState
-from ._tiled_grads import linear_input_grad, stored_transposed, weight_grad_into
+from ._tiled_grads import kept_as_is, linear_input_grad, stored_transposed, weight_grad_into
 
 __all__ = ["GatedMLP", "gated_mlp"]
 
@@ -204,7 +204,7 @@ class GatedMLP:
         with torch.no_grad():
             gate = F.linear(x, gate_proj.weight, gate_proj.bias)
             up = F.linear(x, up_proj.weight, up_proj.bias)
-        with torch.enable_grad():
+        with torch.enable_grad(), kept_as_is():  # NOTE [Tiled regions], Rule 12
             gate.requires_grad_()
             act = self.act_fn(gate)
         if check and not (act.requires_grad and _reaches_only(act, gate)):

@@ -37,7 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["StandIns", "linear_input_grad", "stored_transposed", "take_grad", "weight_grad_into"]
+__all__ = [
+    "StandIns",
+    "kept_as_is",
+    "linear_input_grad",
+    "stored_transposed",
+    "take_grad",
+    "weight_grad_into",
+]
 
 
 class StandIns(TorchFunctionMode):
@@ -168,3 +175,20 @@ def take_grad(leaf: torch.Tensor) -> torch.Tensor | None:
     engine may then keep it as the parameter's ``.grad`` without a copy)."""
     grad, leaf.grad = leaf.grad, None
     return grad
+
+
+def kept_as_is() -> torch.autograd.graph.saved_tensors_hooks:
+    """The saved-tensors hooks a chunk's recompute saves under (NOTE [Tiled regions], Rule 12):
+    each tensor kept as it is, unseen by outer hooks (that graph lives and dies inside the
+    region's backward)."""
+    return torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpacked_as_is)
+
+
+def _saved_as_is(tensor: torch.Tensor) -> torch.Tensor:
+    """A chunk's save, kept as it is (detached: the tensor itself would be a reference cycle
+    through its ``grad_fn``)."""
+    return tensor.detach()
+
+
+def _unpacked_as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

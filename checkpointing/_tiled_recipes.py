@@ -8,7 +8,9 @@ recipe of their own (``_tiled_head``).
 
 NOTE [Tiled recipes]
   Rule 1. An MLP (``Linear``-activation-``Linear``, SwiGLU's gate and up projections) maps each
-          token alone: tiled along the tokens (``dim=1`` for ``(batch, tokens, hidden)``).
+          token alone: tiled along the tokens (``dim=1`` for ``(batch, tokens, hidden)``). A
+          gated MLP written as Llama's is differentiated by hand (``_tiled_gated``, NOTE [Tiled
+          gated MLP]); any other through the tiled region's per-chunk autograd.
   Rule 2. Experts take the routed tokens flattened, ``(tokens, hidden)``, with each token's
           routing (``top_k_index``, ``top_k_weights``, ``(tokens, k)``): tiled along dim 0,
           every positional input split (a token's expert choice travels with it). Routing
@@ -42,7 +44,10 @@ def tiled_mlp(
 ) -> nn.Module:
     """Checkpoint ``mlp`` as a sequence-tiled region: its forward and recompute run over
     ``chunks`` chunks of tokens (NOTE [Tiled recipes], Rule 1), so its wide intermediate lives
-    one chunk at a time. Returns ``mlp``; ``remove_checkpoint_module(mlp)`` undoes it.
+    one chunk at a time. A gated MLP written as Llama's (``down_proj(act_fn(gate_proj(x)) *
+    up_proj(x))``, ``nn.Linear`` projections, no module hooks) has its backward written by hand:
+    no recompute of its output, each chunk's intermediates freed as soon as they are read.
+    Returns ``mlp``; ``remove_checkpoint_module(mlp)`` undoes it.
 
     Example:
         >>> import torch, checkpointing

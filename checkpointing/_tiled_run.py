@@ -24,7 +24,7 @@ from ._events import announce_kept, listener
 from ._regions import region_label
 from ._state import ForwardState, enter_span, exit_span, get_device_states
 from ._tiled_gated import GatedMLP
-from ._tiled_grads import StandIns, take_grad
+from ._tiled_grads import StandIns, kept_as_is, take_grad
 
 __all__ = ["TiledNode", "TiledRun"]
 
@@ -318,7 +318,7 @@ class TiledRun:
                 else:
                     part[index] = shared[index]
                 leaves.append(part[index])
-            hooks = torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpacked_as_is)
+            hooks = kept_as_is()
             modes = stand_ins if stand_ins is not None else contextlib.nullcontext()
             with torch.enable_grad(), self.states[chunk].restored(), hooks, modes:  # Rule 12
                 outs = self.flatten(self.function(*part, **self.kwargs), chunk, size)
@@ -477,13 +477,3 @@ def _refuse_undeclared(
 
 class _Bypassed(Exception):
     """A recomputed chunk reached a declared parameter itself, not its stand-in (Rule 11)."""
-
-
-def _saved_as_is(tensor: torch.Tensor) -> torch.Tensor:
-    """Rule 12: a chunk's save, kept as it is (detached: the tensor itself would be a reference
-    cycle through its ``grad_fn``)."""
-    return tensor.detach()
-
-
-def _unpacked_as_is(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
