@@ -17,7 +17,7 @@ glossary of the words the code uses, and a check of the map against the imports)
    records (``_kept_span*``), ``_schedule``.
 2. Mechanisms: ``_reentrant``, ``_selective`` and ``policies``, ``_context_fn``, ``_frame`` (the
    non-reentrant checkpoint), ``_host_saves``, ``_keep``, ``_scope``, the tiled regions
-   (``_tiled_run``, ``_tiling``, ``_tiled_grads``, ``_tiled_head``).
+   (``_tiled_run``, ``_tiling``, ``_tiled_grads``, ``_tiled_gated``, ``_tiled_head``).
 3. Front doors: ``_checkpoint``, ``_module``, ``_sequential``, ``_wrappers``, ``_auto_wrap``,
    ``_tiled_recipes``, ``_report``.
 4. The planner, ``_planning``: imported on first use of ``ActivationPlan``,
