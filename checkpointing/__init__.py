@@ -91,7 +91,7 @@ from ._wrappers import (
 )
 
 if _typing.TYPE_CHECKING:  # imported on first use, below
-    from ._planning import ActivationPlan, plan_checkpointing, plan_sweep
+    from ._planning import ActivationPlan, DeviceCosts, plan_checkpointing, plan_sweep
 
 # Not in __all__: torch's private names, for code written against torch's generator (README,
 # "For library authors"): the positional form of 2.13 and the ``fn, args, kwargs`` form of 2.14.
@@ -110,6 +110,7 @@ __all__ = [
     "CheckpointWrapper",
     "Compress",
     "DefaultDeviceType",
+    "DeviceCosts",
     "GraphExecGroup",
     "LayerCost",
     "OffloadStats",
@@ -160,14 +161,16 @@ __all__ = [
 # tests/test_import.py checks that the planner stays out of it).
 _LAZY: dict[str, str] = {
     "ActivationPlan": "._planning",
+    "DeviceCosts": "._planning",
     "plan_checkpointing": "._planning",
     "plan_sweep": "._planning",
 }
 
 
 def __getattr__(name: str) -> _typing.Any:
-    """``checkpointing.ActivationPlan``, ``checkpointing.plan_checkpointing`` and
-    ``checkpointing.plan_sweep``, imported from the planner the first time one is asked for."""
+    """``checkpointing.ActivationPlan``, ``checkpointing.DeviceCosts``,
+    ``checkpointing.plan_checkpointing`` and ``checkpointing.plan_sweep``, imported from the
+    planner the first time one is asked for."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

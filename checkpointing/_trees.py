@@ -20,6 +20,12 @@ Rule 2. A tensor without memory of its own has no key (None), never a made-up on
 Rule 3. A wrapper subclass that wraps exactly one inner tensor (``DTensor``: its local shard,
         per ``__tensor_flatten__``) has its inner tensor's key and size: that is the memory this
         process holds for it. One that wraps several, or none, has no key (Rule 2).
+Rule 4. A step of shapes (the planner's, on fake tensors: NOTE [Planning without memory]) has
+        no memory to name, yet must tell storages apart as a real step would: there
+        ``shape_storage_key`` names a storage by its storage object (the same for every view of
+        it while it lives, a new one once freed: Rule 1's contract, object for pointer) and
+        ``shape_storage_nbytes`` gives the bytes it would take. Only that step's recorder and
+        live-byte count use them: every other caller keeps Rule 2 (no memory, no key).
 """
 
 from __future__ import annotations
@@ -29,9 +35,17 @@ from typing import Any
 
 import torch
 
-from ._compat import tree_leaves
+from ._compat import storage_identity, tree_leaves
 
-__all__ = ["StorageKey", "storage_key", "storage_nbytes", "storage_of", "tensors"]
+__all__ = [
+    "StorageKey",
+    "shape_storage_key",
+    "shape_storage_nbytes",
+    "storage_key",
+    "storage_nbytes",
+    "storage_of",
+    "tensors",
+]
 
 StorageKey = tuple[torch.device, int]
 """A storage's device and data pointer (NOTE [Storage keys])."""
@@ -100,4 +114,29 @@ def storage_nbytes(tensor: torch.Tensor) -> int:
     """The bytes of the storage behind ``tensor`` (views count their whole storage), 0 where it
     has no key (NOTE [Storage keys], Rule 2)."""
     storage = _storage(tensor)
+    return 0 if storage is None else storage.nbytes()
+
+
+def _shape_storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage object behind a dense ``tensor``, memory or not (Rule 4), or None."""
+    if tensor.layout is not torch.strided:
+        return None
+    held = _memory(tensor)
+    if held is None:
+        return None
+    try:
+        return held.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # an invalid python storage
+        return None
+
+
+def shape_storage_key(tensor: torch.Tensor) -> StorageKey | None:
+    """Rule 4: the storage behind ``tensor`` in a step of shapes, by its storage object."""
+    storage = _shape_storage(tensor)
+    return None if storage is None else (tensor.device, storage_identity(storage))
+
+
+def shape_storage_nbytes(tensor: torch.Tensor) -> int:
+    """Rule 4: the bytes the storage behind ``tensor`` takes in a step of shapes."""
+    storage = _shape_storage(tensor)
     return 0 if storage is None else storage.nbytes()

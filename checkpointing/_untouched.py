@@ -18,7 +18,9 @@ __all__ = ["untouched"]
 
 
 @contextlib.contextmanager
-def untouched(modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+def untouched(
+    modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor] = (), values: bool = True
+) -> Iterator[None]:
     """Rule 8: after the block, the modules' buffers and their parameters' ``.grad`` are as they
     were, and so are the CPU RNG state and that of every accelerator the modules or ``inputs``
     are on. A buffer is copied back only where its values changed, so that one a live graph
@@ -27,13 +29,14 @@ def untouched(modules: Sequence[nn.Module], inputs: Sequence[torch.Tensor] = ())
     block under its ``no_sync()``, its switches put back after: its reducer neither counts the
     block's forwards as iterations nor prepares a reduction for them (a static graph's first
     iteration would otherwise be one whose backward never reduces). Shared by the planner's
-    profile and ``checkpoint_sequential``'s measuring pass."""
+    profile and ``checkpoint_sequential``'s measuring pass. ``values=False``: the modules hold
+    fake tensors (the planner's step of shapes), which have no values to compare or put back."""
     parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
     buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
     devices = sorted({t.device.index or 0 for t in (*parameters, *buffers, *inputs) if t.is_cuda})
     replicas = list({id(r): r for m in modules for r in _replicas(m)}.values())
     switches = [(r, r.require_forward_param_sync) for r in replicas]
-    copies = [(b, b.detach().clone()) for b in buffers]
+    copies = [(b, b.detach().clone()) for b in buffers] if values else []
     grads = [(p, p.grad) for p in parameters]
     with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as quiet:
         for replica in replicas:

@@ -1178,6 +1178,23 @@ def _fake_input() -> torch.Tensor:
         return torch.randn(2, 4)
 
 
+class _Routed(torch.nn.Module):
+    """Keeps the rows whose first output is positive: ``nonzero`` reads values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return h[torch.nonzero(h[:, 0] > 0).flatten()].sum(0, keepdim=True) + h
+
+
+def _routed_on_meta() -> torch.nn.Module:
+    with torch.device("meta"):
+        return torch.nn.Sequential(_Routed(), _Routed())
+
+
 def _apply_twice(_: object) -> None:
     model = _blocks()
     plan = _plan(model)
@@ -1199,17 +1216,17 @@ PLANNER_MISTAKES: dict[str, Mistake] = {
         TypeError,
         ("budget must be a float in (0, 1]", "or an int (bytes)", "got 'half'", "Fix"),
     ),
-    "planner: a model on the meta device": Mistake(
+    "planner: a value-dependent op while planning by shapes": Mistake(
+        lambda _: checkpointing.plan_checkpointing(_routed_on_meta(), _fake_input(), budget=0.5),
+        ValueError,
+        ("runs aten.nonzero", "depends on tensor values", "plan on real tensors", "Fix"),
+    ),
+    "planner: an unknown device class": Mistake(
         lambda _: checkpointing.plan_checkpointing(
-            _blocks().to("meta"), torch.randn(2, 4, device="meta"), budget=0.5
+            _blocks(), torch.randn(2, 4), budget=0.5, device="h100"
         ),
         ValueError,
-        ("parameter '0.0.weight' is on the meta device", "empty plan", "to_empty", "Fix"),
-    ),
-    "planner: a fake example input": Mistake(
-        lambda _: checkpointing.plan_checkpointing(_blocks(), _fake_input(), budget=0.5),
-        ValueError,
-        ("an example input is a fake tensor", "not offered", "Fix"),
+        ("device must be None", "'h100-80gb'", "got 'h100'", "Fix"),
     ),
     "planner: no regions": Mistake(
         lambda _: checkpointing.plan_checkpointing(

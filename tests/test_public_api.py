@@ -34,6 +34,7 @@ OWN_NAMES = {
     "CheckpointImpl",
     "CheckpointWrapper",
     "Compress",
+    "DeviceCosts",
     "LayerCost",
     "OffloadStats",
     "OffloadWrapper",

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as checkpoint_wrapper
 from torch.nn.modules import module as module_py
+from torch.nn.utils.stateless import _reparametrize_module
 
 
 def forward_pre_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
@@ -91,3 +92,11 @@ def awaits_first_static_step(replica: torch.nn.parallel.DistributedDataParallel)
     iteration, the one whose reduction it delays to record the graph (2.11-2.15:
     ``DistributedDataParallel._static_graph_delay_allreduce_enqueued``, set by that backward)."""
     return bool(replica.static_graph) and not replica._static_graph_delay_allreduce_enqueued
+
+
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """A context in which ``module``'s parameters and buffers named in ``tensors`` (qualified
+    names) are those tensors, tied weights swapped together, the originals back on exit
+    (2.11-2.15: ``torch.nn.utils.stateless._reparametrize_module``, what ``functional_call``
+    runs in)."""
+    return _reparametrize_module(module, tensors, tie_weights=True)

@@ -17,7 +17,11 @@ from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_co
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper as _dynamo_bypassing_wrapper
 from torch._higher_order_ops.wrap import inductor_compiled_code as inductor_compiled_code
+from torch._subclasses.fake_tensor import DataDependentOutputException as _DataDependent
+from torch._subclasses.fake_tensor import DynamicOutputShapeException as _DynamicShape
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
+from torch._subclasses.fake_tensor import UnsupportedOperatorException as _Unsupported
 from torch._subclasses.functional_tensor import FunctionalTensor as _FunctionalTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -89,6 +93,34 @@ def is_fake_tensor(tensor: object) -> bool:
     """True for a fake tensor: shapes, dtype and a device, no memory (``FakeTensorMode``'s;
     2.11-2.15: ``torch._subclasses.fake_tensor.FakeTensor``)."""
     return isinstance(tensor, _FakeTensor)
+
+
+def fake_mode_of(tensor: object) -> Any:
+    """The ``FakeTensorMode`` a fake tensor belongs to, or None for any other object (2.11-2.15:
+    ``FakeTensor.fake_mode``)."""
+    return tensor.fake_mode if isinstance(tensor, _FakeTensor) else None
+
+
+def new_fake_mode() -> Any:
+    """A ``FakeTensorMode`` that never runs a real kernel: an op without a shape rule raises
+    (``allow_fallback_kernels=False``; the default runs the real kernel on zeros, allocating),
+    and a real tensor met in it becomes a fake one (``allow_non_fake_inputs=True``: the RNG
+    state, a table a model builds from a Python constant)."""
+    return _FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=True)
+
+
+def storage_identity(storage: torch.UntypedStorage) -> int:
+    """The address of the storage object behind a Python ``UntypedStorage`` (its ``_cdata``):
+    the same for every view of one storage while it lives, also where the storage has no
+    memory (meta, fake), whose data pointer is 0 (2.11-2.15)."""
+    return int(storage._cdata)
+
+
+SHAPE_ONLY_ERRORS: tuple[type[Exception], ...] = (_DataDependent, _DynamicShape, _Unsupported)
+"""What a fake tensor's op raises where shapes do not tell the answer: a value read on the host
+(``.item()``, ``bool(tensor)``), an output shape that depends on values (``nonzero``, boolean
+indexing), or an op with no shape rule and no real kernel allowed (2.11-2.15; each carries the
+op as ``.func``)."""
 
 
 def set_traced_node_meta(key: str, value: object) -> None:

@@ -54,7 +54,15 @@ Rule index (each rule in its wing's ``__init__``):
 from __future__ import annotations
 
 from .apply.plan import ActivationPlan, RegionDecision, SpanDecision
+from .measure.costs import DeviceCosts
 from .search import plan_checkpointing
 from .sweep import plan_sweep
 
-__all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "plan_checkpointing", "plan_sweep"]
+__all__ = [
+    "ActivationPlan",
+    "DeviceCosts",
+    "RegionDecision",
+    "SpanDecision",
+    "plan_checkpointing",
+    "plan_sweep",
+]

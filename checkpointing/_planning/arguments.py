@@ -1,24 +1,25 @@
 """The planner's arguments, checked before anything runs: their types and ranges, and the models
 it refuses (one carrying a plan's hooks, a ``DistributedDataParallel`` before its static graph's
-first step, parameters or inputs without memory). Every message names the front door that was
-called (``plan_checkpointing`` or ``plan_sweep``: ``api``). Choosing the regions, and reading the
-budget against the floor, belong to ``search``.
+first step), the device the plan is priced for (``device=``), and whether the step runs on
+shapes (parameters or inputs without memory: NOTE [Planning without memory]). Every message
+names the front door that was called (``plan_checkpointing`` or ``plan_sweep``: ``api``).
+Choosing the regions, and reading the budget against the floor, belong to ``search``.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-from .._compat import awaits_first_static_step, is_fake_tensor
+from .._compat import awaits_first_static_step
 from .._errors import describe_value
-from .._trees import tensors
 from .apply.installed import carries
+from .measure.costs import DEVICE_CLASSES, DeviceCosts, named_costs
+from .measure.shapes import shapes_only
 
-__all__ = ["check_arguments", "refuse_planned_or_static", "refuse_without_memory"]
+__all__ = ["check_arguments", "device_costs", "planned_by_shapes", "refuse_planned_or_static"]
 
 _MSG_BUDGET_TYPE = (
     "checkpointing.{api}: budget must be a float in (0, 1] (a fraction of the "
@@ -60,13 +61,17 @@ _MSG_PLANNED = (
     "profiling would measure the planned step, not the model's own. Fix: plan.remove(model) "
     "with that plan (or a pickled copy of it) before planning again."
 )
-_MSG_NO_MEMORY = (
-    "checkpointing.{api}: {what} is {kind}: it has a shape but no memory, and the "
-    "planner measures one real step (the storages alive, the ops run), so it would see nothing "
-    "kept and return an empty plan. Planning a model without allocating it (for a device this "
-    "machine lacks) is not offered. Fix: materialise the model and the example inputs on a "
-    "device that runs here (model.to_empty(device='cpu'), then initialise the weights) before "
-    "planning."
+_MSG_DEVICE = (
+    "checkpointing.{api}: device must be None (the cost model of the device the "
+    "model's tensors are on), the name of a device class, one of {names}, or a "
+    "checkpointing.DeviceCosts, got {got}. Fix: e.g. device='h100-80gb', or "
+    "device=checkpointing.DeviceCosts(...) with your device's constants."
+)
+_MSG_SHAPES_TIMED = (
+    "checkpointing.{api}: timing_steps={steps} times candidate plans on the model, "
+    "but the model or the example inputs are on the meta device or fake (planning by shapes): "
+    "there is nothing to time. Fix: timing_steps=0 (the predicted plan), or plan on real "
+    "tensors to time the candidates."
 )
 _MSG_STATIC_FIRST = (
     "checkpointing.{api}: {where} is a DistributedDataParallel with "
@@ -93,24 +98,27 @@ def refuse_planned_or_static(model: nn.Module, api: str) -> None:
             raise ValueError(_MSG_STATIC_FIRST.format(api=api, where=where))
 
 
-def refuse_without_memory(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], api: str
-) -> None:
-    """A parameter, buffer or example input on the meta device or fake is refused before
-    anything runs: a step of such tensors allocates nothing, so every plan would read as free."""
-    named = itertools.chain(
-        (f"parameter {name!r}" for name, _ in model.named_parameters()),
-        (f"buffer {name!r}" for name, _ in model.named_buffers()),
-    )
-    owned = itertools.chain(model.parameters(), model.buffers())
-    for what, tensor in itertools.chain(
-        zip(named, owned, strict=True),
-        (("an example input", t) for t in tensors((args, kwargs))),
-    ):
-        if is_fake_tensor(tensor):
-            raise ValueError(_MSG_NO_MEMORY.format(api=api, what=what, kind="a fake tensor"))
-        if tensor.is_meta:
-            raise ValueError(_MSG_NO_MEMORY.format(api=api, what=what, kind="on the meta device"))
+def device_costs(device: object, api: str) -> DeviceCosts | None:
+    """The cost model ``device=`` names (None: the model's device class's, read later)."""
+    if device is None or isinstance(device, DeviceCosts):
+        return device
+    found = named_costs(device) if isinstance(device, str) else None
+    if found is None:
+        raise ValueError(
+            _MSG_DEVICE.format(api=api, names=DEVICE_CLASSES, got=describe_value(device))
+        )
+    return found
+
+
+def planned_by_shapes(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], timing_steps: int, api: str
+) -> bool:
+    """Whether the step runs on shapes (NOTE [Planning without memory], Rule 1): then there is
+    nothing to time (Rule M12), so ``timing_steps`` above 0 is refused before anything runs."""
+    shapes = shapes_only(model, args, kwargs)
+    if shapes and timing_steps:
+        raise ValueError(_MSG_SHAPES_TIMED.format(api=api, steps=timing_steps))
+    return shapes
 
 
 def check_arguments(

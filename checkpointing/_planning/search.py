@@ -12,6 +12,7 @@ deciding to ``solve`` (``solver``), the plan object and installing it to ``apply
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -24,10 +25,11 @@ from torch import nn
 
 from .._module import is_module_checkpointed
 from .apply.plan import ActivationPlan
-from .arguments import check_arguments, refuse_planned_or_static, refuse_without_memory
+from .arguments import check_arguments, device_costs, planned_by_shapes, refuse_planned_or_static
 from .measure.costs import DeviceCosts, costs_for
 from .measure.profile import StepProfile, profile_step, tail_regions
 from .measure.recorded_spans import SpanCost, SpanProfile, span_problems
+from .measure.shapes import shape_step
 from .measure.trials import time_plans
 from .solve.offload_choice import offloads
 from .solve.problem import (
@@ -79,6 +81,7 @@ def plan_checkpointing(
     host_budget: int | None = None,
     objective: ObjectiveName = "time",
     timing_steps: int = 0,
+    device: str | DeviceCosts | None = None,
 ) -> ActivationPlan:
     """Choose what to checkpoint so that the activations kept for backward fit ``budget``.
 
@@ -123,6 +126,13 @@ def plan_checkpointing(
             per op, a checkpointed region's beyond its ops) moved give other plans, each is
             applied and timed on the model for at most this many interleaved steps (one leaves
             once clearly slower) and the fastest is returned; measured, so not deterministic.
+        device: the device the plan is for, whose cost model prices it: None (default): the
+            class of the device the model is on; a name (``"cpu"``, ``"a100-80gb"``,
+            ``"h100-80gb"``, ``"h200"``); or a ``DeviceCosts``. The plan names it
+            (``plan.costs``). With a model on the meta device or of fake tensors (or such
+            inputs), nothing is allocated: the step runs on shapes (see "Planning for a device
+            you do not have" in the docs), and an op that needs values (``.item()``,
+            ``nonzero``) raises ``ValueError`` naming it.
 
     Returns:
         An ``ActivationPlan``: ``print(plan)``, ``plan.apply(model)``, ``plan.remove(model)``,
@@ -154,6 +164,7 @@ def plan_checkpointing(
         host_budget,
         objective,
         timing_steps,
+        device,
     )
     return step.plans([budget])[0]
 
@@ -169,21 +180,36 @@ def profiled(
     host_budget: int | None,
     objective: ObjectiveName,
     timing_steps: int,
+    device: str | DeviceCosts | None = None,
 ) -> Profiled:
     """The arguments checked (each of ``budgets``; ``api`` speaks in the messages), then the
-    step profiled once, ready to be planned at any budget (``Profiled.plans``)."""
+    step profiled once, ready to be planned at any budget (``Profiled.plans``); on shapes where
+    the model or the inputs are on the meta device or fake (NOTE [Planning without memory])."""
     for budget in budgets:
         check_arguments(
             model, budget, example_kwargs, loss_fn, host_budget, objective, timing_steps, api
         )
+    costs = device_costs(device, api)
     refuse_planned_or_static(model, api)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
-    refuse_without_memory(model, args, kwargs, api)
+    shapes = planned_by_shapes(model, args, kwargs, timing_steps, api)
     started = time.perf_counter()
-    named, tail = _regions_and_tail(model, regions, args, kwargs, api)
-    profile = profile_step(model, named, args, kwargs, loss_fn, tail=tail, warmed=regions is None)
-    measured = _Measured.of(profile, objective, len(named), tail, spans=regions is None)
+    steps = shape_step(model, args, kwargs) if shapes else contextlib.nullcontext((args, kwargs))
+    with steps as (step_args, step_kwargs):
+        named, tail = _regions_and_tail(model, regions, step_args, step_kwargs, api, shapes)
+        profile = profile_step(
+            model,
+            named,
+            step_args,
+            step_kwargs,
+            loss_fn,
+            tail=tail,
+            warmed=regions is None,
+            costs=costs,
+            shapes=shapes,
+        )
+    measured = _Measured.of(profile, objective, len(named), tail, regions is None, costs)
     variants = _variants(measured, 1.0, 1.0)
     _log.info(
         "profiled in %.1f s: %d ops in %d regions; solving %d variants",
@@ -250,6 +276,8 @@ class Profiled:
             candidates[0].kept_bytes,
             budget_bytes,
         )
+        for candidate in candidates:  # NOTE [Planning without memory], Rule 4: prices named
+            candidate.costs = self.measured.costs
         chosen = candidates[0]
         if options.timing_steps:  # Rule M12: opt-in, measured: the candidates timed on the model
             chosen = rank_zeros(
@@ -272,6 +300,7 @@ def _regions_and_tail(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     api: str,
+    shapes: bool = False,
 ) -> tuple[list[tuple[str, nn.Module]], int]:
     """The regions (none already checkpointed) and, by default, the tail's modules after them
     (Rule M10: what runs after the blocks is a region too), with how many of them are the
@@ -289,7 +318,7 @@ def _regions_and_tail(
         return named, 0
     tail = [
         (name, module)
-        for name, module in tail_regions(model, named, args, kwargs)
+        for name, module in tail_regions(model, named, args, kwargs, shapes)
         if not is_module_checkpointed(module)
     ]
     return named + tail, len(tail)
@@ -311,11 +340,17 @@ class _Measured:
 
     @classmethod
     def of(
-        cls, profile: StepProfile, objective: ObjectiveName, regions: int, tail: int, spans: bool
+        cls,
+        profile: StepProfile,
+        objective: ObjectiveName,
+        regions: int,
+        tail: int,
+        spans: bool,
+        costs: DeviceCosts | None = None,
     ) -> _Measured:
         trailed = profile.trailed() if spans else None
         ends = range(regions - tail, regions)
-        costs = costs_for(profile.device)
+        costs = costs_for(profile.device) if costs is None else costs
         return cls(profile, costs, profile.objective(objective), trailed, ends, spans)
 
 

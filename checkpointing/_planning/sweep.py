@@ -37,6 +37,7 @@ from torch import nn
 
 from .._errors import describe_value
 from .apply.plan import ActivationPlan
+from .measure.costs import DeviceCosts
 from .search import profiled
 from .solve.problem import ObjectiveName
 
@@ -61,6 +62,7 @@ def plan_sweep(
     host_budget: int | None = None,
     objective: ObjectiveName = "time",
     timing_steps: int = 0,
+    device: str | DeviceCosts | None = None,
 ) -> list[ActivationPlan]:
     """The plan at each of ``budgets``, from one profiled step: ``plan_checkpointing`` at each
     budget, for the price of one call.
@@ -90,6 +92,8 @@ def plan_sweep(
         objective: as for ``plan_checkpointing``; ``plan.cost`` is in its units.
         timing_steps: as for ``plan_checkpointing`` (above 0, each budget's candidates are
             timed on the model).
+        device: as for ``plan_checkpointing`` (the cost model the plans are priced for; a model
+            on the meta device or of fake tensors is planned on shapes).
 
     Returns:
         One ``ActivationPlan`` per budget, in the order of ``budgets``.
@@ -122,5 +126,6 @@ def plan_sweep(
         host_budget,
         objective,
         timing_steps,
+        device,
     )
     return step.plans(chosen)

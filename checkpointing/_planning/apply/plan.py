@@ -23,6 +23,7 @@ from ..._module import checkpoint_module, end_at, is_module_checkpointed, remove
 from ..._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
 from ..._state import is_noop_context_fn, noop_context_fn
 from ..._units import format_bytes, format_flops
+from ..measure.costs import DeviceCosts
 from ..measure.profile import StepProfile
 from ..measure.recorded_spans import SpanCost, SpanKind
 from ..measure.step_profile import RegionProfile
@@ -195,6 +196,9 @@ class ActivationPlan:
             the field.
         solver: ``"exact"``, or ``"grid"``: solved on a byte grid of ``grid_bytes``, as if
             each region's bytes were rounded up to it.
+        costs: the cost model's constants the plan was priced with (``DeviceCosts``: the
+            device class's name, its FLOP rates, bandwidth and per-op costs); None for a plan
+            read from JSON written before plans named them.
     """
 
     def __init__(
@@ -218,6 +222,7 @@ class ActivationPlan:
         peak_bytes: int = 0,
         spans: tuple[SpanDecision, ...] = (),
         cost: float = 0.0,
+        costs: DeviceCosts | None = None,
     ) -> None:
         self.regions = regions
         self.spans = spans
@@ -235,6 +240,7 @@ class ActivationPlan:
         self.peak_bytes = peak_bytes
         self.cost = cost
         self.device = device
+        self.costs = costs
         self.input_shapes = input_shapes
         self._frontier = frontier
         self._model: weakref.ref[nn.Module] | None = None
@@ -256,6 +262,7 @@ class ActivationPlan:
         offload: list[frozenset[int]],
         objective: str,
         span_costs: tuple[SpanCost, ...] = (),
+        costs: DeviceCosts | None = None,
     ) -> ActivationPlan:
         decisions = []
         for index, (region, choice) in enumerate(
@@ -324,6 +331,7 @@ class ActivationPlan:
             + sum(s.recompute_flops for s in spans),
             peak_bytes=predicted_peak(problem, solution.choices),
             cost=recompute_cost(problem, solution.choices),
+            costs=costs,
         )
 
     # -- installing ---------------------------------------------------------------------------
@@ -515,6 +523,8 @@ class ActivationPlan:
             f"smallest reachable: {format_bytes(self.floor_bytes)}; objective: {self.objective}; "
             f"solver: {solver}; device: {self.device}"
         )
+        if self.costs is not None:
+            lines.append(f"priced for {self.costs.describe()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -563,6 +573,7 @@ class ActivationPlan:
                 "regions": [asdict(r) for r in self.regions],
                 "spans": [asdict(s) for s in self.spans],
                 "cost": self.cost,
+                **({} if self.costs is None else {"costs": asdict(self.costs)}),
             }
         )
 
@@ -574,6 +585,8 @@ class ActivationPlan:
         fields, regions = plan_json.read(text)
         decisions = tuple(RegionDecision(**region) for region in regions)
         fields["spans"] = tuple(SpanDecision(**span) for span in fields["spans"])
+        if fields["costs"] is not None:
+            fields["costs"] = DeviceCosts(**fields["costs"])
         for region in decisions:
             for name, _ in (*region.save, *region.offload, *region.skip):
                 resolve_op(name)

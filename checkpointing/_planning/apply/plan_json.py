@@ -193,6 +193,16 @@ _PLAN: Final[dict[str, _Check]] = {
     "frontier": _list(_pair(_count, _number, "a [bytes, ms] pair")),
     "regions": _list(_object(_REGION, _REGION_LATER)),
 }
+_COSTS: Final[dict[str, _Check]] = {
+    "name": _text,
+    "flops_per_second": _number,
+    "float32_flops_per_second": _number,
+    "bytes_per_second": _number,
+    "dispatch_seconds": _number,
+    "policy_seconds_per_op": _number,
+    "frame_seconds_per_op": _number,
+    "span_call_seconds": _number,
+}
 _PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "grid_bytes": (_count, 0),
     "objective": (_text, "time"),
@@ -200,4 +210,5 @@ _PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "peak_bytes": (_count, 0),
     "spans": (_list(_object(_SPAN)), []),
     "cost": (_number, 0.0),
+    "costs": (_object(_COSTS), None),  # the cost model's constants, named (None: not written)
 }

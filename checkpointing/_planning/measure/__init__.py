@@ -9,8 +9,9 @@ the kernels' work buffers (Rule S6); ``costs.py`` prices ops, policies, frames a
 (Rule M8); ``step_profile.py`` holds what the step saw as data and states it as the solver's
 problem; ``recorded_spans.py`` is what the head, the tail and the trails saw and the problems
 with them recorded (Rules M11 and M13); ``trials.py`` times candidate plans on the model, opt-in
-(Rule M12). A model family's quirk (an op the recorder must pass by, a module it must tell
-apart) belongs here. Nothing here installs a plan (``apply``) or chooses one (``solve``).
+(Rule M12); ``shapes.py`` runs the steps on fake tensors for a model on the meta device (NOTE
+[Planning without memory]). A model family's quirk (an op the recorder must pass by, a module it
+must tell apart) belongs here. Nothing here installs a plan (``apply``) or chooses one (``solve``).
 
 Measurements behind the rules are in benchmarks/RESULTS.md ("Planner model: measurements behind
 the rules").
@@ -55,7 +56,9 @@ NOTE [Planner measure]
            step (and runs one forward before it, one plain step after it for the peak, Rule S6): the
            model runs three times at plan time. The constants (one set per device class) are
            measured by ``benchmarks/planner.py --cost-model``; their values, machine and date are in
-           RESULTS.md.
+           RESULTS.md. The named accelerators' (``device="h100-80gb"``...) FLOP rates and bandwidths
+           are their vendor's datasheet peaks, for plans made for a device this machine lacks;
+           matrix work in float32 is priced at the class's float32 rate.
   Rule M9. Early stop. A checkpoint's frame has a holder for every tensor autograd saves in the
            region (parameters included) and its recompute stops once the last is filled (NOTE
            [Nestable checkpoint]); an op's inputs are saved before it runs, its outputs after. The

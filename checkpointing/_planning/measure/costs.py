@@ -10,18 +10,20 @@ belongs to ``profile``, weighing seconds against FLOPs to ``problem`` (``Objecti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
-__all__ = ["DeviceCosts", "costs_for", "op_seconds"]
+__all__ = ["DEVICE_CLASSES", "DeviceCosts", "costs_for", "named_costs", "op_seconds"]
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceCosts:
-    """The cost model's constants for one device class (Rule M8)."""
+    """The cost model's constants for one device class (Rule M8): what
+    ``plan_checkpointing(..., device=...)`` prices a plan with, by name (``"h100-80gb"``) or
+    as such an object of the caller's own; the plan names them (``plan.costs``)."""
 
     flops_per_second: float
-    """Matrix work: what a large ``mm`` achieves."""
+    """Matrix work in a 16-bit type (bfloat16, float16): what a large ``mm`` achieves."""
     bytes_per_second: float
     """Memory traffic: what a large elementwise op reads plus writes per second."""
     dispatch_seconds: float
@@ -34,11 +36,28 @@ class DeviceCosts:
     the frame, its holders, the recompute's graph (Rule M12)."""
     span_call_seconds: float
     """What recording one span call costs beyond its ops (Rule M11)."""
+    name: str = "custom"
+    """The device class, as ``device=`` names it."""
+    float32_flops_per_second: float = 0.0
+    """Matrix work in float32 (and float64); 0: at ``flops_per_second``."""
 
-    def op(self, flops: int, nbytes: int) -> float:
-        """Rule M8: the predicted seconds of one op call."""
+    def op(self, flops: int, nbytes: int, float32: bool = False) -> float:
+        """Rule M8: the predicted seconds of one op call (``float32``: its matrix work is in
+        float32 or float64)."""
+        rate = self.float32_flops_per_second if float32 else 0.0
         return (
-            self.dispatch_seconds + flops / self.flops_per_second + nbytes / self.bytes_per_second
+            self.dispatch_seconds
+            + flops / (rate or self.flops_per_second)
+            + nbytes / self.bytes_per_second
+        )
+
+    def describe(self) -> str:
+        """The constants in words, for a plan's table."""
+        wide = self.float32_flops_per_second or self.flops_per_second
+        return (
+            f"{self.name}: {self.flops_per_second / 1e12:g} TFLOP/s in 16-bit types, "
+            f"{wide / 1e12:g} in float32, {self.bytes_per_second / 1e9:g} GB/s, "
+            f"{self.dispatch_seconds * 1e6:g} us per op"
         )
 
 
@@ -52,10 +71,12 @@ _CPU: Final = DeviceCosts(
     policy_seconds_per_op=20e-6,
     frame_seconds_per_op=15e-6,
     span_call_seconds=280e-6,
+    name="cpu",
 )
 # Accelerators: not measured by this project's machines; the orders of magnitude of a recent
 # data-centre GPU (hundreds of TFLOP/s of matrix work, a few TB/s, ~10 us per launch from Python),
-# the Python-side prices as on the CPU (the modes run on the host).
+# the Python-side prices as on the CPU (the modes run on the host). The class of a plan made on an
+# accelerator whose class is not named below.
 _ACCELERATOR: Final = DeviceCosts(
     flops_per_second=4.0e14,
     bytes_per_second=2.0e12,
@@ -63,13 +84,57 @@ _ACCELERATOR: Final = DeviceCosts(
     policy_seconds_per_op=_CPU.policy_seconds_per_op,
     frame_seconds_per_op=_CPU.frame_seconds_per_op,
     span_call_seconds=_CPU.span_call_seconds,
+    name="accelerator",
 )
+# Named accelerators, for plans made for a device this machine lacks (NOTE [Planning without
+# memory]). The FLOP rates and bandwidths are NVIDIA's datasheet peaks: dense tensor-core BF16
+# (the sheets print twice that "with sparsity"), FP32 without tensor cores (torch's default:
+# float32 matmuls do not use TF32), HBM bandwidth of the SXM boards. Peaks, not what a kernel
+# achieves: every plan is priced alike, so the comparison between plans stands. The dispatch and
+# Python-side prices are the accelerator estimate's above, not measured on these devices.
+_NAMED: Final = {
+    costs.name: costs
+    for costs in (
+        _CPU,
+        # A100 80GB SXM: BF16 312 TFLOPS, FP32 19.5 TFLOPS, HBM2e 2,039 GB/s.
+        replace(
+            _ACCELERATOR,
+            name="a100-80gb",
+            flops_per_second=312e12,
+            float32_flops_per_second=19.5e12,
+            bytes_per_second=2.039e12,
+        ),
+        # H100 SXM5 80GB: BF16 989 TFLOPS (1,979 with sparsity), FP32 67 TFLOPS, HBM3 3.35 TB/s.
+        replace(
+            _ACCELERATOR,
+            name="h100-80gb",
+            flops_per_second=989e12,
+            float32_flops_per_second=67e12,
+            bytes_per_second=3.35e12,
+        ),
+        # H200 SXM 141GB: BF16 989 TFLOPS (1,979 with sparsity), FP32 67 TFLOPS, HBM3e 4.8 TB/s.
+        replace(
+            _ACCELERATOR,
+            name="h200",
+            flops_per_second=989e12,
+            float32_flops_per_second=67e12,
+            bytes_per_second=4.8e12,
+        ),
+    )
+}
+DEVICE_CLASSES: Final = tuple(_NAMED)
+"""The names ``device=`` accepts."""
 
 
 def costs_for(device: str) -> DeviceCosts:
     """The constants of ``device``'s class (``"cpu"``, ``"cuda:0"``...): the CPU's or an
     accelerator's."""
     return _CPU if device.split(":")[0] == "cpu" else _ACCELERATOR
+
+
+def named_costs(name: str) -> DeviceCosts | None:
+    """The constants of the device class ``name`` (one of ``DEVICE_CLASSES``), or None."""
+    return _NAMED.get(name)
 
 
 def op_seconds(device: str, flops: int, nbytes: int) -> float:

@@ -23,6 +23,10 @@ NOTE [Live bytes]
           compares with that region's working set (NOTE [Planner solve], Rule S6).
   Rule 4. An op whose kernel holds work buffers while it runs (``scratch``: the CPU attention
           kernels) is counted at its outputs plus those buffers, at that instant only.
+  Rule 5. A step of fake tensors (NOTE [Planning without memory]) is counted by the same mode,
+          on any device, a storage keyed by its storage object instead of its pointer (NOTE
+          [Storage keys], Rule 4): the bytes its storages would take while they live, no
+          allocator read.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._compat import TorchDispatchMode, tree_leaves
+from ..._compat import TorchDispatchMode, storage_identity, tree_leaves
 from ..._trees import storage_of
 from .scratch import scratch_bytes
 
@@ -53,11 +57,25 @@ def _storage(leaf: object) -> torch.UntypedStorage | None:
     return storage_of(leaf)  # a DTensor's local shard's; None for an invalid python storage
 
 
+def _shape_storage(leaf: object) -> torch.UntypedStorage | None:
+    """Rule 5: the storage object behind a dense tensor of a step of shapes, else None."""
+    if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
+        return None
+    return leaf.untyped_storage()
+
+
+def _pointer(storage: torch.UntypedStorage) -> int:
+    return storage.data_ptr()
+
+
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages ops return, while they live (See NOTE [Live bytes])."""
 
-    def __init__(self, regions: int = 0) -> None:
+    def __init__(self, regions: int = 0, shapes: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        # Rule 5: a step of shapes keys its storages by their objects, on any device.
+        self._storage = _shape_storage if shapes else _storage
+        self._pointer = storage_identity if shapes else _pointer
         self._lock = threading.Lock()
         # data pointer -> (bytes, the weak reference that reports its free): Rule 1.
         self._counted: dict[int, tuple[int, weakref.ref[torch.UntypedStorage]]] = {}
@@ -104,10 +122,11 @@ class _LiveBytes(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {s.data_ptr() for leaf in tree_leaves((args, kwargs)) if (s := _storage(leaf))}
+        found = self._storage
+        inputs = {self._pointer(s) for leaf in tree_leaves((args, kwargs)) if (s := found(leaf))}
         for leaf in tree_leaves(out):
-            storage = _storage(leaf)
-            if storage is not None and storage.data_ptr() not in inputs:
+            storage = found(leaf)
+            if storage is not None and self._pointer(storage) not in inputs:
                 self._count(storage)
         scratch = scratch_bytes(func, args, kwargs or {})
         if scratch:  # Rule 4: held inside the call, with its outputs
@@ -115,7 +134,7 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
     def _count(self, storage: torch.UntypedStorage) -> None:
-        pointer, size = storage.data_ptr(), storage.nbytes()
+        pointer, size = self._pointer(storage), storage.nbytes()
         with self._lock:
             if pointer in self._counted:
                 return
@@ -162,20 +181,24 @@ class Peaks:
 
 
 def step_peaks(
-    run: Callable[[], None], device: torch.device, regions: Sequence[nn.Module]
+    run: Callable[[], None],
+    device: torch.device,
+    regions: Sequence[nn.Module],
+    shapes: bool = False,
 ) -> Peaks:
     """The peaks of the training step ``run()`` on ``device``: CPU, counted by the mode (with
-    ``regions``' backward windows, Rule 3); CUDA, the allocator's peak; other devices, 0."""
-    if device.type == "cuda":
+    ``regions``' backward windows, Rule 3); CUDA, the allocator's peak; other devices, 0. A
+    step of shapes (``shapes``) is counted by the mode on any device (Rule 5)."""
+    if device.type == "cuda" and not shapes:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         run()
         torch.cuda.synchronize(device)
         return Peaks(max(0, torch.cuda.max_memory_allocated(device) - before))
-    if device.type != "cpu":
+    if device.type != "cpu" and not shapes:
         return Peaks(0)
-    mode = _LiveBytes(len(regions))
+    mode = _LiveBytes(len(regions), shapes)
     handles = []
     try:
         for index, module in enumerate(regions):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..._kv_caches import dropping_caches
-from ..._trees import storage_key, tensors
+from ..._trees import shape_storage_key, storage_key, tensors
 from ..._untouched import untouched
 from .costs import DeviceCosts, costs_for
 from .live_bytes import step_peaks
@@ -45,6 +45,7 @@ def tail_regions(
     blocks: Sequence[tuple[str, nn.Module]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    shapes: bool = False,
 ) -> list[tuple[str, nn.Module]]:
     """Rule M10: the modules the model calls after its last block (a Llama's final norm and LM
     head), outermost first in call order: every call of one starts after the blocks' last call
@@ -71,7 +72,7 @@ def tail_regions(
     try:
         # NOTE [Key/value caches], Rule 2: the blocks run as the profile and the plan run them.
         with (
-            untouched([model], inputs),
+            untouched([model], inputs, values=not shapes),
             torch.enable_grad(),
             torch.inference_mode(False),
             dropping_caches(m for _, m in blocks),
@@ -100,34 +101,38 @@ def profile_step(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     tail: int = 0,
     warmed: bool = False,
+    costs: DeviceCosts | None = None,
+    shapes: bool = False,
 ) -> StepProfile:
     """Record one step (after one forward that warms the model up, unless ``warmed``: the
     caller ran one, ``tail_regions``) and run one more for the peak (Rule S6): the model runs
-    three times. Op prices are the cost model's (Rule M8). The model is left as found (Rule M7)."""
+    three times. Op prices are the cost model's (Rule M8): ``costs``, else the model's device
+    class's. ``shapes``: the tensors are fake (NOTE [Planning without memory]). The model is
+    left as found (Rule M7)."""
     inputs = list(tensors((args, kwargs)))
-    leaves = {
-        key
-        for t in (*model.parameters(), *model.buffers(), *inputs)
-        if (key := storage_key(t)) is not None
-    }
+    key = shape_storage_key if shapes else storage_key
+    leaves = {found for t in (*model.parameters(), *model.buffers(), *inputs) if (found := key(t))}
     wrt, device, _synchronize = step_setting(model, inputs)
-    costs = costs_for(str(device))
+    costs = costs_for(str(device)) if costs is None else costs
     # Rule M7: the profiled steps train, so grad is on whatever the caller's mode (restored after).
     # NOTE [Key/value caches], Rule 2: every region runs without the caches it is handed.
     with (
-        untouched([model], inputs),
+        untouched([model], inputs, values=not shapes),
         torch.enable_grad(),
         torch.inference_mode(False),
         dropping_caches(m for _, m in regions),
     ):
         if not warmed:  # first calls may build what later ones reuse (a rotary table)
             model(*args, **kwargs)
-        step = record_step(model, regions, args, kwargs, loss_fn, leaves, wrt, costs, tail)
+        step = record_step(model, regions, args, kwargs, loss_fn, leaves, wrt, costs, tail, shapes)
         profile = _combine(step, input_shapes(args, kwargs), str(device), costs)
         for region, (_name, module) in zip(profile.regions, regions, strict=True):
             region.grad_bytes = sum(p.nbytes for p in module.parameters() if p.requires_grad)
         peaks = step_peaks(  # Rule S6
-            lambda: plain_step(model, args, kwargs, loss_fn, wrt), device, [m for _, m in regions]
+            lambda: plain_step(model, args, kwargs, loss_fn, wrt),
+            device,
+            [m for _, m in regions],
+            shapes,
         )
         profile.peak_bytes = peaks.step
         for region, peak in zip(profile.regions, peaks.regions, strict=False):

@@ -23,7 +23,14 @@ from ... import _compat
 from ..._scope.ops import written_tensors
 from ..._selective import SAC_IGNORED_OPS, draws_random, is_collective, may_skip, reads_values
 from ..._state import ForwardState
-from ..._trees import StorageKey, storage_key, storage_nbytes, tensors
+from ..._trees import (
+    StorageKey,
+    shape_storage_key,
+    shape_storage_nbytes,
+    storage_key,
+    storage_nbytes,
+    tensors,
+)
 from .costs import DeviceCosts
 from .flops import op_flops
 from .kept_span_watch import SpanWatch
@@ -61,7 +68,11 @@ class _Step:
         leaves: set[StorageKey],
         costs: DeviceCosts,
         tail: int = 0,
+        shapes: bool = False,
     ):
+        # NOTE [Storage keys], Rule 4: a step of shapes names storages by their objects.
+        self.key = shape_storage_key if shapes else storage_key
+        self.nbytes = shape_storage_nbytes if shapes else storage_nbytes
         self.leaves = leaves
         self.costs = costs
         self.forward_seconds = 0.0  # every op's predicted seconds, in the regions or not
@@ -92,14 +103,14 @@ class _Step:
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule M2)."""
-        key = storage_key(tensor)
+        key = self.key(tensor)
         return None if key is None else self.ids.get(key)
 
     def forget(self, memory: Iterator[torch.Tensor]) -> None:
         """Rule M15: what a sharding op made or filled is a parameter or a buffer of the
         sharding's, never an activation, whatever id its address had."""
         for tensor in memory:
-            key = storage_key(tensor)
+            key = self.key(tensor)
             if key is not None:
                 self.ids.pop(key, None)
 
@@ -195,22 +206,23 @@ class _Step:
         """Record one op: its fresh storages get ids (Rule M1); its kind (Rules M4-M6); its
         predicted seconds (Rule M8); what it reads and whether the replay may skip it (Rule S8)."""
         arguments = list(tensors((args, kwargs)))
-        inputs = {storage_key(t) for t in arguments}
+        inputs = {self.key(t) for t in arguments}
         fresh: list[int] = []
         every_fresh = True  # every output in a storage of its own
         for tensor in tensors(out):
-            key = storage_key(tensor)
+            key = self.key(tensor)
             if key is None or key in inputs or key in self.leaves:
                 every_fresh = False
                 continue
             storage = self.ids[key] = len(self.storage_bytes)  # a reused address: a new id
-            self.storage_bytes[storage] = storage_nbytes(tensor)
+            self.storage_bytes[storage] = self.nbytes(tensor)
             fresh.append(storage)
         flops = op_flops(func, args, kwargs, out)
         random = draws_random(func, args, kwargs)
         mutates = _compat.op_mutates_inputs(func)
         writes = not random and mutates
-        seconds = self.costs.op(flops, _moved_bytes(func, arguments, inputs, out, mutates))
+        moved = _moved_bytes(func, arguments, inputs, out, mutates, self.key)
+        seconds = self.costs.op(flops, moved, _float32(arguments))
         self.forward_seconds += seconds
         if self.span is not None:
             # Every argument of an op without a schema (a higher-order one) counts as written.
@@ -248,7 +260,7 @@ class _Step:
         elif fresh:
             kind = "unit"
         else:  # Rule S8: a view only where every output shares an input's storage
-            outs = [storage_key(t) for t in tensors(out)]
+            outs = [self.key(t) for t in tensors(out)]
             kind = "view" if outs and all(k is not None and k in inputs for k in outs) else "none"
         # Rule S8: where the replay's blanks may stand for the outputs, as its mode decides
         # (NOTE [Selective checkpoint cache], Rule 14), effect ops (which it keeps) aside.
@@ -308,16 +320,24 @@ def _moved_bytes(
     inputs: set[StorageKey | None],
     out: Any,
     mutates: bool,
+    key: Callable[[torch.Tensor], StorageKey | None],
 ) -> int:
     """Rule M8: the bytes an op reads and writes: its tensor arguments' elements (none for the
     ops that read only metadata, ``empty_like``) and its outputs' (those in storages of their
     own, or, in place, those it writes); none for a view or an op without a tensor output."""
     outputs = list(tensors(out))
-    written = [t for t in outputs if mutates or storage_key(t) not in inputs]
+    written = [t for t in outputs if mutates or key(t) not in inputs]
     if not written:
         return 0
     read = sum(_nbytes(t) for t in arguments) if reads_values(func) else 0
     return read + sum(_nbytes(t) for t in written)
+
+
+def _float32(arguments: list[torch.Tensor]) -> bool:
+    """Whether an op's matrix work runs at the device's float32 rate (Rule M8): its first
+    floating-point argument is 32- or 64-bit."""
+    first = next((t for t in arguments if t.is_floating_point()), None)
+    return first is not None and first.element_size() >= 4
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -334,9 +354,11 @@ def record_step(
     wrt: list[torch.Tensor],
     costs: DeviceCosts,
     tail: int = 0,
+    shapes: bool = False,
 ) -> _Step:
-    """One forward+backward under the recorder; gradients go nowhere (``autograd.grad``)."""
-    step = _Step(regions, leaves, costs, tail)
+    """One forward+backward under the recorder; gradients go nowhere (``autograd.grad``).
+    ``shapes``: the tensors are fake (NOTE [Planning without memory])."""
+    step = _Step(regions, leaves, costs, tail, shapes)
     handles = []
     for index, (name, module) in enumerate(regions):
         handles.append(
