@@ -55,6 +55,7 @@ SIZE: dict[str, Any] = {  # the Hugging Face decoders beside the Llama workload
     "max_position_embeddings": 256,
     "use_cache": False,
 }
+TOKENS = {"bos_token_id": 0, "eos_token_id": 0}  # inside the small vocabulary (GPT-2's 50256 warns)
 
 
 def gpt_neox_workload() -> Any:
@@ -63,7 +64,7 @@ def gpt_neox_workload() -> Any:
 
     torch.manual_seed(5)
     config = transformers.GPTNeoXConfig(
-        **SIZE, intermediate_size=1024, hidden_dropout=0.1, attention_dropout=0.1
+        **SIZE, intermediate_size=1024, hidden_dropout=0.1, attention_dropout=0.1, **TOKENS
     )
     model = transformers.GPTNeoXForCausalLM(config).train()
     ids = torch.randint(1024, (2, 128), generator=torch.Generator().manual_seed(1))
@@ -77,7 +78,7 @@ def gpt2_workload() -> Any:
 
     torch.manual_seed(6)
     config = transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=8, n_positions=256, vocab_size=1024, use_cache=False
+        n_layer=4, n_embd=256, n_head=8, n_positions=256, vocab_size=1024, use_cache=False, **TOKENS
     )
     model = transformers.GPT2LMHeadModel(config).train()
     ids = torch.randint(1024, (2, 128), generator=torch.Generator().manual_seed(1))

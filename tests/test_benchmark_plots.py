@@ -5,6 +5,7 @@ picture fails here (drawing itself needs matplotlib, which the test group leaves
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -65,3 +66,24 @@ def test_planner_plot_reads_both_workloads_of_the_recorded_tables() -> None:
         assert all(kept <= budget * base for budget, kept, _ in plans)
         assert list(at_hand) == hand_names
         assert all(at_hand[name][0] <= hands[name][0] for name in hand_names)
+
+
+def test_sweep_plot_reads_every_family_of_the_recorded_tables() -> None:
+    """The budget sweep's six families: 12 plans each, from budget 1.0 (kept bytes 1.0) down to
+    the floor, each keeping at most its budget (measured against the predicted baseline: a
+    rounding's worth of slack) and no more than the wider budget's plan; the hand strategies
+    (full checkpointing among them), each at its kept bytes and step time."""
+    panels = _load("planner_sweep").recorded_panels()
+    assert len(panels) == 6
+    for key, plans, hands in panels:
+        assert len(plans) == 12, key
+        budgets = [budget for budget, _, _ in plans]
+        assert budgets[0] == 1.0
+        assert budgets == sorted(budgets, reverse=True)
+        assert plans[0][1] == 1.0
+        assert all(kept <= budget + 0.002 for budget, kept, _ in plans), key
+        assert all(b[1] <= a[1] for a, b in itertools.pairwise(plans)), key
+        assert all(time > 0 for _, _, time in plans)
+        assert "full" in hands, key
+        assert set(hands) <= set(_load("planner").HAND), key
+        assert all(0 < kept <= 1 and time > 0 for kept, time in hands.values()), key

@@ -77,30 +77,29 @@ def _sweep(step: Step, budgets: list[float | int], objective: str = "time") -> l
 
 
 def _assert_promise(step: Step, objective: str) -> None:
-    """Rule 2 over ``POINTS`` budgets from the floor to 1.0, in bytes and as fractions (one
-    sweep each, the largest first, one budget repeated)."""
+    """Rule 2 over ``POINTS`` budgets from the floor to 1.0, in bytes and as fractions (each
+    list from the largest down, in one sweep with one budget repeated)."""
     widest = _sweep(step, [1.0], objective)[0]
     floor, baseline = widest.floor_bytes, widest.baseline_bytes
     assert 0 < floor < baseline
     in_bytes = [baseline - (baseline - floor) * i // (POINTS - 1) for i in range(POINTS)]
     low = min(1.0, (floor + 1) / baseline)  # a share whose bytes round to the floor or above
     shares = [1.0 - (1.0 - low) * i / (POINTS - 1) for i in range(POINTS)]
-    for budgets in (in_bytes, shares):
-        plans = _sweep(step, [*budgets, budgets[4]], objective)
-        assert plans[-1] == plans[4], "the same budget gave two plans"
-        plans = plans[:-1]
-        limits = [plan.budget_bytes for plan in plans]
+    plans = _sweep(step, [*in_bytes, *shares, in_bytes[4]], objective)
+    assert plans[-1] == plans[4], "the same budget gave two plans"
+    for budgets, swept in ((in_bytes, plans[:POINTS]), (shares, plans[POINTS:-1])):
+        limits = [plan.budget_bytes for plan in swept]
         assert limits == [b if isinstance(b, int) else int(b * baseline) for b in budgets]
         assert limits[-1] >= floor
-        for plan in plans:
+        for plan in swept:
             assert plan.kept_bytes <= plan.budget_bytes, plan
             assert (plan.floor_bytes, plan.baseline_bytes) == (floor, baseline)
-        for wider, narrower in itertools.pairwise(plans):
+        for wider, narrower in itertools.pairwise(swept):
             where = f"budget {wider.budget_bytes:,} then {narrower.budget_bytes:,}"
             assert narrower.kept_bytes <= wider.kept_bytes, f"kept bytes rose: {where}"
             assert narrower.cost >= wider.cost, f"predicted cost fell: {where}"
-        assert plans[0].kept_bytes == baseline
-        assert plans[0].cost == plans[0].recompute_ms == 0
+        assert swept[0].kept_bytes == baseline
+        assert swept[0].cost == swept[0].recompute_ms == 0
 
 
 @pytest.mark.parametrize("objective", ["time", "flops"])
