@@ -21,9 +21,9 @@ NOTE [Budget sweep]
           recompute milliseconds at a smaller budget and still cost more. Why it holds: the
           solver's least cost at a budget is over choices whose set only grows with the budget,
           ties going to fewer bytes (Rule S5), and the cheapest span variant that fits is kept
-          (Rule M11); the exact-bytes finish of Rule S5 is greedy, so this is a tested property,
-          not a proof (40-point sweeps of the benchmark's W2, decoder and tiny Llama hold it
-          too). With ``timing_steps > 0`` the plans are measured choices and promise only the
+          (Rule M11); the exact-bytes finish of Rule S5 is greedy, so the monotone parts are a
+          tested property, not a proof (finer sweeps: benchmarks/RESULTS.md, "The plan across a
+          budget sweep"). With ``timing_steps > 0`` the plans are measured choices and promise only the
           bytes.
 """
 
