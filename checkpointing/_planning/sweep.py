@@ -23,8 +23,8 @@ NOTE [Budget sweep]
           ties going to fewer bytes (Rule S5), and the cheapest span variant that fits is kept
           (Rule M11); the exact-bytes finish of Rule S5 is greedy, so the monotone parts are a
           tested property, not a proof (finer sweeps: benchmarks/RESULTS.md, "The plan across a
-          budget sweep"). With ``timing_steps > 0`` the plans are measured choices and promise only the
-          bytes.
+          budget sweep"). With ``timing_steps > 0`` the plans are measured choices and promise
+          only the bytes.
 """
 
 from __future__ import annotations
