@@ -549,6 +549,7 @@ class _Sizes:
 
 
 def _slot_sizes(model: _Model, unit: float, slots: int) -> _Sizes:
+    """The sizes the table compares, in slots of ``unit`` bytes (Rule 5: rounded up)."""
     n = len(model.costs)
 
     def tensor(values: list[Any]) -> torch.Tensor:
