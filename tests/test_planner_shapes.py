@@ -97,6 +97,36 @@ def test_the_shaped_plan_applies_to_the_real_twin_and_trains() -> None:
     assert report.activation_bytes == plan.kept_bytes <= plan.budget_bytes
 
 
+def test_tied_weights_and_a_real_model_given_a_meta_input() -> None:
+    """Rule 1: tied weights (the LM head's the embedding's) are swapped as one, and a real model
+    given a meta input is planned on shapes too: both as the real model's plan; the tie and
+    the meta weights are as found after. Fake tensors of two modes are refused."""
+    torch.manual_seed(0)
+    real, tokens = TinyLlama(depth=2), torch.randint(0, 64, (2, 16))
+    real.head.weight = real.embed.weight
+    with torch.device("meta"):
+        meta = TinyLlama(depth=2)
+    meta.head.weight = meta.embed.weight
+    plan = checkpointing.plan_checkpointing(real, tokens, budget=0.5, loss_fn=llama_loss)
+    shaped = checkpointing.plan_checkpointing(
+        meta, tokens.to("meta"), budget=0.5, loss_fn=llama_loss
+    )
+    _same_plan(plan, shaped)
+    assert meta.head.weight is meta.embed.weight
+    assert meta.head.weight.is_meta
+    given_meta = checkpointing.plan_checkpointing(
+        real, tokens.to("meta"), budget=0.5, loss_fn=llama_loss
+    )
+    _same_plan(plan, given_meta)
+    assert not any(p.is_meta for p in real.parameters())
+    with FakeTensorMode():
+        fake_tokens = torch.empty(2, 16, dtype=torch.long)
+    with FakeTensorMode():
+        fake = TinyLlama(depth=2)
+    with pytest.raises(ValueError, match="more than one FakeTensorMode"):
+        checkpointing.plan_checkpointing(fake, fake_tokens, budget=0.5, loss_fn=llama_loss)
+
+
 class _Routed(nn.Module):
     """A block whose step reads values: ``nonzero`` picks rows, or ``.item()`` scales."""
 
