@@ -12,13 +12,14 @@ Usage (from the repository root)::
     PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
     python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
 
-Method. One thread. Hand policies: full checkpointing, ``save_matmuls``, every second matmul
-saved, every n-th layer checkpointed (n = 2, 3, 4), each installed with ``checkpoint_module`` per
-block; plans at budgets 0.1 ... 0.9 of the bytes kept without checkpointing. Every configuration
-runs on its own copy of the model, installed once (no install or warm-up between samples). Kept
-bytes: ``saved_tensors_report().activation_bytes`` of one step (the count the planner plans with:
-every storage ops made in the step, dropout masks included); a hand policy *fits* a budget when
-its measured bytes are at most the plan's budget in bytes.
+Method. One thread. Hand policies: full checkpointing, ``save_matmuls``, ``save_attention``, every
+second matmul saved, every n-th layer checkpointed (n = 2, 3, 4), each installed with
+``checkpoint_module`` per block (``HAND``; ``hand_prices``: each in the planner's own terms,
+priced by its cost model); plans at budgets 0.1 ... 0.9 of the bytes kept without checkpointing.
+Every configuration runs on its own copy of the model, installed once (no install or warm-up
+between samples). Kept bytes: ``saved_tensors_report().activation_bytes`` of one step (the count
+the planner plans with: every storage ops made in the step, dropout masks included); a hand
+policy *fits* a budget when its measured bytes are at most the plan's budget in bytes.
 
 Time: a sample is one step's CPU time (``time.process_time``) after ``gc.collect()`` (the
 objects made during setup frozen first, so that collection stays short); every configuration
@@ -41,8 +42,9 @@ first on ``PYTHONPATH``), in the same quads beside the same A/A control (``--qua
 24 rounds): the "step time no slower than the previous planner's" check.
 
 ``--compile`` (slow: inductor compiles each model once per budget; no timing then): W2, a tiny
-Hugging Face Llama, a GPT-2-style decoder with dropout and a small ViT (``--workloads``), each
-under ``torch.compile`` (inductor) at ``activation_memory_budget`` 1.0, 0.7, 0.5, 0.3 and 0.2,
+Hugging Face Llama, a GPT-2-style decoder with dropout, a small ViT and a tiny Hugging Face
+GPT-NeoX with hidden dropout (``--workloads``), each under ``torch.compile`` (inductor) at
+``activation_memory_budget`` 1.0, 0.7, 0.5, 0.3 and 0.2 (``--compile-budgets``),
 and beside each, our plans at the bytes the compiled step kept: ``objective="flops"`` at those
 bytes and at 2 % more (the target's tolerance), ``objective="time"`` at those bytes. For each:
 the bytes kept for backward, and the FLOPs recomputed: a plain FLOP-counting dispatch mode over
@@ -83,6 +85,7 @@ from checkpointing._planning.measure.flops import FlopCount
 from checkpointing._planning.measure.profile import profile_step, tail_regions
 from checkpointing._planning.measure.recorded_spans import span_problems
 from checkpointing._planning.search import _cheapest, find_regions
+from checkpointing._planning.solve.problem import Choice, Problem, kept_bytes, recompute_cost
 from checkpointing._planning.solve.solver import baseline_bytes, floor_bytes
 from checkpointing._selective import SAC_IGNORED_OPS, CheckpointPolicy
 
@@ -169,11 +172,85 @@ def no_checkpoint(model: nn.Module) -> None:
 HAND: dict[str, Installer] = {
     "full": blocks_policy(),
     "save_matmuls": blocks_policy(policies.as_context_fn(policies.save_matmuls())),
+    "save_attention": blocks_policy(policies.as_context_fn(policies.save_attention())),
     "every 2nd matmul": blocks_policy(every_second_matmul),
     "every 2 layers": blocks_policy(every=2),
     "every 3 layers": blocks_policy(every=3),
     "every 4 layers": blocks_policy(every=4),
 }
+
+
+def _whole_every(every: int) -> Callable[[Problem, int], Choice]:
+    return lambda problem, block: Choice(block % every == 0)
+
+
+def _keeping(ops: frozenset[str], nth: int = 1) -> Callable[[Problem, int], Choice]:
+    """A selective policy on the block: keep every ``nth`` output of ``ops`` (counted within
+    the block, as ``EverySecondMatmul`` counts), recompute the rest; it skips nothing."""
+
+    def choose(problem: Problem, block: int) -> Choice:
+        units = problem.regions[block].units
+        matching = [i for i, unit in enumerate(units) if unit.key[0] in ops]
+        return Choice(True, frozenset(matching[nth - 1 :: nth]))
+
+    return choose
+
+
+_MATMUL_NAMES = frozenset(str(op) for op in policies.MATMUL_OPS)
+_ATTENTION_NAMES = frozenset(str(op) for op in policies.ATTENTION_OPS)
+# Each hand policy of ``HAND`` in the planner's own terms: the choice it makes for the block at
+# a position (its regions are the model's blocks, each checkpointed alone; the tail's regions
+# are kept), priced by the same cost model as the plan (``hand_choices``). "full" is also
+# torch's ``checkpoint_sequential`` with one block per segment, but for its last block kept.
+HAND_CHOICES: dict[str, Callable[[Problem, int], Choice]] = {
+    "full": _whole_every(1),
+    "save_matmuls": _keeping(_MATMUL_NAMES),
+    "save_attention": _keeping(_ATTENTION_NAMES),
+    "every 2nd matmul": _keeping(_MATMUL_NAMES, 2),
+    "every 2 layers": _whole_every(2),
+    "every 3 layers": _whole_every(3),
+    "every 4 layers": _whole_every(4),
+}
+
+
+def hand_choices(problem: Problem, blocks: int) -> dict[str, tuple[Choice, ...]]:
+    """Every hand policy of ``HAND_CHOICES`` as the planner's choices on ``problem`` (a
+    problem without recorded spans) whose first ``blocks`` regions are the model's blocks: the
+    blocks as each policy treats them, the rest (the tail's regions) kept; and torch's
+    ``checkpoint_sequential`` with one block per segment (every block but the last whole)."""
+    found = {
+        name: tuple(
+            choose(problem, index) if index < blocks else Choice(False)
+            for index in range(len(problem.regions))
+        )
+        for name, choose in HAND_CHOICES.items()
+    }
+    found["checkpoint_sequential, a block per segment"] = tuple(
+        Choice(index < blocks - 1) for index in range(len(problem.regions))
+    )
+    return found
+
+
+# The hand policies that install a selective policy on every block, whatever it keeps.
+SELECTIVE = frozenset({"save_matmuls", "save_attention", "every 2nd matmul"})
+
+
+def hand_prices(problem: Problem, blocks: int) -> dict[str, tuple[int, float]]:
+    """Every hand policy's (kept bytes, recompute cost) by the planner's own count and cost
+    model (``recompute_cost``: what the solver minimizes), a selective policy's modes charged
+    on every block where it installs one, also where it keeps nothing (Rule S3)."""
+    prices = {}
+    for name, choices in hand_choices(problem, blocks).items():
+        cost = recompute_cost(problem, choices)
+        if name in SELECTIVE:
+            idle = sum(
+                region.policy_seconds
+                for region, choice in zip(problem.regions, choices, strict=True)
+                if choice.checkpoint and not choice.saved
+            )
+            cost += problem.objective.cost(idle, 0)
+        prices[name] = (kept_bytes(problem, choices), cost)
+    return prices
 
 
 def step(model: nn.Module, x: torch.Tensor) -> None:
@@ -723,11 +800,39 @@ def vit_workload() -> Workload:
     )
 
 
+def gpt_neox_workload() -> Workload:
+    """A tiny Hugging Face GPT-NeoX (4 layers, hidden 256, hidden dropout 0.1), its loss
+    computed inside forward."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        hidden_dropout=0.1,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = transformers.GPTNeoXForCausalLM(config).train()
+    ids = torch.randint(1024, (2, 128), generator=torch.Generator().manual_seed(1))
+    return Workload(
+        "tiny HF GPT-NeoX (4 layers, hidden 256, hidden dropout 0.1, seq 128, batch 2)",
+        model,
+        (ids,),
+        {"labels": ids},
+        lambda output: output.loss,
+    )
+
+
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "W2": w2_workload,
     "llama": llama_workload,
     "decoder": decoder_workload,
     "vit": vit_workload,
+    "gpt_neox": gpt_neox_workload,
 }
 
 
@@ -756,7 +861,9 @@ def backward_flops(loss: torch.Tensor) -> int:
     return counter.flops
 
 
-def compile_side_by_side(work: Workload) -> list[dict[str, Any]]:
+def compile_side_by_side(
+    work: Workload, budgets: tuple[float, ...] = COMPILE_BUDGETS
+) -> list[dict[str, Any]]:
     """Kept bytes and recomputed FLOPs (backward FLOPs above the eager plain backward's) of
     ``torch.compile`` (inductor) at each ``activation_memory_budget``, and beside each, our
     plans at the bytes it kept, one per objective."""
@@ -770,7 +877,7 @@ def compile_side_by_side(work: Workload) -> list[dict[str, Any]]:
     loss, plain_kept = hooked_bytes(eager, exclude)
     plain_backward = backward_flops(loss)
     rows = [{"name": "eager, no checkpoint", "kept": plain_kept, "flops": 0, "predicted": 0}]
-    for budget in COMPILE_BUDGETS:
+    for budget in budgets:
         torch.compiler.reset()
         with _compat.compile_activation_memory_budget(budget):
             compiled = torch.compile(model, backend="inductor")
@@ -1180,6 +1287,11 @@ def main() -> None:
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="--compile: which (comma-separated)"
     )
+    parser.add_argument(
+        "--compile-budgets",
+        default=",".join(map(str, COMPILE_BUDGETS)),
+        help="--compile: which activation_memory_budget values (comma-separated)",
+    )
     parser.add_argument("--solve-time", action="store_true", help="only time the solver")
     parser.add_argument(
         "--cost-model", action="store_true", help="measure the cost model's constants"
@@ -1233,7 +1345,8 @@ def main() -> None:
         for name in args.workloads.split(","):
             work = WORKLOADS[name]()
             start = time.perf_counter()
-            rows = compile_side_by_side(work)
+            budgets = tuple(float(b) for b in args.compile_budgets.split(","))
+            rows = compile_side_by_side(work, budgets)
             print("\n".join(compile_table(work.key, rows)))
             print(f"({time.perf_counter() - start:.0f} s)\n", flush=True)
         return

@@ -53,7 +53,16 @@ NOTE [Planner solve]
            common divisor of the options' bytes where that gives at most ``_GRID_POINTS`` steps (the
            additive optimum, "exact"), else that many equal steps, each option's bytes rounded up
            ("grid": it fits, and costs no more than the additive optimum one step per region below
-           the budget). No greedy fallback: the exact programs solve Llama-sized models in well
+           the budget). Rounded up alone, a choice whose exact bytes sit at the budget reads as over
+           it: a hand policy's, measured at its own bytes (W2's "every 2 layers": blocks whole and
+           kept, each option a few hundred bytes off the grid), was missed and the plan predicted
+           slower than it. So on a grid the program also runs with every option's bytes rounded
+           down (a relaxation: its optimum at the budget's step costs no more than any choice that
+           fits), and its answers at the budget's step and at each of the steps below, one per
+           region (the lowest fits by construction), are counted exactly; the cheapest that fits,
+           finished as the first, replaces the first where it costs strictly less. So a grid answer
+           costs no more than before, and equals the additive optimum wherever the relaxation's
+           answer fits. No greedy fallback: the exact programs solve Llama-sized models in well
            under a second, every span variant included (``benchmarks/planner.py --solve-time``).
   Rule S6. Peak. The profile measures one plain step's peak (CPU: the bytes of the storages its ops
            make, while they live, plus the work buffers of the kernels ``scratch`` knows, NOTE [Live

@@ -10,7 +10,9 @@ an additive upper bound of the bytes (Rule S1), solved by dynamic programming ov
 the greatest common divisor of the options' sizes (then the answer is the additive optimum,
 ``method == "exact"``) while that has at most ``grid_points`` points, else ``grid_points`` equal
 steps with every option's bytes rounded up (``method == "grid"``: the answer fits, and costs no
-more than the additive optimum at a budget of one grid step per region less). Storages shared by
+more than the additive optimum at a budget of one grid step per region less), and again rounded
+down, whose answers near the budget are counted exactly (``_cheaper_below``: what rounding up
+hid, a choice exactly at the budget among them). Storages shared by
 regions are charged once up front (``Problem.charged``). A last pass spends what the exact byte
 count leaves of the budget, so the plan never predicts more than the budget. A plan keeping
 nothing of the shared storages is found by the last pass, or is the plain run (zero recompute,
@@ -38,6 +40,7 @@ from .problem import (
     Solution,
     kept_bytes,
     kept_storages,
+    recompute_cost,
     recompute_flops,
     recompute_seconds,
 )
@@ -54,7 +57,7 @@ class _Table:
 
     _ROWS: Final = 64  # options compared at once (bounds the temporary's memory)
 
-    def __init__(self, options: list[Options], grid_points: int) -> None:
+    def __init__(self, options: list[Options], grid_points: int, down: bool = False) -> None:
         sizes = torch.unique(torch.cat([o.nbytes for o in options])).tolist()
         total = sum(int(o.nbytes.max()) for o in options)
         step = reduce(math.gcd, sizes, 0) or 1
@@ -65,7 +68,7 @@ class _Table:
         self.bins: list[torch.Tensor] = []
         self.rows: list[torch.Tensor] = []  # per region, the options on distinct byte steps
         for region in options:
-            bins = -(-region.nbytes // step)
+            bins = region.nbytes // step if down else -(-region.nbytes // step)
             # Options come fewest bytes (costliest) first: the last on each step is its cheapest.
             last = torch.ones(len(bins), dtype=torch.bool)
             last[:-1] = bins[1:] != bins[:-1]
@@ -118,6 +121,23 @@ class _Table:
         end = torch.argmin(reach).reshape(1)
         return [int(o[0]) for o in self.read_back(end)]
 
+    def answers_below(self, room: int) -> list[list[int]]:
+        """Rule S5 (a table rounded down): the options of least cost within each of the byte
+        steps from ``room``'s down to one step per region below it, distinct, cheapest first;
+        their exact bytes may exceed ``room`` (the caller counts them)."""
+        if room < 0:
+            return []
+        top = min(room // self.step, len(self.best) - 1)
+        least, where = torch.cummin(self.best, dim=0)
+        columns = torch.arange(max(0, top - len(self.back)), top + 1)
+        columns = columns[torch.isfinite(least[columns])]
+        if not len(columns):
+            return []
+        ends = torch.unique(where[columns])
+        ends = ends[torch.argsort(self.best[ends], stable=True)]
+        chosen = self.read_back(ends)
+        return [[int(o[column]) for o in chosen] for column in range(len(ends))]
+
     def frontier_ends(self) -> torch.Tensor:
         """Up to ``_FRONTIER_POINTS`` byte steps where the least cost falls, evenly spread."""
         running = torch.cummin(self.best, dim=0).values
@@ -149,6 +169,9 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
         found = table.answer(budget - charged)
         picked = [0] * len(options) if found is None else found
         choices = _fill(problem, options, picked, budget)
+        if not table.exact:  # Rule S5: what rounding the bytes up hid, counted exactly
+            lower = _Table(options, grid_points, down=True)
+            choices = _cheaper_below(problem, options, lower, charged, budget, choices)
     frontier = _frontier(problem, options, table, charged, baseline, floor, lowest)
     return Solution(
         choices=tuple(choices),
@@ -241,6 +264,29 @@ class _Kept:
             return True
         self.move(index, before)
         return False
+
+
+def _cheaper_below(
+    problem: Problem,
+    options: list[Options],
+    lower: _Table,
+    charged: int,
+    budget: int,
+    choices: list[Choice],
+) -> list[Choice]:
+    """Rule S5: ``choices`` (the answer of the table rounded up), or the cheapest answer of the
+    table rounded down (``answers_below``) whose exact bytes fit ``budget``, finished by
+    ``_fill``, where that costs less; on a tie, ``choices``."""
+    best, least = choices, recompute_cost(problem, choices)
+    for picked in lower.answers_below(budget - charged):
+        proposed = [o.choice(p) for o, p in zip(options, picked, strict=True)]
+        if _Kept(problem, proposed).total > budget:
+            continue
+        found = _fill(problem, options, picked, budget)
+        cost = recompute_cost(problem, found)
+        if cost < least:
+            best, least = found, cost
+    return best
 
 
 def _fill(problem: Problem, options: list[Options], picked: list[int], budget: int) -> list[Choice]:
