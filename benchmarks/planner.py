@@ -84,7 +84,13 @@ from checkpointing._planning.apply.plan import _RegionContexts
 from checkpointing._planning.measure.flops import FlopCount
 from checkpointing._planning.measure.profile import profile_step, tail_regions
 from checkpointing._planning.measure.recorded_spans import span_problems
-from checkpointing._planning.search import _cheapest, find_regions
+from checkpointing._planning.search import (
+    _cheapest,
+    _Measured,
+    _regions_and_tail,
+    _variants,
+    find_regions,
+)
 from checkpointing._planning.solve.problem import Choice, Problem, kept_bytes, recompute_cost
 from checkpointing._planning.solve.solver import baseline_bytes, floor_bytes
 from checkpointing._selective import SAC_IGNORED_OPS, CheckpointPolicy
@@ -403,6 +409,61 @@ def run(
         "ratios": {pair: estimate(r) for pair, r in ratios.items()},
         "samples": samples,
     }
+
+
+def hand_run(key: str, model: nn.Module, x: torch.Tensor, rounds: int) -> list[str]:
+    """``--hand``: the plan at each hand policy's own bytes, and at each of ``BUDGETS``, against
+    that hand policy (at a budget: the fitting one the cost model prices cheapest), predicted
+    (both priced by the planner's cost model, ``hand_prices``; the plan's cost with its frames'
+    charge, as the solver minimizes) and measured (quads, beside the A/A control), as a table."""
+    named, tail = _regions_and_tail(model, None, (x,), {})
+    profile = profile_step(model, named, (x,), {}, None, tail=tail, warmed=True)
+    measured = _Measured.of(profile, "time", len(named), tail, spans=True)
+    problems = [problem for _, problem, _ in _variants(measured, 1.0, 1.0)]
+    prices = hand_prices(problems[0], len(named) - tail)
+    models: dict[str, nn.Module] = {}
+    for name, install in {"none": no_checkpoint, "none again": no_checkpoint, **HAND}.items():
+        models[name] = copy.deepcopy(model)
+        install(models[name])
+    nbytes = {name: kept(m, x) for name, m in models.items()}
+    baseline = baseline_bytes(problems[0])
+    budgets = {f"plan at {n}": (nbytes[n], n) for n in HAND}
+    for share in BUDGETS:
+        fitting = [(prices[n][1], n) for n in HAND if nbytes[n] <= int(share * baseline)]
+        if fitting:
+            budgets[f"plan {share}"] = (int(share * baseline), min(fitting)[1])
+    predicted = {}
+    for name, (budget, _) in budgets.items():
+        plan = checkpointing.plan_checkpointing(model, x, budget=budget)
+        models[name] = copy.deepcopy(model)
+        plan_installer(plan)(models[name])
+        nbytes[name] = kept(models[name], x)
+        index, found = _cheapest(problems, budget)
+        predicted[name] = (recompute_cost(problems[index], found.choices), describe(plan))
+    for m in models.values():
+        for _ in range(WARM_STEPS):
+            step(m, x)
+    gc.collect()
+    gc.freeze()
+    comparisons = [AA, *((name, hand) for name, (_, hand) in budgets.items())]
+    ratios, _ = quads(models, x, comparisons, rounds)
+    gc.unfreeze()
+    control = estimate(ratios[AA])
+    lines = [
+        f"{key}: A/A control (none / none again): {control} ({control.count} quads)",
+        "",
+        "| plan | against | its kept bytes | predicted: plan / hand | plan: kept bytes "
+        "| plan: regions | measured: plan / hand, median [95 % CI] | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (_, hand) in budgets.items():
+        ratio = estimate(ratios[(name, hand)])
+        cost, regions = predicted[name]
+        lines.append(
+            f"| {name} | {hand} | {nbytes[hand]:,} | {cost / prices[hand][1]:.3f} "
+            f"| {nbytes[name]:,} | {regions} | {ratio} | {verdict(ratio, control)} |"
+        )
+    return lines
 
 
 def relative_times(result: dict[str, Any]) -> dict[str, float]:
@@ -1285,6 +1346,9 @@ def main() -> None:
     )
     parser.add_argument("--sweep-plot", default="docs/planner_sweep.png")
     parser.add_argument(
+        "--hand", action="store_true", help="W2: the plan at each hand policy's bytes against it"
+    )
+    parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="--compile: which (comma-separated)"
     )
     parser.add_argument(
@@ -1340,6 +1404,11 @@ def main() -> None:
                 f"solve time (every span variant), 32-layer tiny Llama, objective {objective}: "
                 f"{1e3 * seconds:.0f} ms"
             )
+        return
+    if args.hand:
+        model, x = w2(4, 1)
+        key = "W2 (4 x TransformerEncoderLayer 256, seq 128, batch 1)"
+        print("\n".join(hand_run(key, model, x, args.quads or QUADS["W2"])))
         return
     if args.compile:
         for name in args.workloads.split(","):
