@@ -416,7 +416,7 @@ def hand_run(key: str, model: nn.Module, x: torch.Tensor, rounds: int) -> list[s
     that hand policy (at a budget: the fitting one the cost model prices cheapest), predicted
     (both priced by the planner's cost model, ``hand_prices``; the plan's cost with its frames'
     charge, as the solver minimizes) and measured (quads, beside the A/A control), as a table."""
-    named, tail = _regions_and_tail(model, None, (x,), {})
+    named, tail = _regions_and_tail(model, None, (x,), {}, "plan_checkpointing")
     profile = profile_step(model, named, (x,), {}, None, tail=tail, warmed=True)
     measured = _Measured.of(profile, "time", len(named), tail, spans=True)
     problems = [problem for _, problem, _ in _variants(measured, 1.0, 1.0)]

@@ -56,7 +56,7 @@ def _problems(name: str) -> tuple[list[Problem], int]:
     """The problems ``plan_checkpointing`` solves for model ``name`` (every span variant, Rule
     M11), the first without spans, and how many of the regions are the model's blocks."""
     model, x = _model(name)
-    named, tail = search._regions_and_tail(model, None, (x,), {})
+    named, tail = search._regions_and_tail(model, None, (x,), {}, "plan_checkpointing")
     profile = search.profile_step(model, named, (x,), {}, None, tail=tail, warmed=True)
     measured = search._Measured.of(profile, "time", len(named), tail, spans=True)
     return [p for _, p, _ in search._variants(measured, 1.0, 1.0)], len(named) - tail
