@@ -13,7 +13,10 @@ NOTE [Planner solve]
            S7). The exact count is their union; the solver's knapsack uses the sum per region, an
            upper bound (a storage kept by two regions counts twice, except what several checkpointed
            regions keep, charged once up front), and every answer is checked, and finished, against
-           the exact union.
+           the exact union. Each region is checkpointed alone: one checkpoint around several regions
+           (``checkpoint_sequential``'s segments of several blocks, keeping one input and one RNG
+           state per segment) is no choice, so the plan keeps each checkpointed block's input where
+           such a segmentation does not, and may be predicted slower at that segmentation's bytes.
   Rule S2. Offload (``host_budget``, accelerators only) replaces recompute of an op output where
            moving it to host and back (at ``_HOST_BYTES_PER_SECOND`` each way) is predicted cheaper
            than re-running the op, best gain per host byte first, within the host budget; it does
