@@ -1,10 +1,10 @@
 """``python benchmarks/planner.py --sweep``: the plan across a budget sweep against the hand
 strategies, measured, one panel per model family.
 
-Families: the ``--compile`` comparison's four (W2 at batch 2, the tiny Hugging Face Llama, the
-GPT-2-style decoder with dropout, the small ViT) and two more Hugging Face decoders of the same
-size (GPT-NeoX and GPT-2: 4 layers, hidden 256, dropout 0.1, batch 2 x 128 tokens, their loss
-from ``labels``). One thread, float32, training mode.
+Families: the ``--compile`` comparison's five (W2 at batch 2, the tiny Hugging Face Llama, the
+GPT-2-style decoder with dropout, the small ViT, the tiny Hugging Face GPT-NeoX with hidden
+dropout) and a Hugging Face GPT-2 of the same size (4 layers, hidden 256, dropout 0.1, batch
+2 x 128 tokens, its loss from ``labels``). One thread, float32, training mode.
 
 Method, per family. One profile, then ``POINTS`` budgets evenly in bytes from the floor to the
 bytes kept without checkpointing (``search.profiled``: what ``plan_sweep`` runs); the plans are
@@ -47,29 +47,7 @@ from checkpointing._planning.search import find_regions, profiled
 
 POINTS = 12
 WARM = 2
-SIZE: dict[str, Any] = {  # the Hugging Face decoders beside the Llama workload
-    "vocab_size": 1024,
-    "num_hidden_layers": 4,
-    "hidden_size": 256,
-    "num_attention_heads": 8,
-    "max_position_embeddings": 256,
-    "use_cache": False,
-}
 TOKENS = {"bos_token_id": 0, "eos_token_id": 0}  # inside the small vocabulary (GPT-2's 50256 warns)
-
-
-def gpt_neox_workload() -> Any:
-    import transformers
-    from planner import Workload
-
-    torch.manual_seed(5)
-    config = transformers.GPTNeoXConfig(
-        **SIZE, intermediate_size=1024, hidden_dropout=0.1, attention_dropout=0.1, **TOKENS
-    )
-    model = transformers.GPTNeoXForCausalLM(config).train()
-    ids = torch.randint(1024, (2, 128), generator=torch.Generator().manual_seed(1))
-    key = "GPT-NeoX (4 layers, hidden 256, dropout 0.1, seq 128, batch 2)"
-    return Workload(key, model, (ids,), {"labels": ids}, lambda output: output.loss)
 
 
 def gpt2_workload() -> Any:
@@ -90,7 +68,7 @@ def families() -> dict[str, Callable[[], Any]]:
     """The six families' workloads, by short name."""
     from planner import WORKLOADS
 
-    return {**WORKLOADS, "gpt_neox": gpt_neox_workload, "gpt2": gpt2_workload}
+    return {**WORKLOADS, "gpt2": gpt2_workload}
 
 
 def blocks_of(model: nn.Module) -> nn.Module:
