@@ -312,34 +312,34 @@ def last_twenty(run: tuple[list[float], float]) -> float:
 
 
 def summarise(task: str, runs: dict[str, list[tuple[list[float], float]]]) -> None:
-    """Per decision, over the seeds every decision finished: the mean final loss (held-out, and
-    the last 20 training steps), the mean paired gap to the exact run with its standard error
-    and 95 % interval, the largest per-seed gap, and the verdict; the exact row gives the
-    seed-to-seed spread (standard deviation)."""
+    """A markdown table: per decision, over the seeds every decision finished, the mean final
+    loss (held-out), the mean paired gap to the exact run with its standard error and 95 %
+    interval, the largest per-seed gap, the verdict, and the same gap on the last 20 training
+    steps; the exact row gives the seed-to-seed spread (standard deviation)."""
     seeds = min(len(decision) for decision in runs.values())
     runs = {name: decision[:seeds] for name, decision in runs.items()}
     exact = runs[EXACT]
-    print(f"\n{task} task, {STEPS} steps, {seeds} seeds: final loss, gap to exact (mean of seeds)")
+    print(f"\n{task} task, {STEPS} steps, {seeds} seeds:\n")
     print(
-        f"{'decision':<22} {'held-out':>8} {'gap':>7} {'(se)':>7} {'95 % interval':>17} "
-        f"{'largest':>8} {'verdict':>11} | {'last 20':>7} {'gap':>7} {'(se)':>7}"
+        "| decision | held-out loss | gap (se) | 95 % interval | largest | verdict "
+        "| last 20 steps | gap (se) |"
     )
+    print("|---|---:|---:|---:|---:|---|---:|---:|")
     for name, decision in runs.items():
         if decision is exact:
             mean, sd = mean_sd([held_out(run) for run in exact])
             last, last_sd = mean_sd([last_twenty(run) for run in exact])
             print(
-                f"{name:<22} {mean:>8.4f} {f'seed sd {sd / mean:.2%}':>53} | {last:>7.4f} "
-                f"{f'sd {last_sd / last:.2%}':>15}"
+                f"| {name} | {mean:.4f} | seed sd {sd / mean:.2%} | | | "
+                f"| {last:.4f} | seed sd {last_sd / last:.2%} |"
             )
             continue
         h = gap([held_out(run) for run in decision], [held_out(run) for run in exact])
         t = gap([last_twenty(run) for run in decision], [last_twenty(run) for run in exact])
-        interval = f"[{h.low:+.2%}, {h.high:+.2%}]"
         print(
-            f"{name:<22} {h.loss:>8.4f} {h.mean:>+7.2%} {f'({h.se:.2%})':>7} {interval:>17} "
-            f"{h.largest:>+8.2%} {h.verdict:>11} | {t.loss:>7.4f} {t.mean:>+7.2%} "
-            f"{f'({t.se:.2%})':>7}"
+            f"| {name} | {h.loss:.4f} | {h.mean:+.2%} ({h.se:.2%}) | "
+            f"[{h.low:+.2%}, {h.high:+.2%}] | {h.largest:+.2%} | {h.verdict} "
+            f"| {t.loss:.4f} | {t.mean:+.2%} ({t.se:.2%}) |"
         )
 
 
@@ -437,28 +437,51 @@ def main() -> None:
 
 
 def draw(runs: Runs) -> None:
-    """One panel per task: each decision's training loss averaged over the seeds every decision
-    finished."""
+    """One column per task: above, each decision's training loss averaged over the seeds every
+    decision finished; below, each decision's held-out gap to the exact run with its 95 %
+    interval, against the +-1 % target."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, panels = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
-    for axes, (task, decisions) in zip(panels[0], runs.items(), strict=False):
+    figure, panels = plt.subplots(
+        2, len(runs), figsize=(6.5 * len(runs), 8), squeeze=False, height_ratios=(3, 2)
+    )
+    for column, (task, decisions) in enumerate(runs.items()):
+        curves, gaps = panels[0][column], panels[1][column]
         seeds = min(len(decision) for decision in decisions.values())
-        for name, decision in decisions.items():
-            steps = zip(*(run[0] for run in decision[:seeds]), strict=True)
+        exact = [held_out(run) for run in decisions[EXACT][:seeds]]
+        names = [name for name in DECISIONS if name in decisions]
+        for row, name in enumerate(names):
+            decision = decisions[name][:seeds]
+            steps = zip(*(run[0] for run in decision), strict=True)
             mean = [sum(step) / len(step) for step in steps]
-            style = {EXACT: ("black", "--"), NUDGED: ("grey", ":")}.get(name, (None, "-"))
-            axes.plot(range(1, len(mean) + 1), mean, label=name, color=style[0], linestyle=style[1])
-        axes.set_yscale("log")
-        axes.set_xlabel("step")
-        axes.set_ylabel(f"training loss, mean of {seeds} seeds (log)")
-        axes.set_title(f"{task} task: matmul outputs exact or compressed")
-        axes.legend(fontsize="small")
+            color, line = {EXACT: ("black", "--"), NUDGED: ("grey", ":")}.get(name, (None, "-"))
+            drawn = curves.plot(range(1, len(mean) + 1), mean, label=name, color=color, ls=line)
+            if name == EXACT:
+                continue
+            g = gap([held_out(run) for run in decision], exact)
+            gaps.errorbar(
+                100 * g.mean,
+                row,
+                xerr=[[100 * (g.mean - g.low)], [100 * (g.high - g.mean)]],
+                fmt="o",
+                color=drawn[0].get_color(),
+                capsize=3,
+            )
+        curves.set_yscale("log")
+        curves.set_xlabel("step")
+        curves.set_ylabel(f"training loss, mean of {seeds} seeds (log)")
+        curves.set_title(f"{task} task: matmul outputs exact or compressed")
+        curves.legend(fontsize="small")
+        gaps.axvspan(-100 * TARGET, 100 * TARGET, color="green", alpha=0.1)
+        gaps.axvline(0, color="black", lw=0.8)
+        gaps.set_yticks(range(1, len(names)), names[1:], fontsize="small")
+        gaps.set_ylim(len(names) - 0.5, 0.5)
+        gaps.set_xlabel(f"held-out loss gap to exact, % (mean and 95 % interval, {seeds} seeds)")
     figure.tight_layout()
-    figure.savefig("docs/compression_loss.png", dpi=120)
+    figure.savefig("docs/compression_loss.png", dpi=110)
     print("drew docs/compression_loss.png")
 
 
