@@ -276,17 +276,14 @@ def _cheaper_below(
 ) -> list[Choice]:
     """Rule S5: ``choices`` (the answer of the table rounded up), or the cheapest answer of the
     table rounded down (``answers_below``) whose exact bytes fit ``budget``, finished by
-    ``_fill``, where that costs less; on a tie, ``choices``."""
-    best, least = choices, recompute_cost(problem, choices)
-    for picked in lower.answers_below(budget - charged):
+    ``_fill``, where that costs strictly less."""
+    for picked in lower.answers_below(budget - charged):  # cheapest first
         proposed = [o.choice(p) for o, p in zip(options, picked, strict=True)]
-        if _Kept(problem, proposed).total > budget:
-            continue
-        found = _fill(problem, options, picked, budget)
-        cost = recompute_cost(problem, found)
-        if cost < least:
-            best, least = found, cost
-    return best
+        if _Kept(problem, proposed).total <= budget:
+            found = _fill(problem, options, picked, budget)
+            cheaper = recompute_cost(problem, found) < recompute_cost(problem, choices)
+            return found if cheaper else choices
+    return choices
 
 
 def _fill(problem: Problem, options: list[Options], picked: list[int], budget: int) -> list[Choice]:
