@@ -63,12 +63,14 @@ class DeviceCosts:
 
 # CPU, one thread: benchmarks/planner.py --cost-model on the shared 2-core box, 2026-11-27, torch
 # 2.13 (RESULTS.md, "the planner's cost model": the machine was loaded, so the Python-side prices
-# take the middle of the ranges measured over several days, not one noisy run).
+# take the middle of the ranges measured over several days, not one noisy run); the selective
+# policy's price per op from four runs on the quiet box, 2026-11-29 (RESULTS.md, "the plan across
+# a budget sweep", its reading): plans beside hand strategies had shown 20 us too low.
 _CPU: Final = DeviceCosts(
     flops_per_second=1.5e11,
     bytes_per_second=1.5e10,
     dispatch_seconds=2e-6,
-    policy_seconds_per_op=20e-6,
+    policy_seconds_per_op=27e-6,
     frame_seconds_per_op=15e-6,
     span_call_seconds=280e-6,
     name="cpu",
