@@ -57,7 +57,13 @@ from torch import nn
 
 from . import _compat
 from ._state import ForwardState
-from ._tiled_grads import kept_as_is, linear_input_grad, stored_transposed, weight_grad_into
+from ._tiled_grads import (
+    graph_leaves,
+    kept_as_is,
+    linear_input_grad,
+    stored_transposed,
+    weight_grad_into,
+)
 
 __all__ = ["GatedMLP", "gated_mlp"]
 
@@ -255,15 +261,4 @@ def _weight_and_bias(
 
 def _reaches_only(out: torch.Tensor, leaf: torch.Tensor) -> bool:
     """Rule 6: every tensor requiring grad that ``out``'s graph reaches is ``leaf``."""
-    stack = [out.grad_fn] if out.grad_fn is not None else []
-    seen: dict[int, Any] = {}  # held: a freed node's id could be reused
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor) and variable is not leaf:
-            return False
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return True
+    return all(variable is leaf for variable in graph_leaves([out]))

@@ -30,7 +30,7 @@ NOTE [Tiled gradient sums]
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "StandIns",
+    "graph_leaves",
     "kept_as_is",
     "linear_input_grad",
     "stored_transposed",
@@ -192,3 +193,23 @@ def _saved_as_is(tensor: torch.Tensor) -> torch.Tensor:
 
 def _unpacked_as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def graph_leaves(outs: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The tensors requiring grad that ``outs``' graph reaches (its accumulating nodes'
+    variables), each node visited once; lazily, so a caller can stop at the first it rejects.
+    Each node visited is held until the walk ends: a node's Python object lives only while
+    referenced, and a freed one's id could be reused by the next node's (the walk would then
+    skip it)."""
+    seen: dict[int, Any] = {}
+    stack = [out.grad_fn for out in outs if out.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            yield variable
+            continue
+        stack.extend(n for n, _ in node.next_functions if n is not None)

@@ -24,7 +24,7 @@ from ._events import announce_kept, listener
 from ._regions import region_label
 from ._state import ForwardState, enter_span, exit_span, get_device_states
 from ._tiled_gated import GatedMLP
-from ._tiled_grads import StandIns, kept_as_is, take_grad
+from ._tiled_grads import StandIns, graph_leaves, kept_as_is, take_grad
 
 __all__ = ["TiledNode", "TiledRun"]
 
@@ -456,23 +456,11 @@ def _refuse_undeclared(
     (Rule 11)."""
     known = {id(t) for t in declared}
     own = {id(p) for p in params}
-    # Each node visited is held: a node's Python object lives only while referenced, and a
-    # freed one's id may be reused by the next node's (the walk would then skip it).
-    seen: dict[int, Any] = {}
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            if id(variable) not in known:
-                if id(variable) in own:
-                    raise _Bypassed
-                raise CheckpointError(_MSG_UNDECLARED.format(api=api, got=describe_value(variable)))
-            continue
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+    for variable in graph_leaves(outs):
+        if id(variable) not in known:
+            if id(variable) in own:
+                raise _Bypassed
+            raise CheckpointError(_MSG_UNDECLARED.format(api=api, got=describe_value(variable)))
 
 
 class _Bypassed(Exception):

@@ -152,6 +152,27 @@ def mixer(depth: int = 10) -> nn.Sequential:
     return nn.Sequential(*(MixerBlock(16, 8) for _ in range(depth))).train()
 
 
+class SpannedEncoder(nn.Module):
+    """An embedding, three post-norm encoder blocks (dropout ``dropout``), a norm and a head:
+    a W2-like model around which the head, tail and trail spans are all offered."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True)
+            for _ in range(3)
+        )
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
 def encoder(norm_first: bool = False, depth: int = 3, width: int = 16) -> nn.Sequential:
     """Post-norm (``norm_first=False``, the default: each block ends in its ``norm2``) or
     pre-norm blocks, with dropout, the same weights every call."""

@@ -4,34 +4,18 @@ picture fails here (drawing itself needs matplotlib, which the test group leaves
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchmark_support import load_benchmark
 
 # Run in CI's first stage only (the `once` marker): reading RESULTS.md is the same on every release.
 pytestmark = pytest.mark.once
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    """Import ``benchmarks/<name>.py`` as a module (it puts benchmarks/ on the path itself)."""
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_sequential_plot_reads_every_variant_of_the_recorded_table() -> None:
     """The 14 variants of the checkpoint_sequential table, "none" first at step time 1."""
-    points = _load("sequential").recorded_points()
+    points = load_benchmark("sequential").recorded_points()
     assert len(points) == 14
     assert points[0] == ("none", 10.75, 11.28, 1.0)
     labels = [label for label, *_ in points]
@@ -44,7 +28,7 @@ def test_planner_plot_reads_both_workloads_of_the_recorded_tables() -> None:
     """W1 and W2: the bytes kept without checkpointing, every plan that fits (W1's budgets
     below its floor have none), the seven hand policies, "none" at (baseline, 1), and for each
     of the six others the plan made at its own bytes, which keeps no more than it."""
-    panels = _load("planner").recorded_panels()
+    panels = load_benchmark("planner").recorded_panels()
     assert [key.split(" ")[0] for key, *_ in panels] == ["W1", "W2"]
     (_, w1_base, w1_plans, w1_hands, w1_at), (_, w2_base, w2_plans, w2_hands, w2_at) = panels
     assert [budget for budget, *_ in w1_plans] == [0.5, 0.6, 0.7, 0.8, 0.9]
@@ -73,7 +57,7 @@ def test_sweep_plot_reads_every_family_of_the_recorded_tables() -> None:
     the floor, each keeping at most its budget (measured against the predicted baseline: a
     rounding's worth of slack) and no more than the wider budget's plan; the hand strategies
     (full checkpointing among them), each at its kept bytes and step time."""
-    panels = _load("planner_sweep").recorded_panels()
+    panels = load_benchmark("planner_sweep").recorded_panels()
     assert len(panels) == 6
     for key, plans, hands in panels:
         assert len(plans) == 12, key
@@ -85,5 +69,5 @@ def test_sweep_plot_reads_every_family_of_the_recorded_tables() -> None:
         assert all(b[1] <= a[1] for a, b in itertools.pairwise(plans)), key
         assert all(time > 0 for _, _, time in plans)
         assert "full" in hands, key
-        assert set(hands) <= set(_load("planner").HAND), key
+        assert set(hands) <= set(load_benchmark("planner").HAND), key
         assert all(0 < kept <= 1 and time > 0 for kept, time in hands.values()), key

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from dist_support import gloo_group, spawn_pair
-from planner_support import transformer
+from planner_support import SpannedEncoder, transformer
 from torch import nn
 
 from checkpointing import plan_checkpointing
@@ -29,32 +29,11 @@ from checkpointing._planning.measure.profile import profile_step
 from checkpointing._planning.search import find_regions
 
 
-class Decoder(nn.Module):
-    """A W2-like model with an embedding and a head around the blocks (so the head and tail
-    spans are offered too)."""
-
-    def __init__(self, dropout: float) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True)
-            for _ in range(3)
-        )
-        self.norm = nn.LayerNorm(32)
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-
 def _models(dropout: float) -> list[tuple[nn.Module, torch.Tensor]]:
     torch.manual_seed(0)
     return [
         (transformer().train(), torch.randn(2, 16, 32, requires_grad=True)),
-        (Decoder(dropout).train(), torch.randint(0, 64, (2, 16))),
+        (SpannedEncoder(dropout).train(), torch.randint(0, 64, (2, 16))),
     ]
 
 

@@ -12,13 +12,10 @@ a coarse grid here puts the tiny models on that path.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from benchmark_support import load_benchmark
 from planner_support import encoder, encoder_inputs, mlp, transformer
 from torch import nn
 
@@ -33,22 +30,10 @@ from checkpointing._planning.solve.problem import (
 )
 from checkpointing._planning.solve.solver import _GRID_POINTS, solve
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 FRACTIONS = (0.3, 0.7)
 
 
-def _benchmark() -> ModuleType:
-    """``benchmarks/planner.py`` as a module (its hand policies and their prices)."""
-    spec = importlib.util.spec_from_file_location("benchmark_planner", BENCHMARKS / "planner.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _benchmark()
+BENCH = load_benchmark("planner")  # its hand policies and their prices
 
 
 @functools.cache

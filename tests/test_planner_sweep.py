@@ -17,7 +17,16 @@ from typing import Any
 
 import pytest
 import torch
-from planner_support import TinyLlama, encoder, encoder_inputs, llama_loss, mixer, mlp, transformer
+from planner_support import (
+    SpannedEncoder,
+    TinyLlama,
+    encoder,
+    encoder_inputs,
+    llama_loss,
+    mixer,
+    mlp,
+    transformer,
+)
 from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing, plan_sweep
@@ -25,26 +34,6 @@ from checkpointing import ActivationPlan, plan_checkpointing, plan_sweep
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 POINTS = 12
-
-
-class Decoder(nn.Module):
-    """Embedding, post-norm encoder blocks with dropout, norm and head: the head, tail and
-    trail spans are all offered."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True) for _ in range(3)
-        )
-        self.norm = nn.LayerNorm(32)
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
 
 
 Step = tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], torch.Tensor] | None]
@@ -60,7 +49,7 @@ FAMILIES: dict[str, Callable[[], Step]] = {
     "llama-style": lambda: (TinyLlama().train(), (_tokens(),), {}, llama_loss),
     "mixer": lambda: (mixer(6), (torch.randn(2, 16, 8),), {}, None),
     "post-norm encoder": lambda: (encoder(), (encoder_inputs(),), {}, None),
-    "decoder with spans": lambda: (Decoder().train(), (_tokens(),), {}, None),
+    "decoder with spans": lambda: (SpannedEncoder().train(), (_tokens(),), {}, None),
 }
 
 
