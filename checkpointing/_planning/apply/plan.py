@@ -73,6 +73,10 @@ class RegionDecision:
     """Whether the region drew random numbers when profiled. A checkpointed region that drew
     none keeps no RNG state, and a guard raises if it draws after all (Rule A3). True where
     unknown (a plan from before the field): the state is kept."""
+    joined: bool = False
+    """Checkpointed whole in one frame with the region before it in ``plan.regions``, which is
+    checkpointed whole or joined itself: the two keep one input between them, as the segments
+    of ``checkpoint_sequential`` do."""
 
     def describe(self) -> str:
         """The decision in words, for the table."""
@@ -152,6 +156,11 @@ _MSG_REGION_TWICE = (
     "checkpointing.ActivationPlan.apply: regions {first!r} and {second!r} are the same "
     "{type_name} module; checkpointing it twice would nest it inside itself. Nothing was "
     "installed. Fix: keep one decision per module in the plan."
+)
+_MSG_JOINED = (
+    "checkpointing.ActivationPlan.apply: region {name!r} is joined to the region before it (one "
+    "checkpoint frame across both), which this version of checkpointing cannot install yet. "
+    'Nothing was installed. Fix: set "joined": false in the plan\'s JSON, or re-plan.'
 )
 _MSG_UNKNOWN_OP = (
     "checkpointing.ActivationPlan.from_json: unknown op {name!r} (expected a name like "
@@ -419,6 +428,8 @@ class ActivationPlan:
                         type_name=region.type_name,
                     )
                 )
+            if getattr(region, "joined", False):  # a decision pickled before the field: False
+                raise ValueError(_MSG_JOINED.format(name=region.name))
             if region.checkpoint:
                 if is_module_checkpointed(module):
                     raise ValueError(_MSG_REGION_TAKEN.format(name=region.name))
