@@ -57,6 +57,14 @@ def active_device_context() -> DeviceContext | None:
 dispatch_mode_depth: Callable[[], int] = torch._C._len_torch_dispatch_stack
 """How many Python dispatch modes are active in this thread, infra modes included (2.11-2.15)."""
 
+
+def top_dispatch_mode() -> object | None:
+    """The innermost Python dispatch mode active in this thread (the next to see an op), or
+    None (2.11-2.15: ``torch._C._get_dispatch_stack_at``)."""
+    depth = torch._C._len_torch_dispatch_stack()
+    return torch._C._get_dispatch_stack_at(depth - 1) if depth else None
+
+
 has_torch_function_unary: Callable[[object], bool] = torch._C._has_torch_function_unary
 """Whether a call on this object would reach ``__torch_function__``: a subclass that overrides
 it, or an active torch-function mode (2.11-2.15)."""

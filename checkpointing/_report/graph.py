@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from .._chain import chain_constants
 from .._compression import Packed
 from .._errors import describe_value
 from .._events import Decision, Kept, tag_name
@@ -386,6 +387,11 @@ class _Walk:
             if rng_state is not None:
                 self.kept(rng_state, (first, -500), region, "rng state")
         for tensor in tensors(frame.kwargs):
+            self.kept(tensor, (first, -400), region, "keyword input")
+        positional, keyword = chain_constants(frame.fn)  # NOTE [Checkpoint chains], Rule 2
+        for tensor in positional:
+            self.kept(tensor, (first, -450), region, "nested input")
+        for tensor in keyword:
             self.kept(tensor, (first, -400), region, "keyword input")
         for span in frame.spans or ():
             for tensor in held_outputs(span):
