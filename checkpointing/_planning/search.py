@@ -365,7 +365,14 @@ def _variants(measured: _Measured, scale: float, frame: float) -> list[_Variant]
         base = step.problem(policy, measured.weights)
         per_op = costs.frame_seconds_per_op * frame
         pairs = zip(base.regions, step.regions, strict=True)
-        framed = tuple(replace(r, frame_seconds=per_op * p.stop * p.calls) for r, p in pairs)
+        framed = tuple(
+            replace(
+                r,
+                frame_seconds=per_op * p.stop * p.calls,
+                rest_frame_seconds=per_op * (len(p.ops) - p.stop) * p.calls,  # Rule S9
+            )
+            for r, p in pairs
+        )
         return replace(base, regions=framed)
 
     if not measured.spans:

@@ -159,6 +159,7 @@ def _combine(step: _Step, shapes: list[list[int]], device: str, costs: DeviceCos
         profile.stop = max(stop for _ops, stop, _trail in step.calls[index])
         if len(calls) == 1:  # Rule M13: one call, one place to end the frame
             profile.trail = step.calls[index][0][2]
+            profile.follows = step.follows.get(index) == [True]  # Rule S9
         profile.ops = [
             OpCall(
                 first.op,

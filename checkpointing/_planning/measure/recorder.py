@@ -11,6 +11,7 @@ is raw; ``profile`` turns it into a ``StepProfile``.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -100,6 +101,12 @@ class _Step:
         self.late: set[int] = set()  # storages saved after it (Rule M11)
         self.children: list[list[_ChildCall]] = []  # per running region call (Rule M13)
         self.in_kept_span = 0  # Rule M14: a kept span's ops are not the region's
+        # Rule S9: every op dispatched so far (ignored and sharding ones too), the region that
+        # last ended outside every other (its index, that count, its thread), and per region
+        # whether each of its calls started right after the region before it ended.
+        self.ops_seen = 0
+        self.left: tuple[int, int, int] | None = None
+        self.follows: dict[int, list[bool]] = {}
 
     def activation(self, tensor: torch.Tensor) -> int | None:
         """The id of ``tensor``'s storage if it is an activation of this step (Rule M2)."""
@@ -122,6 +129,8 @@ class _Step:
             self.tail.calls += 1
             self.span = self.tail
         profile = self.profiles[index]
+        here = (index - 1, self.ops_seen, threading.get_ident())
+        self.follows.setdefault(index, []).append(not self.stack and self.left == here)
         for tensor in tensors((args, kwargs)):  # keyword and nested ones included (Rule A3)
             storage = self.activation(tensor)
             if storage is not None:
@@ -169,8 +178,12 @@ class _Step:
     def leave(self, index: int, output: Any = None) -> None:
         if index == self.tail_last and self.span is self.tail:
             self.span = None
-        _profile, _counts, ops, stop = self.stack.pop()
+        profile, _counts, ops, stop = self.stack.pop()
         calls = self.children.pop()
+        self.left = None if self.stack else (index, self.ops_seen, threading.get_ident())
+        if output is not None:  # Rule S9: what a region joined after it may receive from it
+            found = (self.activation(t) for t in tensors(output))
+            profile.outputs = {s for s in found if s is not None}
         trail = None
         if calls and output is not None:  # Rule M13: its last child, called once, ends it
             last = calls[-1]
@@ -303,6 +316,7 @@ class _Recorder(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        self.step.ops_seen += 1  # Rule S9: any op between two regions breaks a chain there
         if func in SAC_IGNORED_OPS:  # Rule M3: counted as selective checkpointing counts
             return func(*args, **kwargs)
         if getattr(func, "namespace", None) in _SHARDING_NAMESPACES:  # Rule M15

@@ -80,6 +80,11 @@ class RegionProfile:
     """What its kept spans keep when it is checkpointed (Rule M14): theirs whatever it saves."""
     kept_blocks: bool = False
     """It runs a ``with keeping():`` block: planned without recompute (Rule M14)."""
+    outputs: set[int] = field(default_factory=set)
+    """The activation storages its (last) call returned (Rule S9)."""
+    follows: bool = False
+    """It ran once, right after the region before it, on the same thread, outside every other
+    region, no op between them (Rule S9)."""
 
 
 @dataclass(slots=True)
@@ -138,7 +143,10 @@ class StepProfile:
         region's replay graph, Rule S8); a selective policy costs ``policy_seconds_per_op`` per
         op of a region call, forward and replay (Rule S3)."""
         regions = []
-        for region in self.regions:
+        for position, region in enumerate(self.regions):
+            before = self.regions[position - 1] if position else None
+            joinable = _joinable(before, region)
+            rest = region.ops[region.stop :]  # Rule S9: run where the region after it joins
             written = {s for c in region.ops if c.kind in ("inplace", "random") for s in c.storages}
             units: list[Unit] = []
             forced_seconds, forced_flops = 0.0, 0
@@ -170,6 +178,13 @@ class StepProfile:
                     referenced=frozenset(region.referenced),
                     backward_peak=region.backward_peak,
                     plain_only=region.kept_blocks,
+                    joinable=joinable,
+                    boundary=frozenset(region.inputs & before.outputs)
+                    if joinable and before is not None
+                    else frozenset(),
+                    states=frozenset(region.states),
+                    rest_seconds=sum(c.seconds for c in rest),
+                    rest_flops=sum(c.flops for c in rest),
                 )
             )
         return Problem(
@@ -187,6 +202,7 @@ class StepProfile:
         code outside them keeps (the last block's, making the model's output) is left out."""
         trails: list[SpanProfile] = []
         regions = []
+        cut: set[int] = set()  # the regions that end at their trail
         for region in self.regions:
             trail = region.trail
             others = set(self.outside).union(
@@ -196,6 +212,7 @@ class StepProfile:
                 regions.append(region)
                 continue
             trails.append(trail.span)
+            cut.add(len(regions))
             regions.append(
                 replace(
                     region,
@@ -207,7 +224,26 @@ class StepProfile:
             )
         if not trails:
             return None
+        # Rule S9: a region that ends at its trail is never followed by a joined one, nor
+        # joined itself (its frame ends where the trail starts, not at its own end).
+        regions = [
+            replace(r, follows=False) if cut & {i, i - 1} else r for i, r in enumerate(regions)
+        ]
         return replace(self, regions=regions), trails
+
+
+def _joinable(before: RegionProfile | None, region: RegionProfile) -> bool:
+    """Rule S9: whether ``region`` may be checkpointed in one frame with ``before``, the region
+    before it: each ran once, it right after ``before`` (no op between them, the same thread,
+    outside every other region), what it received that ``before`` made is ``before``'s output,
+    and neither keeps anything whatever it saves (a collective, a kept span: Rules M14 and
+    M15) nor runs planned without recompute."""
+    if before is None or not region.follows or before.calls != 1 or region.calls != 1:
+        return False
+    if before.kept or region.kept or before.kept_blocks or region.kept_blocks:
+        return False
+    made = {s for call in before.ops for s in call.storages}
+    return (region.inputs & made) <= before.outputs
 
 
 def _draws(region: RegionProfile, needed: list[OpCall]) -> Unit | None:

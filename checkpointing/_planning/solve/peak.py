@@ -40,14 +40,19 @@ def predicted_peak(problem: Problem, choices: Sequence[Choice]) -> int:
 def _working_sets(problem: Problem, choices: Sequence[Choice]) -> list[int]:
     """Rule S6: per region, the bytes live while backward runs it that the model counts: what
     the regions before it keep, all it saves (recompute has restored it) and keeps, and the
-    gradients of the parameters of the regions after it."""
+    gradients of the parameters of the regions after it; in a chain (Rule S9), all that the
+    members before it save too: one recompute restored the chain's whole."""
     kept_before = set(problem.outside)
     grads_after = sum(r.grad_bytes for r in problem.regions)
+    chain: set[int] = set()  # what the members of the chain so far save (Rule S9)
     sets = []
     for index, (region, choice) in enumerate(zip(problem.regions, choices, strict=True)):
         mine = kept_storages(problem, index, choice)
         grads_after -= region.grad_bytes
-        working = kept_before | region.saved | mine
+        if not choice.joined:
+            chain = set()
+        working = kept_before | chain | region.saved | mine
         sets.append(sum(problem.storage_bytes[s] for s in working) + grads_after)
         kept_before |= mine
+        chain |= region.saved
     return sets

@@ -32,6 +32,8 @@ __all__ = [
     "ReplayRole",
     "Solution",
     "Unit",
+    "frame_seconds",
+    "join_breaks",
     "kept_bytes",
     "kept_storages",
     "modes_seconds",
@@ -41,6 +43,7 @@ __all__ = [
     "recompute_seconds",
     "region_recompute",
     "skipped",
+    "whole",
 ]
 
 Method = Literal["exact", "grid"]
@@ -197,6 +200,20 @@ class RegionChoices:
     backward_peak: int = 0
     """The most bytes live while the plain step's backward ran the region (Rule S6; 0: not
     measured)."""
+    joinable: bool = False
+    """It may be checkpointed in one frame with the region before it (Rule S9): it ran right
+    after that one, once, no op between them, and what it received from it is its output."""
+    boundary: frozenset[int] = frozenset()
+    """Its inputs the region before it returned: kept nowhere when joined (Rule S9)."""
+    states: frozenset[int] = frozenset()
+    """The RNG states among ``inputs`` (Rule A3): the chain's one state stands for them when
+    it is joined after a region that draws (Rule S9)."""
+    rest_seconds: float = 0.0
+    """What recompute costs past its early stop (Rule M9): paid where the region after it is
+    joined to it, since that one needs its output (Rule S9)."""
+    rest_flops: int = 0
+    rest_frame_seconds: float = 0.0
+    """The frame's charge for those ops (Rule M12)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +284,9 @@ class Choice:
     """Keep the outputs of all of the region's random ops (Rule S7)."""
     skip: bool = False
     """Skip in the replay the ops whose outputs nothing needs (Rule S8; a selective policy)."""
+    joined: bool = False
+    """Checkpointed whole in one frame with the region before it, which is checkpointed whole
+    or joined itself (Rule S9)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,12 +312,37 @@ def kept_storages(problem: Problem, index: int, choice: Choice) -> frozenset[int
     region = problem.regions[index]
     if not choice.checkpoint:
         return region.saved
+    if choice.joined:  # Rule S9: the chain keeps its first member's inputs and one RNG state
+        drew_before = bool(problem.regions[index - 1].states)
+        return region.inputs - region.boundary - (region.states if drew_before else frozenset())
     kept = set(region.inputs)
     for position in choice.saved:
         kept.update(region.units[position].storages)
     if choice.draws and region.draws is not None:
         kept.update(region.draws.storages)
     return frozenset(kept)
+
+
+def whole(choice: Choice) -> bool:
+    """Checkpointed keeping nothing, with no mode of the planner's: what a chain's member is
+    (Rule S9)."""
+    return choice.checkpoint and not (choice.saved or choice.draws or choice.skip)
+
+
+def join_breaks(problem: Problem, choices: Sequence[Choice]) -> list[int]:
+    """The regions ``choices`` join that cannot be joined (Rule S9): not ``joinable``, not
+    whole, or after a region that is not whole; empty for a choice the run can hold."""
+    return [
+        index
+        for index, choice in enumerate(choices)
+        if choice.joined
+        and not (
+            index > 0
+            and problem.regions[index].joinable
+            and whole(choice)
+            and whole(choices[index - 1])
+        )
+    ]
 
 
 def kept_bytes(problem: Problem, choices: Sequence[Choice]) -> int:
@@ -309,8 +354,23 @@ def kept_bytes(problem: Problem, choices: Sequence[Choice]) -> int:
 
 
 def region_recompute(problem: Problem, index: int, choice: Choice) -> tuple[float, int]:
-    """(seconds, FLOPs) recompute costs in region ``index`` under ``choice``."""
-    return _region_recompute(problem.regions[index], choice)
+    """(seconds, FLOPs) recompute costs in region ``index`` under ``choice``; a joined region's
+    include the region before it past its early stop (Rule S9)."""
+    seconds, flops = _region_recompute(problem.regions[index], choice)
+    if choice.joined:
+        before = problem.regions[index - 1]
+        return seconds + before.rest_seconds, flops + before.rest_flops
+    return seconds, flops
+
+
+def frame_seconds(problem: Problem, index: int, choice: Choice) -> float:
+    """The charge for checkpointing region ``index`` under ``choice`` (Rule M12): its frame's,
+    and a joined region's for the ops the region before it then recomputes (Rule S9)."""
+    if not choice.checkpoint:
+        return 0.0
+    if choice.joined:
+        return problem.regions[index].frame_seconds + problem.regions[index - 1].rest_frame_seconds
+    return problem.regions[index].frame_seconds
 
 
 def skipped(problem: Problem, index: int, choice: Choice) -> tuple[tuple[str, int], ...]:
@@ -357,23 +417,21 @@ def recompute_seconds(problem: Problem, choices: Sequence[Choice]) -> float:
     not saved, plus the selective policy's cost in the regions that save some (Rule S3), plus
     the recorded spans' replay (Rule M11)."""
     return problem.fixed_seconds + sum(
-        _region_recompute(r, c)[0] for r, c in zip(problem.regions, choices, strict=True)
+        region_recompute(problem, i, c)[0] for i, c in enumerate(choices)
     )
 
 
 def recompute_flops(problem: Problem, choices: Sequence[Choice]) -> int:
     """Predicted recompute FLOPs (Rule S4), the recorded spans' included (Rule M11)."""
     return problem.fixed_flops + sum(
-        _region_recompute(r, c)[1] for r, c in zip(problem.regions, choices, strict=True)
+        region_recompute(problem, i, c)[1] for i, c in enumerate(choices)
     )
 
 
 def recompute_cost(problem: Problem, choices: Sequence[Choice]) -> float:
     """What the solver minimizes: the objective's weighing of seconds and FLOPs, with each
     checkpointed region's charge (Rule M12)."""
-    frames = sum(
-        r.frame_seconds for r, c in zip(problem.regions, choices, strict=True) if c.checkpoint
-    )
+    frames = sum(frame_seconds(problem, i, c) for i, c in enumerate(choices))
     return problem.objective.cost(
         recompute_seconds(problem, choices) + frames, recompute_flops(problem, choices)
     )

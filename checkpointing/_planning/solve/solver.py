@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import reduce
 from typing import Final
 
@@ -38,11 +39,14 @@ from .problem import (
     Choice,
     Problem,
     Solution,
+    frame_seconds,
     kept_bytes,
     kept_storages,
+    own_bytes,
     recompute_cost,
     recompute_flops,
     recompute_seconds,
+    region_recompute,
 )
 
 __all__ = ["baseline_bytes", "floor_bytes", "solve"]
@@ -51,68 +55,178 @@ _GRID_POINTS: Final = 8192  # the regions' knapsack: at most this many byte step
 _FRONTIER_POINTS: Final = 64  # points of the trade-off curve a solution reports
 
 
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """One region as the regions' knapsack sees it: its Pareto set of options (``Options``),
+    then, where it may be checkpointed at all, its whole option once more (row ``whole``: it
+    lets the region after it join), then, where it may be joined, its joined option (row
+    ``joined``; Rule S9). Columns over all of those rows; -1: no such row."""
+
+    options: Options
+    nbytes: torch.Tensor
+    cost: torch.Tensor
+    seconds: torch.Tensor
+    count: int
+    """The rows of ``options``: the ordinary ones."""
+    whole: int
+    joined: int
+
+    def choice(self, row: int) -> Choice:
+        if row == self.joined:
+            return Choice(True, joined=True)
+        return Choice(True) if row == self.whole else self.options.choice(row)
+
+
+def _regions(problem: Problem) -> list[_Region]:
+    """Every region's options (``_options``) with its whole and joined rows (Rule S9), priced
+    exactly as ``recompute_cost`` prices them, their bytes the additive count's."""
+    found = []
+    regions = problem.regions
+    for index, options in enumerate(_options(problem)):
+        region = regions[index]
+        extra = []  # without a join on either side: the rows of ``options`` alone
+        if not region.plain_only and (_joins(problem, index) or _joins(problem, index + 1)):
+            extra.append(Choice(True))
+            if _joins(problem, index):
+                extra.append(Choice(True, joined=True))
+        nbytes, cost, seconds = [], [], []
+        for choice in extra:
+            spent, flops = region_recompute(problem, index, choice)
+            charge = frame_seconds(problem, index, choice)
+            nbytes.append(own_bytes(problem, kept_storages(problem, index, choice)))
+            cost.append(problem.objective.cost(spent + charge, flops))
+            seconds.append(spent)
+        count = len(options.nbytes)
+        found.append(
+            _Region(
+                options,
+                torch.cat([options.nbytes, torch.tensor(nbytes, dtype=torch.int64)]),
+                torch.cat([options.cost, torch.tensor(cost, dtype=torch.float64)]),
+                torch.cat([options.seconds, torch.tensor(seconds, dtype=torch.float64)]),
+                count,
+                count if extra else -1,
+                count + 1 if len(extra) > 1 else -1,
+            )
+        )
+    return found
+
+
+def _joins(problem: Problem, index: int) -> bool:
+    """Whether region ``index`` may be joined to the one before it (Rule S9)."""
+    regions = problem.regions
+    return (
+        0 < index < len(regions)
+        and regions[index].joinable
+        and not regions[index].plain_only
+        and not regions[index - 1].plain_only
+    )
+
+
 class _Table:
     """Rule S5: the least cost at every byte step of the additive count, region by region, with
-    back-pointers to read the options back."""
+    back-pointers to read the options back; Rule S9: in two states, the region just counted
+    checkpointed whole or joined (``chained``: the next may join it) or not (``other``)."""
 
     _ROWS: Final = 64  # options compared at once (bounds the temporary's memory)
 
-    def __init__(self, options: list[Options], grid_points: int, down: bool = False) -> None:
-        sizes = torch.unique(torch.cat([o.nbytes for o in options])).tolist()
-        total = sum(int(o.nbytes.max()) for o in options)
+    def __init__(self, regions: list[_Region], grid_points: int, down: bool = False) -> None:
+        sizes = torch.unique(torch.cat([r.nbytes for r in regions])).tolist()
+        total = sum(int(r.nbytes.max()) for r in regions)
         step = reduce(math.gcd, sizes, 0) or 1
         self.exact = total // step <= grid_points
         if not self.exact:
             step = -(-total // grid_points)
         self.step = step
-        self.bins: list[torch.Tensor] = []
-        self.rows: list[torch.Tensor] = []  # per region, the options on distinct byte steps
-        for region in options:
-            bins = region.nbytes // step if down else -(-region.nbytes // step)
-            # Options come fewest bytes (costliest) first: the last on each step is its cheapest.
-            last = torch.ones(len(bins), dtype=torch.bool)
-            last[:-1] = bins[1:] != bins[:-1]
-            self.rows.append(torch.nonzero(last).flatten())
-            self.bins.append(bins)
+        self.regions = regions
+        self.bins = [r.nbytes // step if down else -(-r.nbytes // step) for r in regions]
         width = sum(int(b.max()) for b in self.bins) + 1
-        best = torch.full((width,), math.inf, dtype=torch.float64)
-        best[0] = 0.0
-        self.back: list[torch.Tensor] = []
+        other = torch.full((width,), math.inf, dtype=torch.float64)
+        other[0] = 0.0
+        chained = torch.full((width,), math.inf, dtype=torch.float64)
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []  # per region: (chained, other)
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
         low = high = 0  # the byte steps reachable so far
-        for bins, rows, region in zip(self.bins, self.rows, options, strict=True):
-            shift = int(bins[rows].max())
-            padded = torch.cat([torch.full((shift,), math.inf, dtype=torch.float64), best])
-            columns = torch.arange(low + int(bins[rows].min()), high + shift + 1)
-            new = torch.full((len(columns),), math.inf, dtype=torch.float64)
-            back = torch.zeros(len(columns), dtype=torch.int64)
-            for first in range(0, len(rows), self._ROWS):
-                chunk = rows[first : first + self._ROWS]
-                source = columns[None, :] - bins[chunk, None] + shift
-                least, which = (padded[source] + region.cost[chunk, None]).min(dim=0)
-                better = least < new
-                new = torch.where(better, least, new)
-                back = torch.where(better, chunk[which], back)
+        for region, bins in zip(regions, self.bins, strict=True):
+            before = torch.where(chained < other, chained, other)
+            columns = torch.arange(low + int(bins.min()), high + int(bins.max()) + 1)
+            ordinary = bins[: region.count]
+            # Options come fewest bytes (costliest) first: the last on each step is its cheapest.
+            last = torch.ones(len(ordinary), dtype=torch.bool)
+            last[:-1] = ordinary[1:] != ordinary[:-1]
+            rows = torch.nonzero(last).flatten()
+            new_other, back_other = self._relax(before, bins, region.cost, rows, columns)
+            new_chained = torch.full((len(columns),), math.inf, dtype=torch.float64)
+            back_chained = torch.zeros(len(columns), dtype=torch.int64)
+            for row, source in ((region.whole, before), (region.joined, chained)):
+                if row >= 0:
+                    least, _ = self._relax(source, bins, region.cost, torch.tensor([row]), columns)
+                    better = least < new_chained
+                    new_chained = torch.where(better, least, new_chained)
+                    back_chained = torch.where(better, row, back_chained)
             low, high = int(columns[0]), int(columns[-1])
-            best = torch.full((width,), math.inf, dtype=torch.float64)
-            best[low : high + 1] = new
-            full_back = torch.zeros(width, dtype=torch.int64)
-            full_back[low : high + 1] = back
-            self.back.append(full_back)
-        self.best = best
+            chained = self._widen(new_chained, width, low)
+            other = self._widen(new_other, width, low)
+            self.back.append(
+                (self._widen(back_chained, width, low), self._widen(back_other, width, low))
+            )
+            self.states.append((chained, other))
+        self.best = torch.minimum(chained, other)
+
+    def _relax(
+        self,
+        before: torch.Tensor,
+        bins: torch.Tensor,
+        cost: torch.Tensor,
+        rows: torch.Tensor,
+        columns: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The least cost at each of ``columns`` after one of ``rows``, from ``before``, and
+        which row gave it."""
+        shift = int(bins[rows].max())
+        padded = torch.cat([torch.full((shift,), math.inf, dtype=torch.float64), before])
+        new = torch.full((len(columns),), math.inf, dtype=torch.float64)
+        back = torch.zeros(len(columns), dtype=torch.int64)
+        for first in range(0, len(rows), self._ROWS):
+            chunk = rows[first : first + self._ROWS]
+            source = columns[None, :] - bins[chunk, None] + shift
+            least, which = (padded[source] + cost[chunk, None]).min(dim=0)
+            better = least < new
+            new = torch.where(better, least, new)
+            back = torch.where(better, chunk[which], back)
+        return new, back
+
+    @staticmethod
+    def _widen(values: torch.Tensor, width: int, low: int) -> torch.Tensor:
+        """``values`` at columns ``low`` on, in a full row (inf, or 0 for back-pointers)."""
+        if values.dtype == torch.float64:
+            full = torch.full((width,), math.inf, dtype=torch.float64)
+        else:
+            full = torch.zeros(width, dtype=values.dtype)
+        full[low : low + len(values)] = values
+        return full
 
     def read_back(self, ends: torch.Tensor) -> list[torch.Tensor]:
-        """Per region, the option chosen on the way to each byte step in ``ends``."""
+        """Per region, the row chosen on the way to each byte step in ``ends``: a joined row
+        comes from the chained state, any other from the cheaper state (chained on a strict
+        win, as the table took it)."""
         chosen = []
         position = ends.clone()
-        for back, bins in zip(reversed(self.back), reversed(self.bins), strict=True):
-            option = back[position]
-            chosen.append(option)
-            position = position - bins[option]
+        chained, other = self.states[-1]
+        in_chain = chained[position] < other[position]
+        for index in range(len(self.regions) - 1, -1, -1):
+            back_chained, back_other = self.back[index]
+            row = torch.where(in_chain, back_chained[position], back_other[position])
+            chosen.append(row)
+            position = position - self.bins[index][row]
+            if index:
+                chained, other = self.states[index - 1]
+                joined = row == self.regions[index].joined
+                in_chain = joined | (chained[position] < other[position])
         chosen.reverse()
         return chosen
 
     def answer(self, room: int) -> list[int] | None:
-        """The options of least cost whose additive bytes stay within ``room``; None if none."""
+        """The rows of least cost whose additive bytes stay within ``room``; None if none."""
         if room < 0:
             return None
         reach = self.best[: room // self.step + 1]
@@ -122,7 +236,7 @@ class _Table:
         return [int(o[0]) for o in self.read_back(end)]
 
     def answers_below(self, room: int) -> list[list[int]]:
-        """Rule S5 (a table rounded down): the options of least cost within each of the byte
+        """Rule S5 (a table rounded down): the rows of least cost within each of the byte
         steps from ``room``'s down to one step per region below it, distinct, cheapest first;
         their exact bytes may exceed ``room`` (the caller counts them)."""
         if room < 0:
@@ -155,7 +269,7 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
     """The choice of least recompute cost (Rule S4) whose exact kept bytes fit ``budget`` (the
     caller checks the budget against ``Solution.floor_bytes``: below it, the fewest-bytes
     choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
-    options = _options(problem)
+    options = _regions(problem)
     lowest = [o.choice(0) for o in options]
     plain = [Choice(False)] * len(options)
     baseline = baseline_bytes(problem)
@@ -207,7 +321,7 @@ def _options(problem: Problem) -> list[Options]:
 
 def _frontier(
     problem: Problem,
-    options: list[Options],
+    options: list[_Region],
     table: _Table,
     charged: int,
     baseline: int,
@@ -268,7 +382,7 @@ class _Kept:
 
 def _cheaper_below(
     problem: Problem,
-    options: list[Options],
+    options: list[_Region],
     lower: _Table,
     charged: int,
     budget: int,
@@ -286,22 +400,27 @@ def _cheaper_below(
     return choices
 
 
-def _fill(problem: Problem, options: list[Options], picked: list[int], budget: int) -> list[Choice]:
+def _fill(problem: Problem, options: list[_Region], picked: list[int], budget: int) -> list[Choice]:
     """Spend what the exact count leaves: region by region, costliest first, the cheapest
-    option whose additive bytes grow by no more than is left (the exact bytes then grow by no
-    more either); if the picked options do not fit, the fewest-bytes ones first."""
+    ordinary option whose additive bytes grow by no more than is left (the exact bytes then
+    grow by no more either), the members of a chain staying as they are (Rule S9); if the
+    picked options do not fit, the fewest-bytes ones first."""
     kept = _Kept(problem, [o.choice(p) for o, p in zip(options, picked, strict=True)])
     if kept.total > budget:
         for index, region in enumerate(options):
             kept.move(index, region.choice(0))
             picked[index] = 0
+    chained = {i for i, (o, p) in enumerate(zip(options, picked, strict=True)) if p == o.joined}
     order = sorted(range(len(options)), key=lambda i: -float(options[i].cost[picked[i]]))
     for index in order:
+        if index in chained or index + 1 in chained:
+            continue
         region, current = options[index], picked[index]
-        grow = region.nbytes - region.nbytes[current]
-        fits = (region.cost < region.cost[current]) & (grow <= budget - kept.total)
+        grow = region.nbytes[: region.count] - region.nbytes[current]
+        cost = region.cost[: region.count]
+        fits = (cost < region.cost[current]) & (grow <= budget - kept.total)
         if bool(fits.any()):
-            better = int(torch.argmin(torch.where(fits, region.cost, math.inf)))
+            better = int(torch.argmin(torch.where(fits, cost, math.inf)))
             if kept.try_move(index, region.choice(better), budget):
                 picked[index] = better
     return kept.choices
