@@ -15,7 +15,9 @@ Usage (from the repository root)::
 Method. One thread. Hand policies: full checkpointing, ``save_matmuls``, ``save_attention``, every
 second matmul saved, every n-th layer checkpointed (n = 2, 3, 4), each installed with
 ``checkpoint_module`` per block (``HAND``; ``hand_prices``: each in the planner's own terms,
-priced by its cost model); plans at budgets 0.1 ... 0.9 of the bytes kept without checkpointing.
+priced by its cost model), and with ``--hand`` torch's ``checkpoint_sequential`` with two
+segments and with segments of two blocks (``SEQUENTIAL``: one frame per segment, joined regions
+in the planner's terms); plans at budgets 0.1 ... 0.9 of the bytes kept without checkpointing.
 Every configuration runs on its own copy of the model, installed once (no install or warm-up
 between samples). Kept bytes: ``saved_tensors_report().activation_bytes`` of one step (the count
 the planner plans with: every storage ops made in the step, dropout masks included); a hand
@@ -91,7 +93,13 @@ from checkpointing._planning.search import (
     _variants,
     find_regions,
 )
-from checkpointing._planning.solve.problem import Choice, Problem, kept_bytes, recompute_cost
+from checkpointing._planning.solve.problem import (
+    Choice,
+    Problem,
+    join_breaks,
+    kept_bytes,
+    recompute_cost,
+)
 from checkpointing._planning.solve.solver import baseline_bytes, floor_bytes
 from checkpointing._selective import SAC_IGNORED_OPS, CheckpointPolicy
 
@@ -162,6 +170,25 @@ def blocks_policy(context_fn: Any = None, every: int = 1) -> Installer:
     return install
 
 
+def sequential_segments(segments: int = 0, size: int = 0) -> Installer:
+    """torch's ``checkpoint_sequential`` on the model (an ``nn.Sequential`` of blocks):
+    ``segments`` segments, or as many as fit of ``size`` blocks each; all but the last
+    checkpointed, each in one frame (one input and one RNG state kept per segment)."""
+
+    def install(model: nn.Module) -> None:
+        blocks = list(model)
+        count = segments or len(blocks) // size
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint_sequential(
+                blocks, count, x, use_reentrant=False
+            )
+
+        model.forward = forward  # this instance's, not its class's
+
+    return install
+
+
 def plan_installer(plan: checkpointing.ActivationPlan) -> Installer:
     """Install a copy of ``plan``'s decisions (the plan itself is bound to the profiled model)."""
 
@@ -183,6 +210,14 @@ HAND: dict[str, Installer] = {
     "every 2 layers": blocks_policy(every=2),
     "every 3 layers": blocks_policy(every=3),
     "every 4 layers": blocks_policy(every=4),
+}
+
+
+# torch's ``checkpoint_sequential`` with segments of several blocks (``--hand`` only: the sweep
+# installs ``HAND`` on models whose blocks are no ``nn.Sequential``).
+SEQUENTIAL: dict[str, Installer] = {
+    "checkpoint_sequential, 2 segments": sequential_segments(segments=2),
+    "checkpoint_sequential, 2 blocks per segment": sequential_segments(size=2),
 }
 
 
@@ -223,7 +258,9 @@ def hand_choices(problem: Problem, blocks: int) -> dict[str, tuple[Choice, ...]]
     """Every hand policy of ``HAND_CHOICES`` as the planner's choices on ``problem`` (a
     problem without recorded spans) whose first ``blocks`` regions are the model's blocks: the
     blocks as each policy treats them, the rest (the tail's regions) kept; and torch's
-    ``checkpoint_sequential`` with one block per segment (every block but the last whole)."""
+    ``checkpoint_sequential`` with one block per segment (every block but the last whole), with
+    two segments and with segments of two blocks (``SEQUENTIAL``: each segment's blocks but the
+    first joined to the one before, Rule S9; where the problem lets them join)."""
     found = {
         name: tuple(
             choose(problem, index) if index < blocks else Choice(False)
@@ -234,6 +271,17 @@ def hand_choices(problem: Problem, blocks: int) -> dict[str, tuple[Choice, ...]]
     found["checkpoint_sequential, a block per segment"] = tuple(
         Choice(index < blocks - 1) for index in range(len(problem.regions))
     )
+    for name, size in (
+        ("checkpoint_sequential, 2 segments", blocks // 2),
+        ("checkpoint_sequential, 2 blocks per segment", 2),
+    ):
+        covered = size * (blocks // size - 1) if size else 0  # the last segment runs plainly
+        segments = tuple(
+            Choice(index < covered, joined=index < covered and index % size != 0)
+            for index in range(len(problem.regions))
+        )
+        if covered and not join_breaks(problem, segments):  # Rule S9: where blocks may join
+            found[name] = segments
     return found
 
 
@@ -420,16 +468,18 @@ def hand_run(key: str, model: nn.Module, x: torch.Tensor, rounds: int) -> list[s
     profile = profile_step(model, named, (x,), {}, None, tail=tail, warmed=True)
     measured = _Measured.of(profile, "time", len(named), tail, spans=True)
     problems = [problem for _, problem, _ in _variants(measured, 1.0, 1.0)]
-    prices = hand_prices(problems[0], len(named) - tail)
+    # The hands priced where blocks may join (Rule S9), whether or not the plans may.
+    prices = hand_prices(_variants(measured, 1.0, 1.0, joins=True)[0][1], len(named) - tail)
+    hands = {**HAND, **SEQUENTIAL}
     models: dict[str, nn.Module] = {}
-    for name, install in {"none": no_checkpoint, "none again": no_checkpoint, **HAND}.items():
+    for name, install in {"none": no_checkpoint, "none again": no_checkpoint, **hands}.items():
         models[name] = copy.deepcopy(model)
         install(models[name])
     nbytes = {name: kept(m, x) for name, m in models.items()}
     baseline = baseline_bytes(problems[0])
-    budgets = {f"plan at {n}": (nbytes[n], n) for n in HAND}
+    budgets = {f"plan at {n}": (nbytes[n], n) for n in hands}
     for share in BUDGETS:
-        fitting = [(prices[n][1], n) for n in HAND if nbytes[n] <= int(share * baseline)]
+        fitting = [(prices[n][1], n) for n in hands if nbytes[n] <= int(share * baseline)]
         if fitting:
             budgets[f"plan {share}"] = (int(share * baseline), min(fitting)[1])
     predicted = {}

@@ -29,6 +29,7 @@ from checkpointing._planning.measure.profile import profile_step
 from checkpointing._planning.solve.problem import (
     Choice,
     Problem,
+    join_breaks,
     kept_bytes,
     recompute_flops,
     recompute_seconds,
@@ -282,17 +283,20 @@ def draws_and_units(problem: Problem, index: int) -> Choice:
 
 
 def all_choices(problem: Problem):
-    """Every choice of every region (brute force)."""
+    """Every choice of every region (brute force), joins included where the run can hold them
+    (NOTE [Planner solve], Rule S9)."""
     per_region = []
-    for region in problem.regions:
+    for index, region in enumerate(problem.regions):
         options = [Choice(False)]
         for size in range(len(region.units) + 1):
             options += [
                 Choice(True, frozenset(s))
                 for s in itertools.combinations(range(len(region.units)), size)
             ]
+        if index and region.joinable:
+            options.append(Choice(True, joined=True))
         per_region.append(options)
-    return itertools.product(*per_region)
+    return (c for c in itertools.product(*per_region) if not join_breaks(problem, c))
 
 
 def least_per_budget(problem: Problem, measure: Callable[[Problem, Any], float]):

@@ -562,11 +562,16 @@ def scoped_graphs(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 8) ->
 
 
 @st.composite
-def planner_problems(draw: st.DrawFn, *, max_regions: int = 3, max_units: int = 3) -> Problem:
+def planner_problems(
+    draw: st.DrawFn, *, max_regions: int = 3, max_units: int = 3, joins: bool = False
+) -> Problem:
     """A small ``checkpointing._planning.solve.problem.Problem``: 1-3 regions with 0-3 units each,
     storages of 1-8 "bytes"; region inputs may be the previous region's last unit output
     (a storage two regions keep, as in a chain of blocks), and some storages are kept outside
-    every region."""
+    every region. ``joins`` (NOTE [Planner solve], Rule S9): instead, each region returns an
+    output of its own (made past its early stop, at a cost) that the next one receives and
+    saves, beside a constant of its own; a region may draw (an RNG state among its inputs), be
+    charged a frame, and be joinable to the one before it."""
     storage_bytes: dict[int, int] = {}
 
     def storage() -> int:
@@ -577,6 +582,10 @@ def planner_problems(draw: st.DrawFn, *, max_regions: int = 3, max_units: int = 
     regions = []
     previous: int | None = None
     for _ in range(draw(st.integers(1, max_regions))):
+        if joins:
+            regions.append(_joinable_region(draw, storage, previous, max_units))
+            previous = storage()  # its output, the next region's input
+            continue
         inputs = {previous} if previous is not None and draw(st.booleans()) else {storage()}
         units = tuple(
             Unit(("aten.mm.default", i), draw(st.integers(0, 5)) / 1000, (storage(),))
@@ -589,6 +598,32 @@ def planner_problems(draw: st.DrawFn, *, max_regions: int = 3, max_units: int = 
         previous = outputs[-1] if outputs else None
     outside = frozenset(s for s in storage_bytes if draw(st.integers(0, 9)) == 0)
     return Problem(tuple(regions), storage_bytes, outside)
+
+
+def _joinable_region(
+    draw: st.DrawFn, storage: Callable[[], int], previous: int | None, max_units: int
+) -> RegionChoices:
+    """One region of ``planner_problems(joins=True)``."""
+    boundary = frozenset() if previous is None else frozenset({previous})
+    constant = frozenset({storage()}) if previous is None or draw(st.booleans()) else frozenset()
+    states = frozenset({storage()}) if draw(st.booleans()) else frozenset()
+    units = tuple(
+        Unit(("aten.mm.default", i), draw(st.integers(0, 5)) / 1000, (storage(),))
+        for i in range(draw(st.integers(0, max_units)))
+    )
+    saved = boundary | constant | {s for u in units for s in u.storages if draw(st.booleans())}
+    return RegionChoices(
+        frozenset(saved),
+        boundary | constant | states,
+        draw(st.integers(0, 3)) / 1000,
+        units,
+        frame_seconds=draw(st.integers(0, 2)) / 1000,
+        joinable=previous is not None and draw(st.booleans()),
+        boundary=boundary,
+        states=states,
+        rest_seconds=draw(st.integers(0, 3)) / 1000,
+        rest_frame_seconds=draw(st.integers(0, 1)) / 1000,
+    )
 
 
 # --- Selective checkpointing: op-only policies (the fast path of test_selective.py) -----------

@@ -44,7 +44,7 @@ def _problems(name: str) -> tuple[list[Problem], int]:
     named, tail = search._regions_and_tail(model, None, (x,), {}, "plan_checkpointing")
     profile = search.profile_step(model, named, (x,), {}, None, tail=tail, warmed=True)
     measured = search._Measured.of(profile, "time", len(named), tail, spans=True)
-    return [p for _, p, _ in search._variants(measured, 1.0, 1.0)], len(named) - tail
+    return [p for _, p, _ in search._variants(measured, 1.0, 1.0, joins=True)], len(named) - tail
 
 
 def _plan_cost(problems: list[Problem], budget: int, grid_points: int) -> tuple[int, float]:

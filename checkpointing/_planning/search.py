@@ -48,6 +48,10 @@ __all__ = ["find_regions", "plan_checkpointing", "rank_zeros"]
 
 _log = logging.getLogger("checkpointing.planner")
 
+# Rule S9: whether plans may join regions into one frame. Off while ``ActivationPlan.apply``
+# refuses joined decisions (the chain's runtime not yet installed by it): a plan must apply.
+JOINS: Final = False
+
 _MSG_BELOW_FLOOR = (
     "checkpointing.{api}: budget {budget:,} bytes is below the smallest reachable "
     "{floor:,} bytes ({share:.1%} of the {baseline:,} bytes kept without checkpointing: every "
@@ -354,10 +358,13 @@ class _Measured:
         return cls(profile, costs, profile.objective(objective), trailed, ends, spans)
 
 
-def _variants(measured: _Measured, scale: float, frame: float) -> list[_Variant]:
+def _variants(
+    measured: _Measured, scale: float, frame: float, joins: bool = JOINS
+) -> list[_Variant]:
     """The problem and its span variants (Rules M11 and M13), those without trails first, with
     the selective policy's per-op cost scaled by ``scale`` and what a checkpointed region costs
-    beyond its ops by ``frame`` (Rule M12: 1 and 1 but for the timed candidates)."""
+    beyond its ops by ``frame`` (Rule M12: 1 and 1 but for the timed candidates); ``joins``:
+    whether regions may be joined (Rule S9)."""
     profile, costs = measured.profile, measured.costs
     policy = costs.policy_seconds_per_op * scale
 
@@ -370,6 +377,7 @@ def _variants(measured: _Measured, scale: float, frame: float) -> list[_Variant]
                 r,
                 frame_seconds=per_op * p.stop * p.calls,
                 rest_frame_seconds=per_op * (len(p.ops) - p.stop) * p.calls,  # Rule S9
+                joinable=r.joinable and joins,
             )
             for r, p in pairs
         )

@@ -78,10 +78,12 @@ class RegionDecision:
     checkpointed whole or joined itself: the two keep one input between them, as the segments
     of ``checkpoint_sequential`` do."""
 
-    def describe(self) -> str:
-        """The decision in words, for the table."""
+    def describe(self, before: str = "the region before") -> str:
+        """The decision in words, for the table (``before``: the region before it, by name)."""
         if not self.checkpoint:
             return "keep (no checkpoint)"
+        if self.joined:  # Rule S9: one frame with the region before it
+            return f"checkpoint, recompute all, with {before} in one frame"
         if self.save:
             parts = [f"save {len(self.save)}/{self.ops} ops"]
         else:
@@ -282,7 +284,11 @@ class ActivationPlan:
             kept = kept_storages(problem, index, choice) - problem.outside
             # Offloaded outputs are served like kept ones (with the policy installed for them).
             served = Choice(
-                choice.checkpoint, choice.saved | moved, choice.draws, choice.skip or bool(moved)
+                choice.checkpoint,
+                choice.saved | moved,
+                choice.draws,
+                choice.skip or bool(moved),
+                choice.joined,
             )
             recompute, flops = region_recompute(problem, index, served)
             decisions.append(
@@ -300,6 +306,7 @@ class ActivationPlan:
                     keep_draws=choice.draws,
                     skip=skipped(problem, index, served),
                     draws=region.draws,
+                    joined=choice.joined,
                 )
             )
         names = [r.name for r in profile.regions]
@@ -485,7 +492,9 @@ class ActivationPlan:
         """Per region: decision, kept bytes, recompute ms; then the totals and the budget."""
         width = max([len("(outside regions)"), *(len(r.name) for r in self.regions)])
         type_width = max([4, *(len(r.type_name) for r in self.regions)])
-        decided = max([30, *(len(r.describe()) for r in self.regions)])
+        before = ["", *(r.name for r in self.regions)]  # Rule S9: a joined region names it
+        said = [r.describe(b) for r, b in zip(self.regions, before, strict=False)]
+        decided = max([30, *(len(d) for d in said)])
         header = (
             f"{'region':<{width}}  {'type':<{type_width}}  {'decision':<{decided}} "
             f"{'activations kept':>16} {'recompute ms':>13}"
@@ -498,9 +507,9 @@ class ActivationPlan:
             header,
             "-" * len(header),
         ]
-        for r in self.regions:
+        for r, decision in zip(self.regions, said, strict=True):
             lines.append(
-                f"{r.name:<{width}}  {r.type_name:<{type_width}}  {r.describe():<{decided}} "
+                f"{r.name:<{width}}  {r.type_name:<{type_width}}  {decision:<{decided}} "
                 f"{format_bytes(r.kept_bytes):>16} {r.recompute_ms:>13.3f}"
             )
         lines.append(

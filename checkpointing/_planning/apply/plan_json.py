@@ -38,6 +38,12 @@ _MSG_MISSING = (
     "checkpointing.ActivationPlan.from_json: field {field} is missing. Fix: pass the text "
     "plan.to_json() wrote, or add that field."
 )
+_MSG_JOINED = (
+    "checkpointing.ActivationPlan.from_json: regions[{index}] ({name!r}) is joined to the region "
+    "before it, so both must be checkpointed whole (checkpoint true; save, offload and skip "
+    "empty; keep_draws false), the one before joined or first in its chain; {why}. Fix: pass "
+    "the text plan.to_json() wrote, or set regions[{index}].joined to false."
+)
 _MSG_REGION_TWICE = (
     "checkpointing.ActivationPlan.from_json: region {name!r} appears twice (regions[{first}] "
     "and regions[{second}]); applying the plan would checkpoint that module twice. Fix: keep "
@@ -75,7 +81,24 @@ def read(source: object) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             raise ValueError(
                 _MSG_REGION_TWICE.format(name=region["name"], first=first, second=index)
             )
+        if region["joined"]:
+            _check_joined(regions, index)
     return fields, regions
+
+
+def _check_joined(regions: list[dict[str, Any]], index: int) -> None:
+    """Rule S9: a joined region and the one before it are checkpointed whole."""
+    name = regions[index]["name"]
+    if index == 0:
+        raise ValueError(_MSG_JOINED.format(index=0, name=name, why="it is the first region"))
+    for position in (index - 1, index):
+        region = regions[position]
+        whole = region["checkpoint"] and not (
+            region["save"] or region["offload"] or region["skip"] or region["keep_draws"]
+        )
+        if not whole:
+            why = f"regions[{position}] ({region['name']!r}) is not"
+            raise ValueError(_MSG_JOINED.format(index=index, name=name, why=why))
 
 
 def _bad(field: str, expected: str, value: object) -> ValueError:
@@ -171,6 +194,7 @@ _REGION_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "keep_draws": (_flag, False),
     "skip": (_keys, ()),
     "draws": (_flag, True),  # unknown: drawing, so the RNG state is kept (Rule A3)
+    "joined": (_flag, False),  # Rule S9: one frame with the region before it
 }
 _SPAN: Final[dict[str, _Check]] = {
     "kind": _text,

@@ -24,8 +24,11 @@ def offloads(problem: Problem, solution: Solution, host_budget: int) -> list[fro
     ``host_budget`` (Rule S2; the caller asks only on an accelerator)."""
     chosen: list[set[int]] = [set() for _ in problem.regions]
     candidates = []
-    for index, (region, choice) in enumerate(zip(problem.regions, solution.choices, strict=True)):
-        if not choice.checkpoint:
+    choices = solution.choices
+    for index, (region, choice) in enumerate(zip(problem.regions, choices, strict=True)):
+        # Rule S9: a chain's members stay whole (no policy in them)
+        joined = index + 1 < len(choices) and choices[index + 1].joined
+        if not choice.checkpoint or choice.joined or joined:
             continue
         skips = set(skipped(problem, index, choice))  # Rule S8: nothing to serve
         for position, unit in enumerate(region.units):
