@@ -11,7 +11,7 @@ policy to ``contexts``, deciding (offload included) to ``solver``, the JSON text
 from __future__ import annotations
 
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -29,7 +29,6 @@ from ..measure.recorded_spans import SpanCost, SpanKind
 from ..measure.step_profile import RegionProfile
 from ..solve.peak import predicted_peak
 from ..solve.problem import (
-    Choice,
     Problem,
     Solution,
     kept_storages,
@@ -283,13 +282,7 @@ class ActivationPlan:
             moved = offload[index]
             kept = kept_storages(problem, index, choice) - problem.outside
             # Offloaded outputs are served like kept ones (with the policy installed for them).
-            served = Choice(
-                choice.checkpoint,
-                choice.saved | moved,
-                choice.draws,
-                choice.skip or bool(moved),
-                choice.joined,
-            )
+            served = replace(choice, saved=choice.saved | moved, skip=choice.skip or bool(moved))
             recompute, flops = region_recompute(problem, index, served)
             decisions.append(
                 RegionDecision(
