@@ -85,6 +85,8 @@ class RegionProfile:
     follows: bool = False
     """It ran once, right after the region before it, on the same thread, outside every other
     region, no op between them (Rule S9)."""
+    ends_at_trail: bool = False
+    """Its frame ends where its trail starts (a step cut at its trails, Rule M13)."""
 
 
 @dataclass(slots=True)
@@ -202,7 +204,6 @@ class StepProfile:
         code outside them keeps (the last block's, making the model's output) is left out."""
         trails: list[SpanProfile] = []
         regions = []
-        cut: set[int] = set()  # the regions that end at their trail
         for region in self.regions:
             trail = region.trail
             others = set(self.outside).union(
@@ -212,7 +213,6 @@ class StepProfile:
                 regions.append(region)
                 continue
             trails.append(trail.span)
-            cut.add(len(regions))
             regions.append(
                 replace(
                     region,
@@ -220,15 +220,11 @@ class StepProfile:
                     saved=set(trail.saved),
                     stop=trail.stop,
                     trail=None,
+                    ends_at_trail=True,
                 )
             )
         if not trails:
             return None
-        # Rule S9: a region that ends at its trail is never followed by a joined one, nor
-        # joined itself (its frame ends where the trail starts, not at its own end).
-        regions = [
-            replace(r, follows=False) if cut & {i, i - 1} else r for i, r in enumerate(regions)
-        ]
         return replace(self, regions=regions), trails
 
 
@@ -237,10 +233,12 @@ def _joinable(before: RegionProfile | None, region: RegionProfile) -> bool:
     before it: each ran once, it right after ``before`` (no op between them, the same thread,
     outside every other region), what it received that ``before`` made is ``before``'s output,
     and neither keeps anything whatever it saves (a collective, a kept span: Rules M14 and
-    M15) nor runs planned without recompute."""
+    M15), runs planned without recompute or ends at its trail (Rule M13)."""
     if before is None or not region.follows or before.calls != 1 or region.calls != 1:
         return False
     if before.kept or region.kept or before.kept_blocks or region.kept_blocks:
+        return False
+    if before.ends_at_trail or region.ends_at_trail:  # Rule M13: a frame ends before its end
         return False
     made = {s for call in before.ops for s in call.storages}
     return (region.inputs & made) <= before.outputs
