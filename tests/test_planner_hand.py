@@ -11,6 +11,7 @@ a coarse grid here puts the tiny models on that path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -95,10 +96,37 @@ def test_w2_plan_at_each_hand_policy_s_bytes_is_predicted_no_slower() -> None:
     plan predicted 0.8 % and 14 % slower)."""
     problems, blocks = _problems("W2")
     assert solve(problems[0], 10**7).method == "grid"
-    for hand, (nbytes, price) in BENCH.hand_prices(problems[0], blocks).items():
+    prices = BENCH.hand_prices(problems[0], blocks)
+    assert "checkpoint_sequential, 2 segments" in prices  # Rule S9: blocks 0-1 in one frame
+    for hand, (nbytes, price) in prices.items():
         kept, cost = _plan_cost(problems, nbytes, _GRID_POINTS)
         assert kept <= nbytes
         assert cost <= price * (1 + 1e-12), hand
+
+
+@pytest.mark.once
+def test_w2_joins_two_blocks_where_checkpoint_sequential_s_bytes_need_it() -> None:
+    """NOTE [Planner solve], Rule S9: at the bytes of torch's ``checkpoint_sequential`` with 2
+    segments (12,592,064: one input and one RNG state for blocks 0-1), the plan joins two blocks
+    and is predicted level with it; without joins it was 7.5 % costlier (it cannot keep one
+    input for two blocks). At "every 2 layers"' bytes, where the blocks fit apart at the same
+    cost, they stay apart (a join only where the budget needs it)."""
+    problems, blocks = _problems("W2")
+    prices = BENCH.hand_prices(problems[0], blocks)
+    nbytes, price = prices["checkpoint_sequential, 2 segments"]
+    solved = [solve(problem, nbytes) for problem in problems]
+    index, found = search._cheapest_of(problems, solved, nbytes)
+    assert sum(c.joined for c in found.choices) == 1
+    assert recompute_cost(problems[index], found.choices) <= price * (1 + 1e-12)
+    apart = [dataclasses.replace(p, regions=_unjoined(p)) for p in problems]
+    assert _plan_cost(apart, nbytes, _GRID_POINTS)[1] > 1.05 * price
+    every_2 = prices["every 2 layers"][0]
+    solved = [solve(problem, every_2) for problem in problems]
+    assert not any(c.joined for c in search._cheapest_of(problems, solved, every_2)[1].choices)
+
+
+def _unjoined(problem: Problem) -> tuple[RegionChoices, ...]:
+    return tuple(dataclasses.replace(r, joinable=False) for r in problem.regions)
 
 
 def test_hand_policies_in_the_planner_s_terms() -> None:
@@ -108,6 +136,10 @@ def test_hand_policies_in_the_planner_s_terms() -> None:
     problems, blocks = _problems("transformer")
     choices = BENCH.hand_choices(problems[0], blocks)
     assert [c.checkpoint for c in choices["every 2 layers"]] == [True, False, True, False]
+    segments = choices["checkpoint_sequential, 2 segments"]  # Rule S9: blocks 0-1, one frame
+    assert [(c.checkpoint, c.joined) for c in segments] == [(True, False), (True, True)] + [
+        (False, False)
+    ] * 2
     assert not any(c.saved for c in choices["every 2 layers"])
     region = problems[0].regions[0]
     kept_ops = {region.units[u].key[0] for u in choices["save_matmuls"][0].saved}

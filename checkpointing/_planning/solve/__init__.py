@@ -141,7 +141,10 @@ NOTE [Planner solve]
            neither ends at a trail (Rule M13: its frame ends before its own end). Otherwise the
            runtime would break the chain there, so the plan never counts on it. Solved (Rule S5)
            with two states per byte step, the last region counted whole or joined (the next may
-           join) or not; the exact finish moves no member of a chain. Peak (Rule S6): the chain's
+           join) or not; the exact finish moves no member of a chain. At equal cost a join
+           loses (its row weighs ``_JOIN_TIE`` of its cost more): its bytes are taken only where
+           the budget needs them, since a chain's recompute holds more at once (below); the
+           prediction, ``recompute_cost``, is exact. Peak (Rule S6): the chain's
            one recompute restores every member's saved tensors at once, so while backward runs a
            member the members before it hold theirs. The floor (``floor_bytes``) does not count on
            joins: it is each region's fewest-bytes option alone, so a budget below it is refused

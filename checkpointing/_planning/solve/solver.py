@@ -53,6 +53,9 @@ __all__ = ["baseline_bytes", "floor_bytes", "solve"]
 
 _GRID_POINTS: Final = 8192  # the regions' knapsack: at most this many byte steps
 _FRONTIER_POINTS: Final = 64  # points of the trade-off curve a solution reports
+# Rule S9: a joined row weighs this share of its cost more in the table, so that at equal cost
+# the regions stay apart (a chain's recompute holds all of its members' saves at once).
+_JOIN_TIE: Final = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +97,8 @@ def _regions(problem: Problem) -> list[_Region]:
             spent, flops = region_recompute(problem, index, choice)
             charge = frame_seconds(problem, index, choice)
             nbytes.append(own_bytes(problem, kept_storages(problem, index, choice)))
-            cost.append(problem.objective.cost(spent + charge, flops))
+            price = problem.objective.cost(spent + charge, flops)
+            cost.append(price * (1 + _JOIN_TIE) if choice.joined else price)
             seconds.append(spent)
         count = len(options.nbytes)
         found.append(
@@ -395,9 +399,16 @@ def _cheaper_below(
         proposed = [o.choice(p) for o, p in zip(options, picked, strict=True)]
         if _Kept(problem, proposed).total <= budget:
             found = _fill(problem, options, picked, budget)
-            cheaper = recompute_cost(problem, found) < recompute_cost(problem, choices)
+            cheaper = _weighed(problem, found) < _weighed(problem, choices)
             return found if cheaper else choices
     return choices
+
+
+def _weighed(problem: Problem, choices: list[Choice]) -> float:
+    """The cost as the table weighs it: ``recompute_cost``, each join's tie share on top (Rule
+    S9: at equal cost, and within rounding, the regions stay apart)."""
+    joins = sum(c.joined for c in choices)
+    return recompute_cost(problem, choices) * (1 + _JOIN_TIE * joins)
 
 
 def _fill(problem: Problem, options: list[_Region], picked: list[int], budget: int) -> list[Choice]:
