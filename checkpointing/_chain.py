@@ -53,11 +53,17 @@ NOTE [Checkpoint chains]
   Rule 9. The hooks hold no module: each member's knows its place, a recipe holds the modules
           it met. So a chained model deep-copies and pickles with its chains, and the hooks
           are found through themselves (``is_module_chained``, ``unchain_found``).
+  Rule 10. The planner may end a chain's region early, at the start of a child its last member
+          calls last (``end_chain_at``, as NOTE [Module checkpoint hooks], Rule 7 for one
+          module): the child's pre-hook, bound to the last member's hooks, ends the frame open
+          there, and the recipe's re-run stops at the same place. Only the last member may end
+          early: an earlier member's child would cut the chain's later calls out of the frame.
 
-Rejected: pushing an identity pair over the frame's for the pause, as the brief for this feature
-first had it. Taking the frame's pair off is the same for the gap's saves and leaves a gap that
-pushes hooks of its own (``with save_on_cpu(): layer(h)`` in the root's loop) with a stack whose
-pops still match its pushes.
+Rejected: pushing the user's hooks (or an identity pair) over the frame's for the pause. Taking
+the frame's pair off saves the gap's tensors the same way, and a gap that pushes hooks of its
+own (``with save_on_cpu(): layer(h)`` in the root's loop) keeps a stack whose pops match its
+pushes. A dispatch mode that watches the whole chain's forward, not only the gaps: it would see
+every op of every member (a Python call each), where the gaps of a model's loop run none.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ from ._context_fn import ContextFnOrPolicy, context_fn_from
 from ._determinism import metadata_fn_for
 from ._errors import describe_value, internal_error
 from ._events import announce_kept, listener
-from ._frame import frame_generator
+from ._frame import frame_generator, stop_recompute
 from ._module import _CheckpointedForward, _ModuleCheckpoint, is_module_checkpointed
 from ._options import CheckpointOptions, options_of
 from ._regions import region_label
@@ -85,6 +91,7 @@ __all__ = [
     "ChainHandle",
     "chain_constants",
     "checkpoint_chain",
+    "end_chain_at",
     "is_module_chained",
     "unchain_found",
 ]
@@ -349,6 +356,18 @@ class _Chain:
         watch.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
         current.watch = watch
 
+    @_compat.skip_dynamo_in_code
+    def end_early(self, index: int) -> None:
+        """Rule 10: the pre-hook of a child of the last member: end the frame here."""
+        thread = threading.get_ident()
+        if self.recomputing.get(thread):
+            stop_recompute()  # the re-run ends where the forward's frame ended
+        current = self.open.get(thread)
+        if current is None or current.watch is not None or current.index != index:
+            return  # not ours: a call that ran plainly or under no grad
+        if not current.nested:
+            self._close(thread, current)
+
     def _close(self, thread: int, current: _Open) -> None:
         """End the open frame (Rules 3 and 4): the recipe stops at the last completed call."""
         del self.open[thread]
@@ -420,6 +439,11 @@ class _Member:
             return  # Rule 7
         self.chain.end(self.index, output)
 
+    def end_early(self, *_hook_args: object) -> None:
+        if _compiled.compiling():
+            return  # Rule 7
+        self.chain.end_early(self.index)
+
 
 class _Root:
     """The hooks on the root: its call depth per thread, and the end of a paused frame."""
@@ -455,24 +479,35 @@ def is_module_chained(module: nn.Module) -> bool:
     return any(isinstance(owner, _Member) for owner in _hooks_of(module))
 
 
-def _unhook(module: nn.Module) -> None:
-    """Every chain hook off ``module``; a member's forward put back (Rule 7)."""
-    for owner in _hooks_of(module):
-        _compat.remove_forward_hooks(module, owner.pre_hook, owner.forward_hook)
-        if isinstance(owner, _Member):
+def unchain_found(modules: Iterable[nn.Module], root: nn.Module) -> None:
+    """Rule 9: the hooks of every chain found on ``modules`` off them (each member's forward put
+    back, Rule 7), and those chains' hooks off ``root``; where the handle is not at hand (a copy
+    of a chained model) as where it is."""
+    chains: set[int] = set()
+    for module in modules:
+        for owner in _hooks_of(module):
+            if not isinstance(owner, _Member):
+                continue
+            chains.add(id(owner.chain))
+            _compat.remove_forward_hooks(module, owner.pre_hook, owner.forward_hook)
             forward = module.__dict__.get("forward")
             if isinstance(forward, _CheckpointedForward):
                 if forward.own is None:
                     del module.forward
                 else:
                     module.forward = forward.own
+    for owner in _hooks_of(root):
+        if isinstance(owner, _Root) and id(owner.chain) in chains:
+            _compat.remove_forward_hooks(root, owner.pre_hook, owner.forward_hook)
 
 
-def unchain_found(modules: Iterable[nn.Module]) -> None:
-    """Rule 9: every chain's hooks off ``modules`` (members and roots), where the handle is not
-    at hand (a copy of a chained model)."""
-    for module in modules:
-        _unhook(module)
+def end_chain_at(module: nn.Module, child: nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """Rule 10: end the region of the chain whose last member is ``module`` at the start of
+    ``child``, a module it calls last; the handle removes the hook. For the planner."""
+    member = next((o for o in _hooks_of(module) if isinstance(o, _Member)), None)
+    if member is None or member.index != member.chain.count - 1:
+        internal_error("end_chain_at on a module that is not the last of a chain")
+    return child.register_forward_pre_hook(member.end_early, prepend=True)
 
 
 class ChainHandle:
@@ -489,7 +524,7 @@ class ChainHandle:
         """Take the chain's hooks off its members and root; graphs built keep working."""
         if self._chain.open:
             raise RuntimeError(_MSG_REMOVE_IN_FORWARD)
-        unchain_found([*self.modules, self.root])
+        unchain_found(self.modules, self.root)
 
 
 def checkpoint_chain(

@@ -28,7 +28,7 @@ from torch import nn
 import checkpointing
 from checkpointing import ActivationPlan, LayerCost, plan_checkpointing
 from checkpointing._module import is_module_checkpointed
-from checkpointing._planning.apply import plan as plan_module
+from checkpointing._planning.apply import installed as installed_module
 from checkpointing._schedule import memory_floor
 
 BIG: int = 1 << 40  # an "optimal" budget that holds everything: nothing is checkpointed
@@ -253,7 +253,7 @@ def test_apply_rolls_back_when_installing_fails(
     nothing, and a later ``apply`` works."""
     model = blocks()
     plan = ActivationPlan.from_json(edited(planned(model), checkpoint_all))
-    install = plan_module.checkpoint_module
+    install = installed_module.checkpoint_module
     installed: list[nn.Module] = []
 
     def fails_on_the_second(module: nn.Module, **options: Any) -> nn.Module:
@@ -262,12 +262,12 @@ def test_apply_rolls_back_when_installing_fails(
         installed.append(module)
         return install(module, **options)
 
-    monkeypatch.setattr(plan_module, "checkpoint_module", fails_on_the_second)
+    monkeypatch.setattr(installed_module, "checkpoint_module", fails_on_the_second)
     with pytest.raises(RuntimeError, match="injected"):
         plan.apply(model)
     assert checkpointed(model) == []
     assert hooks_of(model) == 0
-    monkeypatch.setattr(plan_module, "checkpoint_module", install)
+    monkeypatch.setattr(installed_module, "checkpoint_module", install)
     plan.apply(model)
     assert checkpointed(model) == ["0", "1", "2"]
     plan.remove(model)

@@ -5,7 +5,9 @@ chains]), against the run without checkpointing and ``torch.utils.checkpoint``'s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
+import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -178,6 +180,30 @@ def test_a_gap_that_draws_stays_bitwise() -> None:
     handle.remove()
 
 
+class HookedNet(Net):
+    """Runs each block under saved-tensors hooks of its own (``save_on_cpu``), pushed and popped
+    in the gaps."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        for block in self.layers:
+            with torch.autograd.graph.save_on_cpu():
+                h = block(h)
+        return h
+
+
+def test_hooks_pushed_in_the_gaps() -> None:
+    """Rules 3 and 4: a root that pushes saved-tensors hooks around each block breaks the chain
+    at each (the frame's user hooks changed) and leaves the stack as found; bitwise."""
+    torch.manual_seed(0)
+    model = HookedNet()
+    plain = _grads(model, model)
+    handle = checkpoint_chain(model.layers, model)
+    assert _equal(_grads(model, model), plain)
+    assert _compat.top_saved_tensors_hooks() is None
+    handle.remove()
+
+
 def test_early_exit_ends_the_frame_at_the_root() -> None:
     """Rule 4: a root that calls only the first chained block leaves no frame open (hook and
     mode stacks as found); the next full step is bitwise."""
@@ -293,7 +319,7 @@ def test_remove_copy_and_pickle() -> None:
     for other in (copied, loaded):
         assert all(is_module_chained(block) for block in other.layers)
         assert _equal(_grads(other, other), plain)
-        unchain_found(other.modules())
+        unchain_found(other.layers, other)
         assert not any(is_module_chained(block) for block in other.layers)
         assert not other._forward_pre_hooks
 
@@ -341,3 +367,106 @@ def test_hugging_face_blocks_with_keyword_constants() -> None:
     assert _equal(chained_grads, plain)
     boundary = BATCH * SEQ * model.config.hidden_size * 4
     assert per_layer - chained == 3 * (boundary + torch.get_rng_state().numel())
+
+
+def _plan(model: nn.Module, joined: tuple[int, ...], trail: str | None = None) -> Any:
+    """A plan of ``model``'s blocks whose JSON is edited: every block checkpointed whole, the
+    blocks at ``joined`` joined to the block before, and a trail ending ``trail``'s frame at its
+    dropout (NOTE [Planner apply], Rule A4)."""
+    plan = checkpointing.plan_checkpointing(model, _x(), budget=1.0, loss_fn=_loss)
+    data = json.loads(plan.to_json())
+    for index, region in enumerate(data["regions"]):
+        region.update(checkpoint=True, save=[], offload=[], skip=[], keep_draws=False)
+        region["joined"] = index in joined
+    if trail is not None:
+        span = {"kind": "trail", "first": trail, "last": f"{trail}.drop"}
+        data["spans"].append({**span, "recompute_ms": 0.0, "recompute_flops": 0})
+    return checkpointing.ActivationPlan.from_json(json.dumps(data))
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output.square().sum()
+
+
+def test_a_plan_edited_to_join_regions_applies_bitwise() -> None:
+    """Rule A4: a plan whose JSON joins blocks 0-2 installs one chain for them: gradients
+    bitwise, two boundaries and RNG states fewer kept than the same plan unjoined."""
+    model = _net()
+    plain = _grads(model, model)
+    x = _x()
+    apart = _plan(model, ())
+    apart.apply(model)
+    assert _equal(_grads(model, model), plain)
+    kept_apart = _kept(model, x)
+    apart.remove(model)
+    joined = _plan(model, (1, 2))
+    assert [r.joined for r in joined.regions] == [False, True, True, False]
+    joined.apply(model)
+    assert is_module_chained(model.layers[1])
+    assert _equal(_grads(model, model), plain)
+    boundary = x.numel() * x.element_size()
+    assert kept_apart - _kept(model, x) == 2 * (boundary + torch.get_rng_state().numel())
+    joined.remove(model)
+
+
+def test_a_trail_ends_the_last_joined_region() -> None:
+    """Rule A4: a trail of a run's last region ends the chain's frame at its child; bitwise."""
+    model = _net()
+    plain = _grads(model, model)
+    plan = _plan(model, (1, 2), trail="layers.2")
+    plan.apply(model)
+    assert _equal(_grads(model, model), plain)
+    plan.remove(model)
+
+
+def test_a_joined_plan_comes_off_a_copy() -> None:
+    """NOTE [Installed plan], Rule 1: a joined plan comes off a deep copy of the applied model
+    and off the model itself, trail included: no hook of it is left on any module."""
+    model = _net()
+    plan = _plan(model, (1, 2), trail="layers.2")
+    plan.apply(model)
+    copied = copy.deepcopy(model)
+    plan.remove(copied)
+    plan.remove(model)
+    for module in (*model.modules(), *copied.modules()):
+        assert not module._forward_pre_hooks
+        assert not module._forward_hooks
+        assert "forward" not in module.__dict__
+
+
+def test_apply_refuses_joins_it_cannot_install() -> None:
+    """Rule A4: a first region joined, a region joined to one not checkpointed, a joined run
+    with a selective region and a region joined after a trail are refused, nothing installed."""
+    model = _net()
+    plan = _plan(model, (2,), trail="layers.1")
+
+    def refused(regions: list[Any], match: str) -> None:
+        plan.regions = tuple(regions)
+        with pytest.raises(ValueError, match=match):
+            plan.apply(model)
+        assert not any(m._forward_pre_hooks for m in model.modules())
+
+    base = list(plan.regions)
+    whole = [dataclasses.replace(r, joined=False) for r in base]
+    refused([dataclasses.replace(base[0], joined=True), *whole[1:]], "it is the first region")
+    off = dataclasses.replace(base[1], checkpoint=False)
+    refused([whole[0], off, *base[2:]], r"'layers\.1', is not checkpointed")
+    saving = dataclasses.replace(base[1], save=(("aten.addmm.default", 0),))
+    refused([whole[0], saving, *base[2:]], "keeps, offloads or skips ops of its own")
+    refused(base, r"'layers\.1' ends its frame at the start of its child 'layers\.1\.drop'")
+
+
+@pytest.mark.once
+def test_under_compile_each_member_is_torchs_region() -> None:
+    """Rule 7: under ``torch.compile`` (aot_eager) each chained block is torch's own region:
+    the gradients are the plain run's, and eager steps before and after still chain."""
+    model = _net(p=0.0)
+    plain = _grads(model, model)
+    handle = checkpoint_chain(model.layers, model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    assert _equal(_grads(model, compiled), plain)
+    assert _equal(_grads(model, model), plain)
+    assert not handle._chain.open
+    handle.remove()
+    torch._dynamo.reset()

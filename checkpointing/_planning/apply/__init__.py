@@ -5,7 +5,8 @@ decisions, installing them, all or nothing, and taking them off; Rule A1); ``pla
 writes and reads plans; ``contexts.py`` is a planned region's selective policy, ``draws.py`` its
 kept random draws (Rule S7) and the alarm of a region planned without draws (Rule A3);
 ``installed.py`` is what ``apply`` put on the model (the input-shape check, Rule A2; the draw
-guard, Rule A3) and takes a plan off a model or a copy; ``span_hooks.py`` records the planned
+guard, Rule A3) and takes a plan off a model or a copy; joined regions run as one chain (Rule
+A4); ``span_hooks.py`` records the planned
 spans (Rules M11 and M13). A new run-time mechanism of a plan belongs here; what to install is
 decided in ``solve``.
 
@@ -64,4 +65,18 @@ NOTE [Planner apply]
            the count is not over). (A region that moves the stream back, e.g. by reseeding, is
            counted apart where the frame would share: over, never under.) Device states (one per
            accelerator tensor among the positional inputs) are never shared.
+  Rule A4. A run of regions ``[r, joined, joined, ...]`` (``RegionDecision.joined``: the region
+           continues the frame of the one before it in ``plan.regions``) is installed as one
+           ``checkpoint_chain`` on ``model`` (NOTE [Checkpoint chains]): one frame, one input and
+           one RNG state for the run. Every region of a run is checkpointed whole (no save,
+           offload or skip: one frame has one policy, and the ops' keys count per region) and
+           keeps its draws alike; ``apply`` refuses others, and a region joined to a region whose
+           frame ends at a trail's start (Rule M13), with the fix. A trail of the run's last
+           region ends the chain's frame (``end_chain_at``). The RNG rule of a run: its state is
+           always kept (``preserve_rng_state=True``, no ``DrawGuard``), whether its regions draw
+           or not: one CPU state per run (shared with an identical neighbour's, NOTE [Nestable
+           checkpoint], Rule 7) and one per accelerator tensor among the first region's
+           positional inputs. Rule A3's guard watches one module's forward and cannot see a later
+           member's draws, so a draw-free run keeps the state the guard would have spared.
+           The key/value cache pre-hooks stay per region.
 """

@@ -12,7 +12,8 @@ NOTE [Installed plan]
   Rule 1. Every hook ``apply`` installs can be found on the model through the hooks themselves:
           the shape check and the span recorder carry the plan's mark (a string: equal in every
           copy and pickle of the plan and of the model), a region's checkpoint is
-          ``checkpoint_module``'s, and a trail's end hook is bound to its region's checkpoint.
+          ``checkpoint_module``'s (or a chain's, for joined regions: NOTE [Checkpoint chains],
+          Rule 9), and a trail's end hook is bound to its region's checkpoint.
           So ``remove`` takes a plan off a copy of the planned model as completely as off the
           model: afterwards no hook of the plan is left on any module.
           A region planned without draws carries a ``DrawGuard`` (NOTE [Planner apply], Rule A3),
@@ -36,15 +37,23 @@ import torch
 from torch import nn
 
 from ... import _compat, _compiled
+from ..._chain import ChainHandle, checkpoint_chain, end_chain_at, is_module_chained, unchain_found
 from ..._determinism import debug_enabled
 from ..._errors import CheckpointError
 from ..._frame import NULL_CONTEXT
 from ..._kv_caches import drop_caches
-from ..._module import is_module_checkpointed, remove_checkpoint_module
-from ..._state import ContextFn, get_device_states, is_recomputing, noop_context_fn
+from ..._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
+from ..._state import (
+    ContextFn,
+    get_device_states,
+    is_noop_context_fn,
+    is_recomputing,
+    noop_context_fn,
+)
 from ..._trees import tensors
 from ..measure.steps import input_shapes
 from .draws import DrawCall, guarded_replay
+from .joins import Run
 from .span_hooks import SpanHooks, span_hook_mark, take_off_spans
 
 __all__ = [
@@ -52,6 +61,7 @@ __all__ = [
     "Installed",
     "ShapeCheck",
     "carries",
+    "install",
     "new_mark",
     "take_off",
     "take_off_found",
@@ -230,6 +240,8 @@ class Installed:
     """NOTE [Key/value caches], Rule 2: every region's ``drop_caches`` pre-hook."""
     guards: list[tuple[nn.Module, DrawGuard]] = field(default_factory=list)
     """NOTE [Planner apply], Rule A3: the regions planned without draws, and their guards."""
+    chains: list[ChainHandle] = field(default_factory=list)
+    """NOTE [Planner apply], Rule A4: the runs of joined regions, one chain each."""
 
     def remove(self) -> None:
         """Every hook off; a region whose removal raises (during the model's forward) stays
@@ -244,8 +256,71 @@ class Installed:
         while self.modules:
             remove_checkpoint_module(self.modules[-1])
             self.modules.pop()
+        while self.chains:
+            self.chains[-1].remove()
+            self.chains.pop()
         self.hook.remove()
         self.spans.remove()
+
+
+def install(
+    model: nn.Module,
+    runs: list[Run],
+    trails: list[tuple[nn.Module, nn.Module]],
+    spans: tuple[nn.Module | None, tuple[nn.Module, nn.Module] | None],
+    regions: list[nn.Module],
+    input_shapes: list[list[int]],
+    mark: str,
+) -> Installed:
+    """What ``ActivationPlan.apply`` installs, all or nothing (what was installed goes again if
+    a later step raises): each run's checkpoint (a region alone: ``checkpoint_module``, under a
+    ``DrawGuard`` where it draws nothing, Rule A3; joined regions: one chain, Rule A4), the
+    trails' ends (Rule M13), every region's cache dropper (NOTE [Key/value caches], Rule 2), the
+    shape check (Rule A2) and the spans' hooks (Rule M11; ``spans``: the head's end, the tail)."""
+    installed: list[nn.Module] = []
+    chains: list[ChainHandle] = []
+    guards: list[tuple[nn.Module, DrawGuard]] = []
+    ends: list[torch.utils.hooks.RemovableHandle] = []
+    caches = [
+        region.register_forward_pre_hook(drop_caches, with_kwargs=True, prepend=True)
+        for region in regions
+    ]
+    try:
+        for run in runs:
+            if len(run) > 1:  # Rule A4: one frame for the run, its RNG state kept
+                members = [module for module, _, _ in run]
+                chains.append(checkpoint_chain(members, model, context_fn=run[0][1]))
+                continue
+            module, context_fn, decision = run[0]
+            if getattr(decision, "draws", True):  # a decision pickled before the field
+                checkpoint_module(module, context_fn=context_fn)
+                installed.append(module)
+                continue
+            # Rule A3: it keeps no RNG state, so its recompute must draw nothing
+            inner = None if is_noop_context_fn(context_fn) else context_fn
+            guard = DrawGuard(decision.name, mark, inner)
+            checkpoint_module(module, context_fn=guard, preserve_rng_state=False)
+            installed.append(module)
+            guard.install(module)
+            guards.append((module, guard))
+        for region, child in trails:  # Rule M13: before the trail's scope starts
+            if is_module_checkpointed(region):
+                ends.append(end_at(region, child))
+            elif is_module_chained(region):  # Rule A4: the last of its run
+                ends.append(end_chain_at(region, child))
+        hook = model.register_forward_pre_hook(ShapeCheck(input_shapes, mark), with_kwargs=True)
+        recorded = SpanHooks(model, *spans, [child for _, child in trails], mark)
+    except BaseException:
+        for handle in [*ends, *caches]:
+            handle.remove()
+        for module, guard in guards:
+            guard.remove(module)
+        for module in installed:
+            remove_checkpoint_module(module)
+        for chain in chains:
+            chain.remove()
+        raise
+    return Installed(weakref.ref(model), installed, hook, recorded, ends, caches, guards, chains)
 
 
 def _mark_of(hook: object) -> str | None:
@@ -285,6 +360,7 @@ def take_off(
         module = modules.get(name)
         if module is not None and is_module_checkpointed(module):
             remove_checkpoint_module(module)
+    unchain_found([modules[name] for name in regions if name in modules], model)  # Rule A4
     for hook in _compat.forward_pre_hooks(model):
         if isinstance(hook, ShapeCheck) and hook.mark == mark:
             _compat.remove_forward_hooks(model, hook, hook)

@@ -14,14 +14,13 @@ import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import torch
 from torch import nn
 
+from ..._chain import is_module_chained
 from ..._errors import describe_value
-from ..._kv_caches import drop_caches
-from ..._module import checkpoint_module, end_at, is_module_checkpointed, remove_checkpoint_module
+from ..._module import is_module_checkpointed
 from ..._selective import SKIP_IN_REPLAY, CheckpointPolicy, Op
-from ..._state import is_noop_context_fn, noop_context_fn
+from ..._state import noop_context_fn
 from ..._units import format_bytes, format_flops
 from ..measure.costs import DeviceCosts
 from ..measure.profile import StepProfile
@@ -39,8 +38,8 @@ from ..solve.problem import (
 from . import plan_json
 from .contexts import Answer, _RegionContexts, resolve_op
 from .contexts import _region_contexts_by_name as _region_contexts_by_name
-from .installed import DrawGuard, Installed, ShapeCheck, carries, new_mark, take_off
-from .span_hooks import SpanHooks
+from .installed import Installed, ShapeCheck, carries, install, new_mark, take_off
+from .joins import Run, check_joined, check_trails, check_whole
 
 __all__ = ["ActivationPlan", "RegionDecision", "SpanDecision", "resolve_op"]
 
@@ -157,11 +156,6 @@ _MSG_REGION_TWICE = (
     "checkpointing.ActivationPlan.apply: regions {first!r} and {second!r} are the same "
     "{type_name} module; checkpointing it twice would nest it inside itself. Nothing was "
     "installed. Fix: keep one decision per module in the plan."
-)
-_MSG_JOINED = (
-    "checkpointing.ActivationPlan.apply: region {name!r} is joined to the region before it (one "
-    "checkpoint frame across both), which this version of checkpointing cannot install yet. "
-    'Nothing was installed. Fix: set "joined": false in the plan\'s JSON, or re-plan.'
 )
 _MSG_UNKNOWN_OP = (
     "checkpointing.ActivationPlan.from_json: unknown op {name!r} (expected a name like "
@@ -364,54 +358,23 @@ class ActivationPlan:
                     expected=_describe_model(bound), observed=_describe_model(model)
                 )
             )
-        chosen = self._regions_in(model)
+        runs = self._regions_in(model)
         head, tail, trails = self._spans_in(model)
-        installed: list[nn.Module] = []
-        guards: list[tuple[nn.Module, DrawGuard]] = []
-        ends: list[torch.utils.hooks.RemovableHandle] = []
-        modules = dict(model.named_modules())  # NOTE [Key/value caches], Rule 2: every region
-        caches = [
-            modules[r.name].register_forward_pre_hook(drop_caches, with_kwargs=True, prepend=True)
-            for r in self.regions
-        ]
-        try:  # all or nothing: what was installed goes again if a later step raises
-            for module, context_fn, decision in chosen:
-                if getattr(decision, "draws", True):  # a decision pickled before the field
-                    checkpoint_module(module, context_fn=context_fn)
-                    installed.append(module)
-                    continue
-                # Rule A3: it keeps no RNG state, so its recompute must draw nothing
-                inner = None if is_noop_context_fn(context_fn) else context_fn
-                guard = DrawGuard(decision.name, self._mark, inner)
-                checkpoint_module(module, context_fn=guard, preserve_rng_state=False)
-                installed.append(module)
-                guard.install(module)
-                guards.append((module, guard))
-            for region, child in trails:  # Rule M13: before the trail's scope starts
-                if is_module_checkpointed(region):
-                    ends.append(end_at(region, child))
-            check = ShapeCheck(self.input_shapes, self._mark)
-            hook = model.register_forward_pre_hook(check, with_kwargs=True)
-            spans = SpanHooks(model, head, tail, [child for _, child in trails], self._mark)
-        except BaseException:
-            for handle in [*ends, *caches]:
-                handle.remove()
-            for module, guard in guards:
-                guard.remove(module)
-            for module in installed:
-                remove_checkpoint_module(module)
-            raise
-        self._applied = Installed(weakref.ref(model), installed, hook, spans, ends, caches, guards)
+        check_trails(runs, self.spans)
+        modules = dict(model.named_modules())
+        regions = [modules[r.name] for r in self.regions]
+        shapes, mark = self.input_shapes, self._mark
+        self._applied = install(model, runs, trails, (head, tail), regions, shapes, mark)
         self._model = weakref.ref(model)
         return model
 
-    def _regions_in(self, model: nn.Module) -> list[tuple[nn.Module, Any, RegionDecision]]:
-        """The modules to checkpoint, their ``context_fn``s and decisions; every region is
-        checked here,
+    def _regions_in(self, model: nn.Module) -> list[Run]:
+        """The modules to checkpoint, their ``context_fn``s and decisions, in runs: one region
+        alone, or a region and those joined to it (Rule A4). Every region is checked here,
         before ``apply`` installs anything."""
         modules = dict(model.named_modules())
         seen: dict[int, int] = {}
-        chosen = []
+        runs: list[Run] = []
         for index, region in enumerate(self.regions):
             module = modules.get(region.name)
             if module is None or type(module).__qualname__ != region.type_name:
@@ -428,13 +391,21 @@ class ActivationPlan:
                         type_name=region.type_name,
                     )
                 )
-            if getattr(region, "joined", False):  # a decision pickled before the field: False
-                raise ValueError(_MSG_JOINED.format(name=region.name))
+            joined = getattr(region, "joined", False)  # a decision pickled before the field
+            if joined:
+                check_joined(self.regions, index, runs)
             if region.checkpoint:
-                if is_module_checkpointed(module):
+                if is_module_checkpointed(module) or is_module_chained(module):
                     raise ValueError(_MSG_REGION_TAKEN.format(name=region.name))
-                chosen.append((module, _context_fn(region), region))
-        return chosen
+                chosen = (module, _context_fn(region), region)
+                if joined:
+                    runs[-1].append(chosen)
+                else:
+                    runs.append([chosen])
+        for run in runs:
+            if len(run) > 1:
+                check_whole([decision for _, _, decision in run])
+        return runs
 
     def _spans_in(
         self, model: nn.Module
