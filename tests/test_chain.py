@@ -17,12 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_support import BATCH, SEQ, VOCAB, tiny_llama
+from planner_support import encoder, encoder_inputs, forced_plan, grads_of
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import checkpointing
 from checkpointing import _compat
 from checkpointing._chain import checkpoint_chain, is_module_chained, unchain_found
+from checkpointing._planning.solve.problem import Choice
 
 WIDTH = 8
 
@@ -470,3 +472,40 @@ def test_under_compile_each_member_is_torchs_region() -> None:
     assert not handle._chain.open
     handle.remove()
     torch._dynamo.reset()
+
+
+_W, _J, _P = Choice(True), Choice(True, joined=True), Choice(False)
+
+
+def test_a_joined_plan_keeps_what_the_planner_predicts() -> None:
+    """Rule A4 against the planner's count (NOTE [Planner solve], Rule S9): a plan of the
+    residual blocks with dropout, joined in two pairs, keeps exactly the bytes it predicts (the
+    report's activation bytes) and gives the plain run's gradients bitwise."""
+    model = _net()
+    x = _x()
+    plain = grads_of(model, x, None)
+    plan = forced_plan(model, x, lambda _, i: (_W, _J, _W, _J)[i])
+    assert [r.joined for r in plan.regions] == [False, True, False, True]
+    _check_prediction(plan, model, x, plain)
+
+
+@pytest.mark.once
+def test_a_joined_encoder_plan_keeps_what_the_planner_predicts() -> None:
+    """As above on post-norm encoder blocks with dropout: the first kept, the others joined
+    after a whole one."""
+    model = encoder(depth=4)
+    x = encoder_inputs().requires_grad_()
+    plain = grads_of(model, x, None)
+    pattern = (_P, _W, _J, _J)
+    _check_prediction(forced_plan(model, x, lambda _, i: pattern[i]), model, x, plain)
+
+
+def _check_prediction(
+    plan: checkpointing.ActivationPlan, model: nn.Module, x: torch.Tensor, plain: Any
+) -> None:
+    plan.apply(model)
+    torch.manual_seed(7)
+    kept = checkpointing.saved_tensors_report(model(x).sum(), model=model).activation_bytes
+    assert _equal(list(grads_of(model, x, None)), list(plain))
+    plan.remove(model)
+    assert kept == plan.kept_bytes
