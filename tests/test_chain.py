@@ -206,6 +206,47 @@ def test_hooks_pushed_in_the_gaps() -> None:
     handle.remove()
 
 
+class _Counting(_compat.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped base
+    """Counts the ops it sees, across instances."""
+
+    seen = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        _Counting.seen += 1
+        return func(*args, **(kwargs or {}))
+
+
+class ModeNet(Net):
+    """Runs its second block under a dispatch mode of its own, entered and left in the gaps."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        for index, block in enumerate(self.layers):
+            if index == 1:
+                with _Counting():
+                    h = block(h)
+            else:
+                h = block(h)
+        return h
+
+
+def test_a_mode_entered_in_a_gap() -> None:
+    """Rule 4: a dispatch mode the root enters between two chained blocks and leaves after the
+    next: the mode sees that block's ops (it runs plainly), the chain breaks at the one after;
+    stacks as found, bitwise."""
+    torch.manual_seed(0)
+    model = ModeNet()
+    plain = _grads(model, model)
+    seen = _Counting.seen
+    handle = checkpoint_chain(model.layers, model)
+    _Counting.seen = 0
+    assert _equal(_grads(model, model), plain)
+    assert _Counting.seen == seen > 0
+    assert _compat.dispatch_mode_depth() == 0
+    assert not handle._chain.open
+    handle.remove()
+
+
 def test_early_exit_ends_the_frame_at_the_root() -> None:
     """Rule 4: a root that calls only the first chained block leaves no frame open (hook and
     mode stacks as found); the next full step is bitwise."""
