@@ -335,11 +335,13 @@ class _Chain:
         if self.recomputing.get(thread):
             return  # Rule 6
         current = self.open.get(thread)
-        if current is None or current.watch is not None or current.index != index:
+        if current is None or current.watch is not None:
             return  # not ours: a call that ran plainly, or its pre-hook never ran
         if current.nested:
-            current.nested -= 1  # Rule 5
+            current.nested -= 1  # Rule 5: a call inside the running member ended
             return
+        if current.index != index:
+            return  # its pre-hook never ran (an earlier pre-hook raised)
         if (
             index == self.count - 1
             or output is None  # an exception, or nothing to chain

@@ -301,6 +301,41 @@ def test_two_threads() -> None:
     assert results == [True, True]
 
 
+class Inner(nn.Module):
+    """Calls ``shared``, the next chained block, inside its own forward first."""
+
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.shared = [shared]  # not a submodule: the root owns it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared[0](torch.tanh(self.lin(x)))
+
+
+class Nesting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = Block()
+        self.first = Inner(self.second)
+        self.third = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.third(self.second(self.first(x)))
+
+
+def test_a_member_called_inside_another() -> None:
+    """Rule 5: a chained block called inside the running one is part of that call; the chain
+    goes on at its next call from the root, and ends; bitwise."""
+    torch.manual_seed(0)
+    model = Nesting()
+    plain = _grads(model, model)
+    handle = checkpoint_chain([model.first, model.second, model.third], model)
+    assert _equal(_grads(model, model), plain)
+    assert not handle._chain.open
+    handle.remove()
+
+
 def test_no_grad_opens_no_frame() -> None:
     """Rule 8: under ``no_grad`` the chained model runs plainly and nothing stays open."""
     model = _net()
