@@ -263,16 +263,51 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-# A run: (training losses, held-out loss); runs[task][decision] lists one run per seed.
-Runs: TypeAlias = dict[str, dict[str, list[tuple[list[float], float]]]]
+# A run: (training losses, held-out loss); runs[task][decision][seed] is one run.
+Run: TypeAlias = tuple[list[float], float]
+Runs: TypeAlias = dict[str, dict[str, dict[int, Run]]]
+
+
+def common_seeds(decisions: dict[str, dict[int, Run]]) -> list[int]:
+    """The seeds every one of ``decisions`` finished, in order: the seeds a table or a curve
+    pairs them on."""
+    return sorted(set.intersection(*(set(runs) for runs in decisions.values())))
+
+
+def load(paths: list[str]) -> Runs:
+    """The runs of ``--save`` files, merged: a seed saved in two files is the later file's. A
+    file written before runs were keyed by seed lists them from seed 0."""
+    runs: Runs = {}
+    for path in paths:
+        with open(path) as file:
+            for task, decisions in json.load(file).items():
+                for name, saved in decisions.items():
+                    by_seed = saved if isinstance(saved, dict) else dict(enumerate(saved))
+                    mine = runs.setdefault(task, {}).setdefault(name, {})
+                    mine.update({int(seed): tuple(run) for seed, run in by_seed.items()})
+    return runs
 
 
 # Student's t, the 97.5 % quantile, by degrees of freedom: a 95 % interval is mean +- t * se.
 T_975: dict[int, float] = {
     1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131,
+    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+    17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064,
+    25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 31: 2.040, 32: 2.037,
+    33: 2.035, 34: 2.032, 35: 2.030, 36: 2.028, 37: 2.026, 38: 2.024, 39: 2.023, 40: 2.021,
 }  # fmt: skip
 TARGET = 0.01
+
+
+def t_975(freedom: int) -> float:
+    """Student's t quantile for a 95 % interval on ``freedom`` degrees of freedom; past the table
+    a refusal, never the normal's 1.96 (it narrows the interval: by 4 % at 30 seeds)."""
+    if freedom not in T_975:
+        raise ValueError(
+            f"compression.py: no t quantile for {freedom} degrees of freedom ({freedom + 1} "
+            f"seeds); the table T_975 covers 1-{max(T_975)}: add the quantile to it"
+        )
+    return T_975[freedom]
 
 
 @dataclass
@@ -303,27 +338,29 @@ def gap(mine: list[float], exact: list[float]) -> Gap:
     gaps = [(a - b) / scale for a, b in zip(mine, exact, strict=True)]
     mean, sd = mean_sd(gaps)
     se = sd / math.sqrt(len(gaps))
-    t = T_975.get(len(gaps) - 1, 1.96) if len(gaps) > 1 else math.inf
+    t = t_975(len(gaps) - 1) if len(gaps) > 1 else math.inf
     return Gap(mean_sd(mine)[0], mean, se, mean - t * se, mean + t * se, max(gaps, key=abs))
 
 
-def held_out(run: tuple[list[float], float]) -> float:
+def held_out(run: Run) -> float:
     return run[1]
 
 
-def last_twenty(run: tuple[list[float], float]) -> float:
+def last_twenty(run: Run) -> float:
     return last_steps(run[0])
 
 
-def summarise(task: str, runs: dict[str, list[tuple[list[float], float]]]) -> None:
+def summarise(task: str, decisions: dict[str, dict[int, Run]], *, per_seed: bool) -> None:
     """A markdown table: per decision, over the seeds every decision finished, the mean final
     loss (held-out), the mean paired gap to the exact run with its standard error and 95 %
     interval, the largest per-seed gap, the verdict, and the same gap on the last 20 training
-    steps; the exact row gives the seed-to-seed spread (standard deviation)."""
-    seeds = min(len(decision) for decision in runs.values())
-    runs = {name: decision[:seeds] for name, decision in runs.items()}
+    steps; the exact row gives the seed-to-seed spread (standard deviation). With ``per_seed``
+    a second table: each seed's held-out loss, the exact run's and every other decision's gap."""
+    seeds = common_seeds(decisions)
+    runs = {name: [decision[seed] for seed in seeds] for name, decision in decisions.items()}
     exact = runs[EXACT]
-    print(f"\n{task} task, {STEPS} steps, {seeds} seeds:\n")
+    span = f"seeds {seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ""
+    print(f"\n{task} task, {STEPS} steps, {len(seeds)} seeds ({span or seeds}):\n")
     print(
         "| decision | held-out loss | gap (se) | 95 % interval | largest | verdict "
         "| last 20 steps | gap (se) |"
@@ -345,6 +382,21 @@ def summarise(task: str, runs: dict[str, list[tuple[list[float], float]]]) -> No
             f"[{h.low:+.2%}, {h.high:+.2%}] | {h.largest:+.2%} | {h.verdict} "
             f"| {t.loss:.4f} | {t.mean:+.2%} ({t.se:.2%}) |"
         )
+    if per_seed:
+        print_per_seed(seeds, runs)
+
+
+def print_per_seed(seeds: list[int], runs: dict[str, list[Run]]) -> None:
+    """Per seed: the exact run's held-out loss, each other decision's gap to it (in % of the
+    exact runs' mean, as the summary's gaps)."""
+    exact = [held_out(run) for run in runs[EXACT]]
+    scale = mean_sd(exact)[0]
+    others = [name for name in runs if name != EXACT]
+    print("\n| seed | exact held-out loss | " + " | ".join(f"{n}: gap" for n in others) + " |")
+    print("|---:|---:|" + "---:|" * len(others))
+    for row, seed in enumerate(seeds):
+        gaps = [(held_out(runs[name][row]) - exact[row]) / scale for name in others]
+        print(f"| {seed} | {exact[row]:.4f} | " + " | ".join(f"{g:+.2%}" for g in gaps) + " |")
 
 
 # --- 3. Gradient error of one step --------------------------------------------------------------
@@ -399,7 +451,9 @@ def main() -> None:
     parser.add_argument("--plot", action="store_true", help="draw docs/compression_loss.png")
     parser.add_argument("--only", nargs="*", help="train only these decisions (and the exact)")
     parser.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS))
-    parser.add_argument("--seeds", type=int, default=10, help="seeds 0 .. SEEDS-1 per decision")
+    parser.add_argument("--seeds", type=int, default=10, help="how many seeds per decision")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first of them (0)")
+    parser.add_argument("--per-seed", action="store_true", help="print each seed's gaps too")
     parser.add_argument("--no-bytes", action="store_true", help="skip the bytes table")
     parser.add_argument("--no-gradients", action="store_true", help="skip the gradient errors")
     parser.add_argument("--save", help="write every run's losses to this JSON file")
@@ -417,27 +471,23 @@ def main() -> None:
             print(f"{name:<22} {b.activations:>12,} {b.compressed:>11,} {b.to_host:>10,}")
     if not args.no_gradients:
         gradient_errors()
-    runs: Runs = {task: {} for task in args.tasks}
-    for path in args.load:
-        with open(path) as file:
-            for task, decisions in json.load(file).items():
-                runs.setdefault(task, {}).update(decisions)
-    for seed in range(args.seeds):  # seed by seed: a run cut short has whole seeds
+    runs = {task: {} for task in args.tasks} | load(args.load)
+    chosen = [n for n in DECISIONS if args.only is None or n == EXACT or n in args.only]
+    for seed in range(args.first_seed, args.first_seed + args.seeds):  # whole seeds if cut short
         for task in args.tasks:
-            for name in DECISIONS:
-                if args.only is not None and name != EXACT and name not in args.only:
+            for name in chosen:
+                done = runs.setdefault(task, {}).setdefault(name, {})
+                if seed in done:
                     continue
-                done = runs.setdefault(task, {}).setdefault(name, [])
-                if len(done) > seed:
-                    continue
-                done.append(train(task, name, seed))
-                print(f"  seed {seed} {task} {name}: {last_steps(done[-1][0]):.4f}", flush=True)
+                done[seed] = train(task, name, seed)
+                print(f"  seed {seed} {task} {name}: {last_steps(done[seed][0]):.4f}", flush=True)
                 if args.save:
                     with open(args.save, "w") as file:
                         json.dump(runs, file)
     print("\n2. Accuracy (gaps: per-seed paired differences, in % of the exact runs' mean)")
-    for task, decisions in runs.items():
-        summarise(task, decisions)
+    for task, decisions in runs.items():  # with --only, the table of those decisions alone
+        shown = {name: decisions[name] for name in chosen if name in decisions}
+        summarise(task, shown, per_seed=args.per_seed)
     if args.plot:
         draw(runs)
 
@@ -456,11 +506,11 @@ def draw(runs: Runs) -> None:
     )
     for column, (task, decisions) in enumerate(runs.items()):
         curves, gaps = panels[0][column], panels[1][column]
-        seeds = min(len(decision) for decision in decisions.values())
-        exact = [held_out(run) for run in decisions[EXACT][:seeds]]
+        seeds = common_seeds(decisions)
+        exact = [held_out(decisions[EXACT][seed]) for seed in seeds]
         names = [name for name in DECISIONS if name in decisions]
         for row, name in enumerate(names):
-            decision = decisions[name][:seeds]
+            decision = [decisions[name][seed] for seed in seeds]
             steps = zip(*(run[0] for run in decision), strict=True)
             mean = [sum(step) / len(step) for step in steps]
             color, line = {EXACT: ("black", "--"), NUDGED: ("grey", ":")}.get(name, (None, "-"))
@@ -478,14 +528,16 @@ def draw(runs: Runs) -> None:
             )
         curves.set_yscale("log")
         curves.set_xlabel("step")
-        curves.set_ylabel(f"training loss, mean of {seeds} seeds (log)")
+        curves.set_ylabel(f"training loss, mean of {len(seeds)} seeds (log)")
         curves.set_title(f"{task} task: matmul outputs exact or compressed")
         curves.legend(fontsize="small")
         gaps.axvspan(-100 * TARGET, 100 * TARGET, color="green", alpha=0.1)
         gaps.axvline(0, color="black", lw=0.8)
         gaps.set_yticks(range(1, len(names)), names[1:], fontsize="small")
         gaps.set_ylim(len(names) - 0.5, 0.5)
-        gaps.set_xlabel(f"held-out loss gap to exact, % (mean and 95 % interval, {seeds} seeds)")
+        gaps.set_xlabel(
+            f"held-out loss gap to exact, % (mean and 95 % interval, {len(seeds)} seeds)"
+        )
     figure.tight_layout()
     figure.savefig("docs/compression_loss.png", dpi=110)
     print("drew docs/compression_loss.png")
