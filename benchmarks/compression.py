@@ -25,12 +25,13 @@ Three measurements, each decision side by side with the exact one in the same pr
    - Final loss (the measure): the loss of the final weights on 64 held-out batches (2,048
      sequences, 32,768 target digits), the same for every run. The mean training loss of the
      last 20 steps is reported beside it.
-   - Seeds 0 .. ``--seeds`` - 1 (10 by default; a study cut short reports the seeds every
-     decision finished, run seed by seed, never fewer than 8): per seed, the initial weights
-     and the batches are the same for every decision. A decision's gap per seed: its final
-     loss minus the exact run's (same seed), in percent of the exact runs' mean; over the
-     seeds, the mean gap, its standard error, and the 95 % confidence interval (Student's t
-     on seeds - 1 degrees of freedom) of the paired differences.
+   - Seeds 0 .. ``--seeds`` - 1 (10 by default; ``--first-seed`` moves the start; a study cut
+     short reports the seeds every decision in its table finished, run seed by seed, never
+     fewer than 8): per seed, the initial weights and the batches are the same for every
+     decision. A decision's gap per seed: its final loss minus the exact run's (same seed), in
+     percent of the exact runs' mean; over the seeds, the mean gap, its standard error, and
+     the 95 % confidence interval (Student's t on seeds - 1 degrees of freedom) of the paired
+     differences.
    - Verdict per decision and task: *within 1 %* when the interval lies inside (-1 %, +1 %),
      *outside* when it lies wholly beyond one of them, *undecided* otherwise.
    - Control: the exact run with its initial weights multiplied by 1 + 1e-6 (a few float32
@@ -47,8 +48,9 @@ Three measurements, each decision side by side with the exact one in the same pr
 
 Run: ``PYTHONPATH=. python benchmarks/compression.py --plot`` (10 seeds x 2 tasks x 8 decisions
 = 160 training runs, 35-65 s each on one busy CPU core; ``--save runs.json`` keeps every
-finished run, ``--load`` resumes from them and merges several files, ``--tasks`` splits the
-work between processes; nothing is timed, so no lock is needed).
+finished run, ``--load`` resumes from them and merges several files, ``--tasks`` or
+``--first-seed`` splits the work between processes, ``--only`` trains and tables some decisions
+alone; nothing is timed, so no lock is needed).
 """
 
 from __future__ import annotations
