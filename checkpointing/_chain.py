@@ -20,7 +20,9 @@ NOTE [Checkpoint chains]
           output at the same place; every other tensor (an attention mask, rotary embeddings)
           is a constant held by plain reference until backward, as the frame's keyword inputs
           are (NOTE [Nestable checkpoint], Rule 11; a watching report is told). The outputs
-          are held only while the chain's forward runs.
+          are held weakly, and only while the chain's forward runs: a boundary the root drops
+          is freed in forward as without the chain (a tensor that died is no later call's
+          argument, so its place is never needed).
   Rule 3. Between two calls the frame is paused: its saved-tensors hook pair leaves the stack
           (the user's hooks below it, if any, are then the top: code the root runs there saves
           as it would without checkpointing) and a dispatch mode watches the gap. The next
@@ -70,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Final
 
@@ -259,7 +262,7 @@ class _Open:
         self.pair = pair  # the frame's saved-tensors hooks
         self.index = index  # the member running, or the last that completed
         self.depth = depth  # the root's call depth when it opened (Rule 4)
-        self.outputs: list[list[torch.Tensor]] = []  # per completed call, while forward runs
+        self.outputs: list[list[weakref.ref[torch.Tensor]]] = []  # per completed call (Rule 2)
         self.nested = 0  # Rule 5: calls of members inside the running member
         self.watch: _GapWatch | None = None  # while paused
         self.below: _compat.HookPair | None = None  # the stack's top while paused
@@ -293,8 +296,9 @@ class _Chain:
             if self._resume(current, index):
                 found = {
                     id(leaf): _Slot(call, i)
-                    for call, leaves in enumerate(current.outputs)
-                    for i, leaf in enumerate(leaves)
+                    for call, refs in enumerate(current.outputs)
+                    for i, ref in enumerate(refs)
+                    if (leaf := ref()) is not None
                 }
                 call = (module, _template(args, found), _template(kwargs, found))
                 current.recipe.calls.append(call)
@@ -350,7 +354,7 @@ class _Chain:
         ):
             self._close(thread, current)
             return
-        current.outputs.append(_leaves(output))
+        current.outputs.append([weakref.ref(leaf) for leaf in _leaves(output)])
         if current.pair is not None:
             _compat.pop_saved_tensors_hooks()
         current.below = _compat.top_saved_tensors_hooks()

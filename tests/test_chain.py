@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -334,6 +335,27 @@ def test_a_member_called_inside_another() -> None:
     assert _equal(_grads(model, model), plain)
     assert not handle._chain.open
     handle.remove()
+
+
+class Watching(Net):
+    """Notes whether the first block's output still lives when the third block starts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](torch.relu(self.stem(x)))
+        first = weakref.ref(h)
+        h = self.layers[1](h)
+        self.first_alive = first() is not None
+        return self.layers[2](h)
+
+
+def test_boundaries_die_in_forward() -> None:
+    """Rule 2: a boundary the root no longer holds is freed during the forward, as without
+    the chain: the chain holds earlier outputs weakly."""
+    model = Watching(blocks=3)
+    handle = checkpoint_chain(model.layers, model)
+    model(_x()).sum().backward()
+    handle.remove()
+    assert not model.first_alive
 
 
 def test_no_grad_opens_no_frame() -> None:
