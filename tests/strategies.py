@@ -570,8 +570,8 @@ def planner_problems(
     (a storage two regions keep, as in a chain of blocks), and some storages are kept outside
     every region. ``joins`` (NOTE [Planner solve], Rule S9): instead, each region returns an
     output of its own (made past its early stop, at a cost) that the next one receives and
-    saves, beside a constant of its own; a region may draw (an RNG state among its inputs), be
-    charged a frame, and be joinable to the one before it."""
+    saves, beside a constant of its own; a region captures an RNG state (among its inputs where
+    it draws), may be charged a frame, and be joinable to the one before it."""
     storage_bytes: dict[int, int] = {}
 
     def storage() -> int:
@@ -606,7 +606,8 @@ def _joinable_region(
     """One region of ``planner_problems(joins=True)``."""
     boundary = frozenset() if previous is None else frozenset({previous})
     constant = frozenset({storage()}) if previous is None or draw(st.booleans()) else frozenset()
-    states = frozenset({storage()}) if draw(st.booleans()) else frozenset()
+    states = frozenset({storage()})
+    drew = draw(st.booleans())
     units = tuple(
         Unit(("aten.mm.default", i), draw(st.integers(0, 5)) / 1000, (storage(),))
         for i in range(draw(st.integers(0, max_units)))
@@ -614,13 +615,14 @@ def _joinable_region(
     saved = boundary | constant | {s for u in units for s in u.storages if draw(st.booleans())}
     return RegionChoices(
         frozenset(saved),
-        boundary | constant | states,
+        boundary | constant | (states if drew else frozenset()),
         draw(st.integers(0, 3)) / 1000,
         units,
         frame_seconds=draw(st.integers(0, 2)) / 1000,
         joinable=previous is not None and draw(st.booleans()),
         boundary=boundary,
         states=states,
+        drew=drew,
         rest_seconds=draw(st.integers(0, 3)) / 1000,
         rest_frame_seconds=draw(st.integers(0, 1)) / 1000,
     )

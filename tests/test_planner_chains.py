@@ -77,6 +77,7 @@ def _blocks(count: int, joinable: bool) -> Problem:
                 joinable=joinable and index > 0,
                 boundary=frozenset({given}) if index else frozenset(),
                 states=frozenset({state}),
+                drew=True,
                 rest_seconds=0.002,
             )
         )
@@ -127,7 +128,11 @@ def test_profile_joins_blocks_that_run_back_to_back() -> None:
     ):
         assert region.boundary == frozenset(after.inputs) == frozenset(before.outputs)
     everything = (WHOLE, JOINED, JOINED, JOINED)
-    first = problem.outside | problem.regions[0].inputs
+    # No block draws: the chain keeps the CPU state the first captured (the runtime always
+    # preserves one), which the second, joined, captured too.
+    assert not any(r.drew for r in problem.regions)
+    assert problem.regions[1].states == problem.regions[0].states != frozenset()
+    first = problem.outside | problem.regions[0].inputs | problem.regions[0].states
     assert kept_bytes(problem, everything) == sum(problem.storage_bytes[s] for s in first)
 
 

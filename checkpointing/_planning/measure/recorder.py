@@ -141,7 +141,9 @@ class _Step:
             if storage is not None:
                 profile.referenced.add(storage)
         if torch.is_grad_enabled():  # a frame captures nothing under no_grad
-            profile.states.update(self.capture_rng(args))
+            captured = set(self.capture_rng(args))
+            profile.states |= captured
+            profile.captured |= captured  # Rule S9: a chain starting here keeps them
         self.stack.append((profile, {}, [], [0]))
         self.children.append([])
 

@@ -64,6 +64,9 @@ class RegionProfile:
     nothing."""
     draws: bool = False
     """Whether a call of the region ran a random op (Rule A3)."""
+    captured: set[int] = field(default_factory=set)
+    """The RNG states a frame entered at the region captures, whether it draws or not: a chain
+    keeps them (Rule S9)."""
     referenced: set[int] = field(default_factory=set)
     """Its inputs received by keyword or inside a container: a frame keeps them by plain
     reference, a recorded span cannot free them (Rule M11)."""
@@ -184,7 +187,8 @@ class StepProfile:
                     boundary=frozenset(region.inputs & before.outputs)
                     if joinable and before is not None
                     else frozenset(),
-                    states=frozenset(region.states),
+                    states=frozenset(region.captured),
+                    drew=region.draws,
                     rest_seconds=sum(c.seconds for c in rest),
                     rest_flops=sum(c.flops for c in rest),
                 )

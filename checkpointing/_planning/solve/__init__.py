@@ -14,7 +14,7 @@ NOTE [Planner solve]
            upper bound (a storage kept by two regions counts twice, except what several checkpointed
            regions keep, charged once up front), and every answer is checked, and finished, against
            the exact union. A region joined to the one before it (Rule S9) keeps its inputs but
-           those that one returned, and no RNG state of its own where the region before it draws.
+           those that one returned, and the chain's RNG state where it keeps one (Rule S9).
   Rule S2. Offload (``host_budget``, accelerators only) replaces recompute of an op output where
            moving it to host and back (at ``_HOST_BYTES_PER_SECOND`` each way) is predicted cheaper
            than re-running the op, best gain per host byte first, within the host budget; it does
@@ -120,33 +120,36 @@ NOTE [Planner solve]
            data (``ReplayGraph``, its storages numbered within the region, so identical blocks give
            equal graphs and are solved once, Rule S5). The replay's taint refuses a blank that
            reaches a saved tensor: a wrong plan raises, never gives a wrong gradient.
-  Rule S9. Chains. Several consecutive regions may be checkpointed in one frame, as the segments
-           of ``checkpoint_sequential`` are (``Choice.joined``, ``RegionDecision.joined``: "with
-           the region before it"): each member after the first is whole (nothing kept, no mode of
-           the planner's) and follows a whole or joined one. The chain keeps its first member's
-           inputs, what a later member receives that is not its predecessor's output (a mask, a
-           rotary table), and one RNG state where a member draws; the boundaries, each member's
-           output passed to the next, are kept nowhere and recomputed. Counted: a joined region
-           keeps its inputs less ``boundary`` (those the region before it returned), and less its
-           RNG states where the region before it draws (that one, or the first drawing member
-           before it, keeps the chain's; a drawing member after a non-drawing one after a drawing
-           one counts one state more than the run keeps: over, never under). Priced: the member
+  Rule S9. Chains. Several consecutive regions may be checkpointed in one frame, as the segments of
+           ``checkpoint_sequential`` are (``Choice.joined``, ``RegionDecision.joined``: "with the
+           region before it"): each member after the first is whole (nothing kept, no mode of the
+           planner's) and follows a whole or joined one. The chain keeps its first member's inputs,
+           what a later member receives that is not its predecessor's output (a mask, a rotary
+           table), and one RNG state (always: the runtime preserves it); the boundaries, each
+           member's output passed to the next, are kept nowhere and recomputed. Counted: a joined
+           region keeps its inputs less ``boundary`` (those the region before it returned); and the
+           RNG states a frame entered at it captures (``states``, whether it draws or not) where the
+           region before it drew nothing, none where it drew. The chain keeps the states its first
+           member captured, drawing or not (the runtime preserves them always); the first member
+           keeps them itself where it draws, else the second, whose captured CPU state is the
+           first's (Rule A3: no draw between, one state); a drawing member keeps the chain's. A
+           member after a non-drawing one after a drawing one counts a state the run does not keep,
+           and so does each device state (one a capture): over, never under. Priced: the member
            before a joined region recomputes past its early stop (Rule M9: its output is the next
-           one's input), so a joined region pays that one's ``rest_seconds``, FLOPs and frame
-           charge (Rule M12) beside its own whole recompute. Joinable (``measure``, the profiled
-           step): each ran once, the later right after the earlier on the same thread outside
-           every other region, no op dispatched between them; what the later received that the
-           earlier made is the earlier's output; neither keeps anything whatever it saves
-           (collectives, kept spans: Rules M14 and M15) nor is planned without recompute; and
-           neither ends at a trail (Rule M13: its frame ends before its own end). Otherwise the
-           runtime would break the chain there, so the plan never counts on it. Solved (Rule S5)
-           with two states per byte step, the last region counted whole or joined (the next may
-           join) or not; the exact finish moves no member of a chain. At equal cost a join
-           loses (its row weighs ``_JOIN_TIE`` of its cost more): its bytes are taken only where
-           the budget needs them, since a chain's recompute holds more at once (below); the
-           prediction, ``recompute_cost``, is exact. Peak (Rule S6): the chain's
-           one recompute restores every member's saved tensors at once, so while backward runs a
-           member the members before it hold theirs. The floor (``floor_bytes``) does not count on
-           joins: it is each region's fewest-bytes option alone, so a budget below it is refused
-           as before, though a chain of every block would keep less.
+           one's input), so a joined region pays that one's ``rest_seconds``, FLOPs and frame charge
+           (Rule M12) beside its own whole recompute. Joinable (``measure``, the profiled step):
+           each ran once, the later right after the earlier on the same thread outside every other
+           region, no op dispatched between them; what the later received that the earlier made is
+           the earlier's output; neither keeps anything whatever it saves (collectives, kept spans:
+           Rules M14 and M15) nor is planned without recompute; and neither ends at a trail (Rule
+           M13: its frame ends before its own end). Otherwise the runtime would break the chain
+           there, so the plan never counts on it. Solved (Rule S5) with two states per byte step,
+           the last region counted whole or joined (the next may join) or not; the exact finish
+           moves no member of a chain. At equal cost a join loses (its row weighs ``_JOIN_TIE`` of
+           its cost more): its bytes are taken only where the budget needs them, since a chain's
+           recompute holds more at once (below); the prediction, ``recompute_cost``, is exact. Peak
+           (Rule S6): the chain's one recompute restores every member's saved tensors at once, so
+           while backward runs a member the members before it hold theirs. The floor
+           (``floor_bytes``) does not count on joins: it is each region's fewest-bytes option alone,
+           so a budget below it is refused as before, though a chain of every block would keep less.
 """

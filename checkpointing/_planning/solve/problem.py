@@ -206,8 +206,10 @@ class RegionChoices:
     boundary: frozenset[int] = frozenset()
     """Its inputs the region before it returned: kept nowhere when joined (Rule S9)."""
     states: frozenset[int] = frozenset()
-    """The RNG states among ``inputs`` (Rule A3): the chain's one state stands for them when
-    it is joined after a region that draws (Rule S9)."""
+    """The RNG states a frame entered at the region captures (Rule A3), among ``inputs`` where
+    it draws: a chain keeps its states whether it draws or not (Rule S9)."""
+    drew: bool = False
+    """Whether the region drew random numbers when profiled (Rule A3)."""
     rest_seconds: float = 0.0
     """What recompute costs past its early stop (Rule M9): paid where the region after it is
     joined to it, since that one needs its output (Rule S9)."""
@@ -313,8 +315,8 @@ def kept_storages(problem: Problem, index: int, choice: Choice) -> frozenset[int
     if not choice.checkpoint:
         return region.saved
     if choice.joined:  # Rule S9: the chain keeps its first member's inputs and one RNG state
-        drew_before = bool(problem.regions[index - 1].states)
-        return region.inputs - region.boundary - (region.states if drew_before else frozenset())
+        own = region.inputs - region.boundary - region.states
+        return own if problem.regions[index - 1].drew else own | region.states
     kept = set(region.inputs)
     for position in choice.saved:
         kept.update(region.units[position].storages)
