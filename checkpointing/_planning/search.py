@@ -48,9 +48,9 @@ __all__ = ["find_regions", "plan_checkpointing", "rank_zeros"]
 
 _log = logging.getLogger("checkpointing.planner")
 
-# Rule S9: whether plans may join regions into one frame. Off while ``ActivationPlan.apply``
-# refuses joined decisions (the chain's runtime not yet installed by it): a plan must apply.
-JOINS: Final = False
+# Rule S9: whether plans may join regions into one frame (``ActivationPlan.apply`` installs each
+# run of joined regions as one ``checkpoint_chain``); tests and benchmarks turn it off to compare.
+JOINS: Final = True
 
 _MSG_BELOW_FLOOR = (
     "checkpointing.{api}: budget {budget:,} bytes is below the smallest reachable "
