@@ -14,6 +14,7 @@ from torch import nn
 
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._module import is_module_checkpointed, remove_checkpoint_module
+from checkpointing._planning import search as search_module
 
 
 def _copy(model: nn.Module, how: str) -> nn.Module:
@@ -36,9 +37,11 @@ def _hooked(model: nn.Module) -> dict[str, tuple[int, int, bool]]:
     return found
 
 
-# A post-norm encoder (trails, Rule M13) and a tiny Llama (head and tail spans, Rule M11).
+# A post-norm encoder (trails, Rule M13; joins off, which outbid them there), the same encoder
+# with joined blocks (Rule S9) and a tiny Llama (head and tail spans, Rule M11).
 _PLANNED = {
     "trails": (encoder, encoder_inputs, None, ["trail", "trail"]),
+    "joined": (encoder, encoder_inputs, None, []),
     "head and tail": (
         TinyLlama,
         lambda: torch.randint(0, 64, (2, 16)),
@@ -50,16 +53,23 @@ _PLANNED = {
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 @pytest.mark.parametrize("case", list(_PLANNED))
-def test_remove_takes_the_plan_off_a_copy(case: str, how: str) -> None:
+def test_remove_takes_the_plan_off_a_copy(
+    case: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``plan.remove(copy)`` of a copied planned model (it used to refuse) leaves no hook of
-    the plan on any module of the copy, spans and trails included; the copy's gradients are
-    the plain run's (bitwise, with dropout) and the original stays planned until removed."""
+    the plan on any module of the copy, spans, trails and joined blocks included; the copy's
+    gradients are the plain run's (bitwise, with dropout) and the original stays planned until
+    removed."""
     build, make_inputs, loss_fn, kinds = _PLANNED[case]
+    if case == "trails":
+        monkeypatch.setattr(search_module, "JOINS", False)
     torch.manual_seed(0)
     model, x = build(), make_inputs()
     plain = grads_of(model, x, loss_fn)
     plan = plan_checkpointing(model, x, budget=0.3, loss_fn=loss_fn, objective="flops")
     assert [s.kind for s in plan.spans] == kinds
+    if case == "joined":
+        assert any(r.joined for r in plan.regions), str(plan)
     plan.apply(model)
     twin = _copy(model, how)
     assert _hooked(twin) == _hooked(model) != {}

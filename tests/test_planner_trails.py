@@ -23,6 +23,14 @@ from checkpointing._planning.measure.flops import FlopCount
 from checkpointing._planning.measure.profile import profile_step
 
 
+@pytest.fixture(autouse=True)
+def _no_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Joined blocks (NOTE [Planner solve], Rule S9) outbid the trails on this encoder at these
+    budgets (a chain keeps no block input between its members either); these tests pin the
+    trails' mechanics, ``test_planner_chains.py`` the joins'."""
+    monkeypatch.setattr(search_module, "JOINS", False)
+
+
 def flops_plan(model: nn.Module, x: torch.Tensor, share: float) -> ActivationPlan:
     """A plan with objective "flops" at ``share`` of the way from its floor to keeping all."""
     probe = plan_checkpointing(model, x, budget=1.0, objective="flops")

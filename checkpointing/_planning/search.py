@@ -49,8 +49,9 @@ __all__ = ["find_regions", "plan_checkpointing", "rank_zeros"]
 _log = logging.getLogger("checkpointing.planner")
 
 # Rule S9: whether plans may join regions into one frame (``ActivationPlan.apply`` installs each
-# run of joined regions as one ``checkpoint_chain``); tests and benchmarks turn it off to compare.
-JOINS: Final = True
+# run of joined regions as one ``checkpoint_chain``); tests that pin another mechanism the joins
+# would outbid (trails, Rule M13) turn it off.
+JOINS = True
 
 _MSG_BELOW_FLOOR = (
     "checkpointing.{api}: budget {budget:,} bytes is below the smallest reachable "
@@ -359,13 +360,14 @@ class _Measured:
 
 
 def _variants(
-    measured: _Measured, scale: float, frame: float, joins: bool = JOINS
+    measured: _Measured, scale: float, frame: float, joins: bool | None = None
 ) -> list[_Variant]:
     """The problem and its span variants (Rules M11 and M13), those without trails first, with
     the selective policy's per-op cost scaled by ``scale`` and what a checkpointed region costs
     beyond its ops by ``frame`` (Rule M12: 1 and 1 but for the timed candidates); ``joins``:
-    whether regions may be joined (Rule S9)."""
+    whether regions may be joined (Rule S9; default ``JOINS``)."""
     profile, costs = measured.profile, measured.costs
+    joins = JOINS if joins is None else joins
     policy = costs.policy_seconds_per_op * scale
 
     def charged(step: StepProfile) -> Problem:
