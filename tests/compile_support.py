@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
+
+
+def backends_once_beyond(every_stage: str) -> list[Any]:
+    """``BACKENDS`` as parameters, all but ``every_stage`` marked ``once``: CI's release stages
+    run that one backend, its first stage all three."""
+    return [b if b == every_stage else pytest.param(b, marks=pytest.mark.once) for b in BACKENDS]
+
 
 # ``pytestmark`` of a compile test module.
 COMPILE_MARKS = [

@@ -5,6 +5,10 @@ compares them side by side in the same test: ``torch._dynamo.explain``'s graph a
 equal torch's; compiled gradients equal the eager run (bitwise with "eager" and "aot_eager",
 close with "inductor", whose kernels differ); the bytes the compiled forward keeps for backward
 are no more than torch's compiled checkpoint keeps.
+
+Every release runs each case on at least one backend, and the backends' own handling of a region
+on all three: the plain block stack, SAC's saves and ``checkpoint_sequential`` with torch's cut
+(NOTE [Compile cases per release] below says which combinations CI's first stage adds).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from compile_support import BACKENDS, COMPILE_MARKS, fresh_dynamo  # noqa: F401  (a fixture)
+from compile_support import BACKENDS, COMPILE_MARKS, backends_once_beyond, fresh_dynamo  # noqa: F401  (a fixture)
 from torch import nn
 
 import checkpointing
@@ -125,6 +129,19 @@ def _our_run(**options: Any) -> Callable[[nn.Module, torch.Tensor], torch.Tensor
 X = torch.randn(8, 16)
 
 
+# NOTE [Compile cases per release]
+# A backend receives one kind of region whichever entry point made it: dynamo traces our
+# checkpoint to torch's own region (equal graph and break counts, checked on every case). So the
+# backends' handling of a region (eager's run, the aot_eager partitioner, inductor's min-cut
+# partitioner and kernels) is checked on all three, on every release, by the cases that reach a
+# new kind of region: the plain block stack, SAC with saved matmuls, and checkpoint_sequential
+# cut as torch cuts it. An entry point (the decorator, reentrant, module hooks, the wrappers, a
+# plan's regions, each other sequential strategy, each name-policy combinator) runs on every
+# release on one backend; its other backends are marked `once` (CI's first stage only). The
+# representative is aot_eager, whose gradients must be bitwise eager's, or inductor where the
+# case checks what the min-cut partitioner keeps.
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_block_stack_with_checkpoint_is_one_graph_as_torchs(backend: str) -> None:
     ours, theirs = Stack(_our_run()), Stack(_torch_run())
@@ -145,7 +162,7 @@ def _decorated_call(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return block(h)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backends_once_beyond("aot_eager"))
 def test_decorator_form_is_torchs_region(backend: str) -> None:
     """A decorated function and a decorated ``forward`` method."""
     ours, theirs = Stack(lambda block, h: _decorated_call(block, h)), Stack(_torch_run())
@@ -156,7 +173,7 @@ def test_decorator_form_is_torchs_region(backend: str) -> None:
     _check_side_by_side(methods, theirs, X, backend, plain=Stack())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backends_once_beyond("aot_eager"))
 def test_reentrant_checkpoint_is_torchs_region_too(backend: str) -> None:
     """torch's checkpoint with ``use_reentrant=True`` is the same region under dynamo."""
     ours = Stack(lambda block, h: checkpointing.checkpoint(block, h, use_reentrant=True))
@@ -183,7 +200,7 @@ def test_sac_save_matmuls_reaches_the_compiler(backend: str) -> None:
         assert sac > full
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backends_once_beyond("aot_eager"))
 def test_checkpoint_module_hooks_compile_as_torchs_region(backend: str) -> None:
     ours, theirs = Stack(), Stack(_torch_run())
     for block in ours.blocks:
@@ -191,7 +208,7 @@ def test_checkpoint_module_hooks_compile_as_torchs_region(backend: str) -> None:
     _check_side_by_side(ours, theirs, X, backend, plain=Stack())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backends_once_beyond("aot_eager"))
 def test_checkpoint_wrapper_on_transformer_layers(backend: str) -> None:
     def layers() -> nn.Sequential:
         torch.manual_seed(0)
@@ -232,7 +249,7 @@ class _TorchWrapped(nn.Module):
         return torch_checkpoint.checkpoint(self.layer, x, use_reentrant=False)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backends_once_beyond("aot_eager"))
 def test_a_plan_applied_to_a_compiled_model(backend: str) -> None:
     """``plan_checkpointing``'s per-region decisions become the compiled regions' policies."""
     model, plain = Stack(), Stack()
@@ -372,16 +389,27 @@ def _torch_saves_the_wide_matmul(ctx: Any, op: Any, *args: Any, **kwargs: Any) -
     return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_NAME_POLICIES = {
+    "names": save_only_these_names("proj"),
+    "either": either(save_nothing(), save_only_these_names("proj")),
+    "both": both(save_everything(), save_only_these_names("proj")),
+}
+
+
 @pytest.mark.parametrize(
-    "policy",
+    ("backend", "policy"),
     [
-        save_only_these_names("proj"),
-        either(save_nothing(), save_only_these_names("proj")),
-        both(save_everything(), save_only_these_names("proj")),
+        pytest.param(
+            backend,
+            policy,
+            id=f"{backend}-{name}",
+            # NOTE [Compile cases per release]: the combinators on inductor on every release.
+            marks=[pytest.mark.once] if backend == "aot_eager" and name != "names" else [],
+        )
+        for backend in ["aot_eager", "inductor"]
+        for name, policy in _NAME_POLICIES.items()
     ],
-    ids=["names", "either", "both"],
 )
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_name_policies_and_combinators_reach_the_compiler(backend: str, policy: Any) -> None:
     """A kept ``tag`` hands its decision to the tensor's producer for the partitioner too
     (``_selective`` Rule 9): the compiled step keeps what torch's SAC keeps for that matmul."""
@@ -424,8 +452,21 @@ _SEQUENTIAL = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("strategy", list(_SEQUENTIAL))
+@pytest.mark.parametrize(
+    ("strategy", "backend"),
+    [
+        pytest.param(
+            strategy,
+            backend,
+            id=f"{strategy}-{backend}",
+            # NOTE [Compile cases per release]: torch's cut on every backend, the others on
+            # aot_eager, on every release.
+            marks=[] if strategy == "torch" or backend == "aot_eager" else [pytest.mark.once],
+        )
+        for backend in BACKENDS
+        for strategy in _SEQUENTIAL
+    ],
+)
 def test_checkpoint_sequential_every_strategy_is_torchs_regions(
     strategy: str, backend: str
 ) -> None:
