@@ -395,10 +395,13 @@ def verdict(ratio: Estimate, control: Estimate) -> str:
 
 
 def describe(plan: checkpointing.ActivationPlan) -> str:
-    """The plan's regions: checkpointed whole, with a selective policy (SAC), or kept."""
+    """The plan's regions: checkpointed whole (of them, joined to the one before: one frame,
+    Rule S9), with a selective policy (SAC), or kept."""
     whole = sum(r.checkpoint and not r.save for r in plan.regions)
     partial = sum(r.checkpoint and bool(r.save) for r in plan.regions)
-    return f"{whole} whole, {partial} SAC, {len(plan.regions) - whole - partial} kept"
+    joined = sum(r.joined for r in plan.regions)
+    chains = f" ({joined} joined)" if joined else ""
+    return f"{whole} whole{chains}, {partial} SAC, {len(plan.regions) - whole - partial} kept"
 
 
 def run(
