@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterator
 
@@ -20,26 +19,6 @@ settings.register_profile(
     "dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
-
-
-# NOTE [Frozen imports]
-# Once every test module is imported (torch, dynamo, transformers, hypothesis: several hundred
-# thousand objects), they are moved out of the cyclic collector's reach (`gc.freeze`). Every
-# collection, the leak tests' explicit ones and Python's own full collections, would otherwise
-# scan them all again, and they are not garbage: they were alive before any test ran. What a test
-# makes is never frozen, so its cyclic garbage is still collected, and found under
-# `gc.DEBUG_SAVEALL`, as before; reference counting frees frozen objects as usual. A test that
-# counts objects with `gc.get_objects()` compares counts taken within itself, which the frozen
-# objects (left out of that list) do not change. They are handed back to the collector when the
-# run ends: an extension that reports its objects still alive at exit (triton's nanobind, with
-# torch's CUDA builds) would otherwise list each of them.
-def pytest_collection_finish(session: pytest.Session) -> None:
-    gc.collect()
-    gc.freeze()
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)
