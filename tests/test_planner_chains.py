@@ -26,6 +26,7 @@ from planner_support import (
 from strategies import planner_problems
 from torch import nn
 
+import checkpointing
 from checkpointing import ActivationPlan
 from checkpointing._planning import search
 from checkpointing._planning.measure.profile import profile_step
@@ -57,6 +58,9 @@ def test_solver_with_joins_is_the_brute_force_optimum(problem: Problem) -> None:
     choices = list(all_choices(problem))
     plain = kept_bytes(problem, [PLAIN] * len(problem.regions))
     floor = solve(problem, plain).floor_bytes
+    if not shared_storages(problem):  # the floor counts on joins: never above the unjoined one
+        apart = [c for c in choices if not any(choice.joined for choice in c)]
+        assert floor <= min(kept_bytes(problem, c) for c in apart)
     for budget in range(floor, plain + 1):
         fitting = [recompute_cost(problem, c) for c in choices if kept_bytes(problem, c) <= budget]
         best = min(fitting)
@@ -249,3 +253,30 @@ def test_joined_plan_applied_keeps_what_it_predicts_with_the_plain_gradients(nam
     assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
     if name == "llama":
         assert peak <= plan.peak_bytes <= 1.06 * peak, (plan.peak_bytes, peak)
+
+
+def test_floor_counts_on_chains_and_a_budget_below_the_unjoined_floor_is_planned() -> None:
+    """Rule S9's floor: the smallest reachable counts on joins. Six Linear + GELU blocks, each
+    checkpointed alone, keep every block's input; chained they keep the first's. The floor is
+    below the blocks-apart floor, and a plan at the budget between the two joins blocks, keeps
+    what it predicts and gives the plain gradients bitwise."""
+    problem = _blocks(4, joinable=True)
+    assert solve(problem, 0).floor_bytes == kept_bytes(problem, (WHOLE, JOINED, JOINED, JOINED))
+    assert solve(problem, 0).choices == (WHOLE, JOINED, JOINED, JOINED)
+    torch.manual_seed(0)
+    model, x = mlp(6, 64), torch.randn(8, 64, requires_grad=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(search, "JOINS", False)
+        apart = checkpointing.plan_checkpointing(model, x, budget=1.0).floor_bytes
+    plan = checkpointing.plan_checkpointing(model, x, budget=apart - 1)
+    assert plan.floor_bytes < apart - 1
+    assert plan.kept_bytes <= apart - 1
+    assert any(region.joined for region in plan.regions)
+    plain = grads_of(model, x, None)
+    plan.apply(model)
+    try:
+        report, grads = measured(model, x, None)
+    finally:
+        plan.remove(model)
+    assert report.activation_bytes == plan.kept_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))

@@ -76,11 +76,13 @@ def test_predicted_recompute_flops_are_measured_and_gradients_stay(
         assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
 
 
-def test_early_stop_makes_the_last_projection_free() -> None:
+def test_early_stop_makes_the_last_projection_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rule M9: in a Llama block the down projection runs after the last tensor autograd saves
     (its input is saved before it runs), so recompute stops before it: the profile's stop
-    leaves it out, no plan keeps its output, and checkpointing every block recomputes none of
-    its FLOPs."""
+    leaves it out, no plan keeps its output, and checkpointing every block apart recomputes
+    none of its FLOPs. (Joined, a block pays the one before's recompute past its stop, Rule
+    S9: the floor's plan joins blocks, so joins are off here.)"""
+    monkeypatch.setattr(search_module, "JOINS", False)
     torch.manual_seed(0)
     model, x = TinyLlama(), torch.randint(0, 64, (2, 16))
     regions = search_module.find_regions(model, None)

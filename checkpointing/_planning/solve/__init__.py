@@ -150,6 +150,11 @@ NOTE [Planner solve]
            recompute holds more at once (below); the prediction, ``recompute_cost``, is exact. Peak
            (Rule S6): the chain's one recompute restores every member's saved tensors at once, so
            while backward runs a member the members before it hold theirs. The floor
-           (``floor_bytes``) does not count on joins: it is each region's fewest-bytes option alone,
-           so a budget below it is refused as before, though a chain of every block would keep less.
+           (``floor_bytes``, and ``solve``'s answer below it) counts on joins: the fewer bytes of
+           two walks, from each region's fewest-bytes option joining where that keeps fewer, and
+           from every join the regions allow parting where that keeps fewer (``_lowest_rows``).
+           Both: a chain keeps one RNG state however long, so on draw-free blocks one join keeps
+           more than it drops and a long chain less. A walk, not a search: on some problems
+           (found by the brute-force test) a choice keeps fewer still; the floor is then above
+           the fewest bytes, never below what the answer keeps.
 """

@@ -40,6 +40,7 @@ from .problem import (
     Problem,
     Solution,
     frame_seconds,
+    join_breaks,
     kept_bytes,
     kept_storages,
     own_bytes,
@@ -47,6 +48,7 @@ from .problem import (
     recompute_flops,
     recompute_seconds,
     region_recompute,
+    whole,
 )
 
 __all__ = ["baseline_bytes", "floor_bytes", "solve"]
@@ -274,7 +276,8 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
     caller checks the budget against ``Solution.floor_bytes``: below it, the fewest-bytes
     choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
     options = _regions(problem)
-    lowest = [o.choice(0) for o in options]
+    rows = _lowest_rows(problem, options)
+    lowest = [o.choice(row) for o, row in zip(options, rows, strict=True)]
     plain = [Choice(False)] * len(options)
     baseline = baseline_bytes(problem)
     floor = min(kept_bytes(problem, lowest), baseline)  # shared storages: see the docstring
@@ -285,11 +288,11 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
         choices = plain  # nothing to recompute: no choice is cheaper
     else:
         found = table.answer(budget - charged)
-        picked = [0] * len(options) if found is None else found
-        choices = _fill(problem, options, picked, budget)
+        picked = list(rows) if found is None else found
+        choices = _fill(problem, options, picked, budget, rows)
         if not table.exact:  # Rule S5: what rounding the bytes up hid, counted exactly
             lower = _Table(options, grid_points, down=True)
-            choices = _cheaper_below(problem, options, lower, charged, budget, choices)
+            choices = _cheaper_below(problem, options, lower, charged, budget, choices, rows)
     frontier = _frontier(problem, options, table, charged, baseline, floor, lowest)
     return Solution(
         choices=tuple(choices),
@@ -311,10 +314,58 @@ def baseline_bytes(problem: Problem) -> int:
 
 def floor_bytes(problem: Problem) -> int:
     """The fewest bytes ``solve`` can answer with, read off the regions' options without solving:
-    each region's fewest-bytes option, counted exactly (Rule S1), or the plain run where that
-    keeps fewer (storages shared by regions: see the module's docstring)."""
-    lowest = [o.choice(0) for o in _options(problem)]
+    each region's fewest-bytes option, joined to the one before it wherever that keeps fewer
+    (``_lowest_rows``, Rule S9), counted exactly (Rule S1), or the plain run where that keeps
+    fewer (storages shared by regions: see the module's docstring)."""
+    options = _regions(problem)
+    rows = _lowest_rows(problem, options)
+    lowest = [o.choice(row) for o, row in zip(options, rows, strict=True)]
     return min(kept_bytes(problem, lowest), baseline_bytes(problem))
+
+
+def _lowest_rows(problem: Problem, options: list[_Region]) -> list[int]:
+    """Rule S9's floor: the fewer bytes, counted exactly, of two walks over the regions' rows.
+    One starts from each region's fewest-bytes row and joins a region to the one before it
+    (made whole for it where it is not: its own fewest bytes may be the plain run's) where that
+    keeps fewer; the other starts from every join the regions allow and parts a region from
+    the one before where that keeps fewer. Both walks are needed: a chain keeps one RNG state
+    however long it is, so a single join may keep more than it drops and a long chain less."""
+    fewest = [0] * len(options)
+    joined = list(fewest)
+    for index, region in enumerate(options):
+        if region.joined >= 0 and options[index - 1].whole >= 0:
+            if joined[index - 1] != options[index - 1].joined:
+                joined[index - 1] = options[index - 1].whole
+            joined[index] = region.joined
+    found = []
+    for rows, parting in ((fewest, False), (joined, True)):
+        least = _counted(problem, options, rows)
+        for index, region in enumerate(options):
+            if region.joined < 0 or (rows[index] == region.joined) != parting:
+                continue
+            trial = list(rows)
+            if parting:
+                trial[index] = 0
+            elif options[index - 1].whole < 0:
+                continue
+            else:
+                if not whole(options[index - 1].choice(trial[index - 1])):
+                    trial[index - 1] = options[index - 1].whole
+                trial[index] = region.joined
+            counted = _counted(problem, options, trial)
+            if counted < least and not join_breaks(problem, _chosen(options, trial)):
+                rows, least = trial, counted
+        found.append((least, rows))
+    return min(found, key=lambda pair: pair[0])[1]
+
+
+def _chosen(options: list[_Region], rows: list[int]) -> list[Choice]:
+    return [o.choice(row) for o, row in zip(options, rows, strict=True)]
+
+
+def _counted(problem: Problem, options: list[_Region], rows: list[int]) -> int:
+    """The exact bytes of the choices ``rows`` picks (Rule S1)."""
+    return kept_bytes(problem, _chosen(options, rows))
 
 
 def _options(problem: Problem) -> list[Options]:
@@ -391,6 +442,7 @@ def _cheaper_below(
     charged: int,
     budget: int,
     choices: list[Choice],
+    lowest: list[int],
 ) -> list[Choice]:
     """Rule S5: ``choices`` (the answer of the table rounded up), or the cheapest answer of the
     table rounded down (``answers_below``) whose exact bytes fit ``budget``, finished by
@@ -398,7 +450,7 @@ def _cheaper_below(
     for picked in lower.answers_below(budget - charged):  # cheapest first
         proposed = [o.choice(p) for o, p in zip(options, picked, strict=True)]
         if _Kept(problem, proposed).total <= budget:
-            found = _fill(problem, options, picked, budget)
+            found = _fill(problem, options, picked, budget, lowest)
             cheaper = _weighed(problem, found) < _weighed(problem, choices)
             return found if cheaper else choices
     return choices
@@ -411,16 +463,18 @@ def _weighed(problem: Problem, choices: list[Choice]) -> float:
     return recompute_cost(problem, choices) * (1 + _JOIN_TIE * joins)
 
 
-def _fill(problem: Problem, options: list[_Region], picked: list[int], budget: int) -> list[Choice]:
+def _fill(
+    problem: Problem, options: list[_Region], picked: list[int], budget: int, lowest: list[int]
+) -> list[Choice]:
     """Spend what the exact count leaves: region by region, costliest first, the cheapest
     ordinary option whose additive bytes grow by no more than is left (the exact bytes then
     grow by no more either), the members of a chain staying as they are (Rule S9); if the
-    picked options do not fit, the fewest-bytes ones first."""
+    picked options do not fit, the floor's rows (``lowest``, ``_lowest_rows``) first."""
     kept = _Kept(problem, [o.choice(p) for o, p in zip(options, picked, strict=True)])
     if kept.total > budget:
         for index, region in enumerate(options):
-            kept.move(index, region.choice(0))
-            picked[index] = 0
+            kept.move(index, region.choice(lowest[index]))
+            picked[index] = lowest[index]
     chained = {i for i, (o, p) in enumerate(zip(options, picked, strict=True)) if p == o.joined}
     order = sorted(range(len(options)), key=lambda i: -float(options[i].cost[picked[i]]))
     for index in order:
