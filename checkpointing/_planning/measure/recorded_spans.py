@@ -162,12 +162,17 @@ def _recorded(
     regions = []
     for index, region in enumerate(problem.regions):
         plain_only = tail and index in tail_regions
+        # A chain holds what a later member receives besides its boundary by plain reference
+        # (NOTE [Checkpoint chains], Rule 2), where a frame's own inputs get the span's holders:
+        # such a storage made by the span stays kept, which this count would miss. Not joined.
+        constants = region.inputs - region.boundary - region.referenced
         regions.append(
             replace(
                 region,
                 saved=region.saved - made,
                 inputs=region.inputs - (made - region.referenced),
                 plain_only=region.plain_only or plain_only,
+                joinable=region.joinable and not constants & made,
             )
         )
     variant = replace(
