@@ -101,7 +101,7 @@ def _saved_bytes() -> Iterator[list[int]]:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
         total[0] = sum(seen.values())
-        return t
+        return t.detach()  # the tensor itself would tie an output to its own node: a cycle
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield total
