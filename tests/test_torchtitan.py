@@ -198,7 +198,9 @@ def test_budget_mode_fits_its_budget_without_compile() -> None:
     model.zero_grad(set_to_none=True)
     planned = _step(model)
     _assert_equal(planned.grads, plain.grads)
-    assert full.kept < planned.kept <= full.kept + (plain.kept - full.kept) // 2, (
+    # No lower bound at full checkpointing's bytes: the plan may chain blocks, which keeps
+    # fewer than checkpointing each alone (NOTE [Planner solve], Rule S9).
+    assert 0 < planned.kept <= full.kept + (plain.kept - full.kept) // 2, (
         full.kept,
         planned.kept,
         plain.kept,
