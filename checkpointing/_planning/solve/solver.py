@@ -360,6 +360,7 @@ def _lowest_rows(problem: Problem, options: list[_Region]) -> list[int]:
 
 
 def _chosen(options: list[_Region], rows: list[int]) -> list[Choice]:
+    """The choices ``rows`` picks, a row per region."""
     return [o.choice(row) for o, row in zip(options, rows, strict=True)]
 
 
