@@ -73,7 +73,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, Final
 
 import torch
@@ -163,33 +163,27 @@ def _leaves(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _template(value: Any, found: dict[int, _Slot]) -> Any:
-    """``value`` with each tensor in ``found`` (by id) replaced by its slot; plain tuples,
-    lists and dicts are rebuilt only where something inside changed."""
-    if isinstance(value, torch.Tensor):
-        return found.get(id(value), value)
+def _rebuilt(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with ``leaf`` applied to every leaf; plain tuples, lists and dicts are rebuilt
+    only where something inside changed."""
     kind = type(value)
     if kind is tuple or kind is list:
-        items = [_template(item, found) for item in value]
+        items = [_rebuilt(item, leaf) for item in value]
         return value if all(a is b for a, b in zip(items, value, strict=True)) else kind(items)
     if kind is dict:
-        mapped = {key: _template(item, found) for key, item in value.items()}
+        mapped = {key: _rebuilt(item, leaf) for key, item in value.items()}
         return value if all(mapped[k] is v for k, v in value.items()) else mapped
-    return value
+    return leaf(value)
+
+
+def _template(value: Any, found: dict[int, _Slot]) -> Any:
+    """``value`` with each tensor in ``found`` (by id) replaced by its slot."""
+    return _rebuilt(value, lambda v: found.get(id(v), v) if isinstance(v, torch.Tensor) else v)
 
 
 def _filled(value: Any, outputs: list[list[torch.Tensor]]) -> Any:
     """``_template``'s inverse at recompute: each slot replaced by the re-run's tensor."""
-    if isinstance(value, _Slot):
-        return outputs[value.call][value.leaf]
-    kind = type(value)
-    if kind is tuple or kind is list:
-        items = [_filled(item, outputs) for item in value]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else kind(items)
-    if kind is dict:
-        mapped = {key: _filled(item, outputs) for key, item in value.items()}
-        return value if all(mapped[k] is v for k, v in value.items()) else mapped
-    return value
+    return _rebuilt(value, lambda v: outputs[v.call][v.leaf] if isinstance(v, _Slot) else v)
 
 
 def _constants(value: Any) -> list[torch.Tensor]:
