@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from typing import Any
 
 import pytest
@@ -241,16 +240,27 @@ def test_a_plan_leaves_the_race_once_a_sign_test_says_it_is_slower() -> None:
     assert racing([[1.0, 1.1, 1.2]] * 10 + [[1.0, 0.9, 1.2]]) == [0]  # 10 of 11: 12/2048
 
 
-class Sleepy(nn.Module):
-    """A linear layer whose forward sleeps while plan "b" is applied."""
+class Clock:
+    """A stand-in for ``time.perf_counter`` that only the model moves: the race's rounds then
+    read the same seconds on a loaded machine as on a quiet one."""
 
     def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Sleepy(nn.Module):
+    """A linear layer whose forward takes 1 ms of ``clock``, and 5 ms while plan "b" is
+    applied."""
+
+    def __init__(self, clock: Clock) -> None:
         super().__init__()
-        self.linear, self.slow = nn.Linear(8, 8), False
+        self.linear, self.slow, self.clock = nn.Linear(8, 8), False, clock
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.slow:
-            time.sleep(0.005)
+        self.clock.now += 0.005 if self.slow else 0.001
         return self.linear(x)
 
 
@@ -260,10 +270,13 @@ class Slowing(Recording):
         return super().apply(model)
 
 
-def test_the_race_times_only_the_plans_still_in_it() -> None:
+def test_the_race_times_only_the_plans_still_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan slower every round leaves the race after seven timed rounds; with one plan left
-    the timing ends, long before ``steps``."""
-    model, x = Sleepy(), torch.randn(4, 8, requires_grad=True)
+    the timing ends, long before ``steps``. The race reads a clock the model moves (a real
+    sleep lost the race's order to a loaded machine's scheduling)."""
+    clock = Clock()
+    monkeypatch.setattr(trials, "time", clock)
+    model, x = Sleepy(clock), torch.randn(4, 8, requires_grad=True)
     events: list[tuple[str, str]] = []
     plans = [Slowing("a", events), Slowing("b", events)]
     relative = time_plans(model, plans, (x,), {}, None, steps=20)
