@@ -213,8 +213,8 @@ HAND: dict[str, Installer] = {
 }
 
 
-# torch's ``checkpoint_sequential`` with segments of several blocks (``--hand`` only: the sweep
-# installs ``HAND`` on models whose blocks are no ``nn.Sequential``).
+# torch's ``checkpoint_sequential`` with segments of several blocks, for ``--hand`` (W2 is an
+# ``nn.Sequential``; the sweep installs the same strategies as chains, ``planner_sweep.hands``).
 SEQUENTIAL: dict[str, Installer] = {
     "checkpoint_sequential, 2 segments": sequential_segments(segments=2),
     "checkpoint_sequential, 2 blocks per segment": sequential_segments(size=2),

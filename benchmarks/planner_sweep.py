@@ -10,8 +10,9 @@ Method, per family. One profile, then ``POINTS`` budgets evenly in bytes from th
 bytes kept without checkpointing (``search.profiled``: what ``plan_sweep`` runs); the plans are
 checked against the sweep's promise (NOTE [Budget sweep], Rule 2). Configurations: the
 un-checkpointed step twice ("none", "none again": the A/A control), each distinct plan (plans of
-equal decisions are timed once) and each hand strategy of ``planner.HAND`` installed on the
-model's blocks (the regions the planner finds, without the tail). Each runs on its own copy of
+equal decisions are timed once) and each hand strategy of ``hands()``: ``planner.HAND`` installed
+on the model's blocks (the regions the planner finds, without the tail), and torch's
+``checkpoint_sequential`` strategies as chains of those blocks. Each runs on its own copy of
 the model, installed once; kept bytes are ``saved_tensors_report().activation_bytes`` of one
 step (what the planner counts). Time: ``WARM`` untimed steps each, then ``--sweep-rounds`` rounds,
 every configuration once per round in an order rotated each round; a sample is one step's CPU
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 import checkpointing
+from checkpointing._chain import checkpoint_chain
 from checkpointing._planning.search import find_regions, profiled
 
 POINTS = 12
@@ -76,6 +78,38 @@ def blocks_of(model: nn.Module) -> nn.Module:
     hand strategies iterate it."""
     prefix = find_regions(model, None)[0][0].rpartition(".")[0]
     return model.get_submodule(prefix) if prefix else model
+
+
+def sequential_chains(size_of: Callable[[int], int]) -> Callable[[nn.Module], None]:
+    """torch's ``checkpoint_sequential`` strategy on the blocks the model's own forward calls
+    (a Hugging Face model's blocks are no ``nn.Sequential`` to hand it): segments of
+    ``size_of(blocks)`` blocks, all but the last checkpointed, each as one frame
+    (``checkpoint_chain``: one input and one RNG state kept per segment, as torch's keeps)."""
+
+    def install(model: nn.Module) -> None:
+        blocks = list(blocks_of(model))
+        size = size_of(len(blocks))
+        for start in range(0, size * (len(blocks) // size - 1), size):
+            if size == 1:
+                checkpointing.checkpoint_module(blocks[start])
+            else:
+                checkpoint_chain(blocks[start : start + size], model)
+
+    return install
+
+
+def hands() -> dict[str, Callable[[nn.Module], None]]:
+    """The hand strategies, each installed on a whole model: ``planner.HAND`` on its blocks, and
+    ``checkpoint_sequential`` with a block per segment and with two segments (on four blocks,
+    also its segments of two blocks)."""
+    from planner import HAND
+
+    found: dict[str, Callable[[nn.Module], None]] = {
+        name: lambda m, install=install: install(blocks_of(m)) for name, install in HAND.items()
+    }
+    found["checkpoint_sequential, a block per segment"] = sequential_chains(lambda n: 1)
+    found["checkpoint_sequential, 2 segments"] = sequential_chains(lambda n: n // 2)
+    return found
 
 
 @dataclass
@@ -120,7 +154,7 @@ def _promise(plans: list[checkpointing.ActivationPlan]) -> bool:
 
 def sweep(work: Any, rounds: int) -> SweepResult:
     """One family: plan the sweep, install every configuration, measure bytes and time."""
-    from planner import HAND, plan_installer
+    from planner import plan_installer
 
     model = work.model
     step = profiled(
@@ -139,8 +173,7 @@ def sweep(work: Any, rounds: int) -> SweepResult:
         name = seen.setdefault(repr(decisions), f"plan {plan.budget_bytes / baseline:.3f}")
         plan_names.append(name)
         installers.setdefault(name, plan_installer(plan))
-    for name, install in HAND.items():
-        installers[name] = lambda m, install=install: install(blocks_of(m))
+    installers.update(hands())
     models = {}
     for name, install in installers.items():
         models[name] = copy.deepcopy(model)
@@ -180,7 +213,7 @@ def sweep(work: Any, rounds: int) -> SweepResult:
 
 def table(result: SweepResult) -> list[str]:
     """One family's tables: the plan at each budget, then the hand strategies."""
-    from planner import HAND, describe
+    from planner import describe
 
     base = result.measured["none"].kept
     aa = result.measured["none again"]
@@ -209,7 +242,7 @@ def table(result: SweepResult) -> list[str]:
         "smallest budget that holds it: step / none |",
         "|---|---|---|---|---|",
     ]
-    for hand in HAND:
+    for hand in hands():
         m = result.measured[hand]
         fitting = [
             (plan, name)
@@ -240,15 +273,13 @@ RECORDED = "## The plan across a budget sweep"
 
 def panel_of(result: SweepResult) -> Panel:
     """The figure's data of one family's run."""
-    from planner import HAND
-
     base = result.measured["none"].kept
     plans = []
     for plan, name in zip(result.plans, result.plan_names, strict=True):
         m = result.measured[name]
         plans.append((plan.budget_bytes / result.baseline, m.kept / base, m.time))
-    hands = {h: (result.measured[h].kept / base, result.measured[h].time) for h in HAND}
-    return result.key, plans, hands
+    strategies = {h: (result.measured[h].kept / base, result.measured[h].time) for h in hands()}
+    return result.key, plans, strategies
 
 
 def _cells(line: str) -> list[str]:
@@ -284,7 +315,7 @@ def plot(panels: list[Panel], path: Path) -> None:
     columns = 3
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, 4.6 * rows), squeeze=False)
-    markers = ("s", "D", "^", "v", "P", "X", "h", "<")
+    markers = ("s", "D", "^", "v", "P", "X", "h", "<", ">")
     handles: dict[str, Any] = {}
     for ax, (key, plans, hands) in zip(axes.flat, panels, strict=False):
         xs = [budget for budget, _, _ in plans]
