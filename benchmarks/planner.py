@@ -2,12 +2,12 @@
 
 Usage (from the repository root)::
 
-    python benchmarks/planner.py            # W1 and W2 (reduced sizes), plot in docs/
+    python benchmarks/planner.py            # W1 and W2 (reduced sizes); --plot PATH: a figure
     python benchmarks/planner.py --compile  # instead: torch.compile's activation_memory_budget
     python benchmarks/planner.py --solve-time          # the solver on 32 tiny-Llama layers
     python benchmarks/planner.py --planning-time       # planning / a plain step, W2 and GPT-2
     python benchmarks/planner.py --cost-model          # the cost model's constants, this CPU
-    python benchmarks/planner.py --from-results  # only the plot, from RESULTS.md's W1/W2 tables
+    python benchmarks/planner.py --from-results --plot PATH  # the W1/W2 tables of RESULTS.md
     python benchmarks/planner.py --sweep    # plan_sweep's 12 budgets against HAND, six families
     PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
     python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
@@ -1381,7 +1381,9 @@ def main() -> None:
     parser.add_argument("--rank-rounds", type=int, default=12)
     parser.add_argument("--quads", type=int, default=0, help="rounds of quads (0: per workload)")
     parser.add_argument("--only", choices=("W1", "W2"), help="one workload only")
-    parser.add_argument("--plot", default="docs/planner_pareto.png")
+    parser.add_argument(
+        "--plot", help="W1/W2: draw the plans and hand policies here (the docs show the sweep's)"
+    )
     parser.add_argument(
         "--from-results",
         action="store_true",
@@ -1434,6 +1436,8 @@ def main() -> None:
             planner_sweep.main(families, args.sweep_rounds, Path(args.sweep_plot))
         return
     if args.from_results:
+        if args.plot is None:
+            parser.error("--from-results draws the W1/W2 figure: name its file with --plot PATH")
         plot(recorded_panels(), Path(args.plot))
         print(f"plot: {args.plot}")
         return
@@ -1489,7 +1493,7 @@ def main() -> None:
         print("\n".join(table(result)))
         print(f"({time.perf_counter() - start:.0f} s)\n")
         results.append(result)
-    if args.only is None:
+    if args.only is None and args.plot is not None:
         try:
             plot([panel_of(result) for result in results], Path(args.plot))
             print(f"plot: {args.plot}")

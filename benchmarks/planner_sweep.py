@@ -347,7 +347,9 @@ def plot(panels: list[Panel], path: Path) -> None:
                 handles.setdefault(label, handle)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles))
+    fig.legend(
+        list(handles.values()), list(handles), loc="lower center", ncol=-(-len(handles) // 2)
+    )
     fig.suptitle(
         "plan_sweep: 12 budgets from the floor to 1.0, one profile per family: kept bytes (blue, "
         "left) and step time (red, right) against the budget;\neach hand strategy at its own "
@@ -355,7 +357,7 @@ def plot(panels: list[Panel], path: Path) -> None:
         "there)",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=80)
 
 
