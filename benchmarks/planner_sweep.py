@@ -293,15 +293,15 @@ def recorded_panels(results: Path = RESULTS) -> list[Panel]:
     panels = []
     for part in section.split("\n#### ")[1:]:
         key = part.split("\n", 1)[0].strip()
-        plans, hands = [], {}
+        plans, strategies = [], {}
         for line in part.splitlines():
             cells = _cells(line)
             if len(cells) == 8 and re.fullmatch(r"\d\.\d+", cells[0]):
                 time = float(cells[7].split(" ")[0])
                 plans.append((float(cells[0]), float(cells[4]), time))
             if len(cells) == 5 and re.fullmatch(r"[\d,]+", cells[1]):
-                hands[cells[0]] = (float(cells[2]), float(cells[3].split(" ")[0]))
-        panels.append((key, plans, hands))
+                strategies[cells[0]] = (float(cells[2]), float(cells[3].split(" ")[0]))
+        panels.append((key, plans, strategies))
     return panels
 
 
@@ -317,7 +317,7 @@ def plot(panels: list[Panel], path: Path) -> None:
     fig, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, 4.6 * rows), squeeze=False)
     markers = ("s", "D", "^", "v", "P", "X", "h", "<", ">")
     handles: dict[str, Any] = {}
-    for ax, (key, plans, hands) in zip(axes.flat, panels, strict=False):
+    for ax, (key, plans, strategies) in zip(axes.flat, panels, strict=False):
         xs = [budget for budget, _, _ in plans]
         ax.plot(xs, xs, "--", color="tab:blue", alpha=0.4, linewidth=1, label="the budget")
         kept = [k for _, k, _ in plans]
@@ -329,7 +329,7 @@ def plot(panels: list[Panel], path: Path) -> None:
         right = ax.twinx()
         times = [t for _, _, t in plans]
         right.plot(xs, times, "o-", color="tab:red", ms=4, label="plan: step time")
-        for index, (name, point) in enumerate(hands.items()):
+        for index, (name, point) in enumerate(strategies.items()):
             right.scatter(
                 *point,
                 marker=markers[index % len(markers)],
