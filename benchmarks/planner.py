@@ -9,6 +9,7 @@ Usage (from the repository root)::
     python benchmarks/planner.py --cost-model          # the cost model's constants, this CPU
     python benchmarks/planner.py --from-results --plot PATH  # the W1/W2 tables of RESULTS.md
     python benchmarks/planner.py --sweep    # plan_sweep's 12 budgets against HAND, six families
+    python benchmarks/planner.py --sweep-quads gpt2  # the plan at block strategies' bytes, quads
     PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
     python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
 
@@ -1401,6 +1402,11 @@ def main() -> None:
     )
     parser.add_argument("--sweep-plot", default="docs/planner_sweep.png")
     parser.add_argument(
+        "--sweep-quads",
+        metavar="FAMILY",
+        help="the plan at each block strategy's bytes against it, in quads (planner_sweep.py)",
+    )
+    parser.add_argument(
         "--hand", action="store_true", help="W2: the plan at each hand policy's bytes against it"
     )
     parser.add_argument(
@@ -1424,6 +1430,11 @@ def main() -> None:
         "--objective", choices=("time", "flops"), help="--dump-plans/--ab: plan with this one"
     )
     args = parser.parse_args()
+    if args.sweep_quads:
+        import planner_sweep
+
+        print("\n".join(planner_sweep.quads_at_strategies(args.sweep_quads, args.quads or 40)))
+        return
     if args.sweep:  # the figure from RESULTS.md with --from-results, else the measured sweep
         import planner_sweep
 

@@ -262,6 +262,89 @@ def table(result: SweepResult) -> list[str]:
     return lines
 
 
+# The hand strategies ``--sweep-quads`` sets the plan beside: the block strategies, where the
+# sweep's comparison at the next swept budget is too coarse to tell a few per cent apart.
+BLOCK_STRATEGIES = ("every 2 layers", "every 3 layers", "checkpoint_sequential, 2 segments")
+
+
+def quads_at_strategies(name: str, rounds: int) -> list[str]:
+    """``--sweep-quads NAME``: on family ``name``, the plan (``plan_sweep`` from one profile) at
+    each of ``BLOCK_STRATEGIES``' measured kept bytes against that strategy, predicted (both by
+    the planner's cost model: ``hand_prices``, the plan's ``cost``) and measured in ``rounds``
+    quads (A B B A, then B A A B; a sample one step's CPU time), beside the A/A control, as a
+    table."""
+    from planner import describe, estimate, hand_prices, plan_installer, verdict
+
+    from checkpointing._planning.search import _variants
+
+    torch.set_num_threads(1)
+    work = families()[name]()
+    installers = hands()
+    models = {"none": copy.deepcopy(work.model), "none again": copy.deepcopy(work.model)}
+    for strategy in BLOCK_STRATEGIES:
+        models[strategy] = copy.deepcopy(work.model)
+        installers[strategy](models[strategy])
+
+    def one_step(m: nn.Module) -> None:
+        m.zero_grad(set_to_none=True)
+        work.loss(m).backward()
+
+    def kept(m: nn.Module) -> int:
+        with checkpointing.saved_tensors_report() as report:
+            one_step(m)
+        return report.activation_bytes
+
+    nbytes = {key: kept(m) for key, m in models.items()}
+    step = profiled(
+        "plan_sweep", work.model, work.args, [1.0], None, work.kwargs, work.loss_fn, None, "time", 0
+    )
+    problem = _variants(step.measured, 1.0, 1.0, joins=True)[0][1]
+    prices = hand_prices(problem, len(list(blocks_of(work.model))))
+    plans = dict(
+        zip(BLOCK_STRATEGIES, step.plans([nbytes[s] for s in BLOCK_STRATEGIES]), strict=True)
+    )
+    for strategy, plan in plans.items():
+        models[f"plan at {strategy}"] = copy.deepcopy(work.model)
+        plan_installer(plan)(models[f"plan at {strategy}"])
+        nbytes[f"plan at {strategy}"] = kept(models[f"plan at {strategy}"])
+    for m in models.values():
+        for _ in range(WARM):
+            one_step(m)
+    pairs = [("none again", "none")] + [(f"plan at {s}", s) for s in BLOCK_STRATEGIES]
+    ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
+    gc.collect()
+    gc.freeze()
+    for round_ in range(rounds):
+        shift = round_ % len(pairs)
+        for a, b in pairs[shift:] + pairs[:shift]:
+            seconds = {a: 0.0, b: 0.0}
+            for key in (a, b, b, a) if round_ % 2 == 0 else (b, a, a, b):
+                gc.collect()
+                start = time.process_time()
+                one_step(models[key])
+                seconds[key] += time.process_time() - start
+            ratios[(a, b)].append(seconds[a] / seconds[b])
+    gc.unfreeze()
+    control = estimate(ratios[pairs[0]])
+    lines = [
+        f"#### {work.key}: the plan at each block strategy's bytes, {rounds} quads",
+        "",
+        f"A/A control (none again / none): {control}.",
+        "",
+        "| plan | against | hand: bytes | hand: predicted | plan: kept bytes (measured) | "
+        "plan: predicted | plan: regions | plan / hand, median [95 % CI] | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, b in pairs[1:]:
+        ratio = estimate(ratios[(a, b)])
+        plan = plans[b]
+        lines.append(
+            f"| {a} | {b} | {nbytes[b]:,} | {prices[b][1]:.5f} | {nbytes[a]:,} | {plan.cost:.5f} "
+            f"| {describe(plan)} | {ratio} | {verdict(ratio, control)} |"
+        )
+    return lines
+
+
 Panel = tuple[str, list[tuple[float, float, float]], dict[str, tuple[float, float]]]
 """One family's figure: its title, the plans (budget, kept bytes, step time: all relative to
 the run without checkpointing) and the hand strategies (kept bytes, step time) by name."""
