@@ -277,7 +277,7 @@ def solve(problem: Problem, budget: int, *, grid_points: int = _GRID_POINTS) -> 
     choice is returned, over the budget). ``grid_points`` bounds the byte steps (tests)."""
     options = _regions(problem)
     rows = _lowest_rows(problem, options)
-    lowest = [o.choice(row) for o, row in zip(options, rows, strict=True)]
+    lowest = _chosen(options, rows)
     plain = [Choice(False)] * len(options)
     baseline = baseline_bytes(problem)
     floor = min(kept_bytes(problem, lowest), baseline)  # shared storages: see the docstring
@@ -318,9 +318,7 @@ def floor_bytes(problem: Problem) -> int:
     (``_lowest_rows``, Rule S9), counted exactly (Rule S1), or the plain run where that keeps
     fewer (storages shared by regions: see the module's docstring)."""
     options = _regions(problem)
-    rows = _lowest_rows(problem, options)
-    lowest = [o.choice(row) for o, row in zip(options, rows, strict=True)]
-    return min(kept_bytes(problem, lowest), baseline_bytes(problem))
+    return min(_counted(problem, options, _lowest_rows(problem, options)), baseline_bytes(problem))
 
 
 def _lowest_rows(problem: Problem, options: list[_Region]) -> list[int]:
