@@ -342,12 +342,14 @@ def rank(models: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> dict[str
 
 def quads(
     models: dict[str, nn.Module],
-    x: torch.Tensor,
+    x: torch.Tensor | Callable[[nn.Module], float],
     comparisons: list[tuple[str, str]],
     rounds: int,
 ) -> tuple[dict[tuple[str, str], list[float]], dict[str, list[float]]]:
     """Per comparison (a, b), one quad per round (A B B A, then B A A B): the ratio of a's two
-    samples to b's; the comparisons' order rotated each round. Also every sample per config."""
+    samples to b's; the comparisons' order rotated each round. Also every sample per config.
+    A sample is ``sample(model, x)``, or ``x(model)`` where the step is not ``model(x)``'s."""
+    sampled = x if callable(x) else lambda model: sample(model, x)
     ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in comparisons}
     samples: dict[str, list[float]] = {}
     for round_ in range(rounds):
@@ -355,7 +357,7 @@ def quads(
         for a, b in comparisons[shift:] + comparisons[:shift]:
             seconds = {a: 0.0, b: 0.0} if a != b else {}
             for name in (a, b, b, a) if round_ % 2 == 0 else (b, a, a, b):
-                taken = sample(models[name], x)
+                taken = sampled(models[name])
                 seconds[name] += taken
                 samples.setdefault(name, []).append(taken)
             ratios[(a, b)].append(seconds[a] / seconds[b])

@@ -112,6 +112,27 @@ def hands() -> dict[str, Callable[[nn.Module], None]]:
     return found
 
 
+def one_step(work: Any, model: nn.Module) -> None:
+    """One training step of ``work``'s loss on ``model`` (a copy of its model)."""
+    model.zero_grad(set_to_none=True)
+    work.loss(model).backward()
+
+
+def kept_bytes(work: Any, model: nn.Module) -> int:
+    """``saved_tensors_report().activation_bytes`` of one step (what the planner counts)."""
+    with checkpointing.saved_tensors_report() as report:
+        one_step(work, model)
+    return report.activation_bytes
+
+
+def sampled(work: Any, model: nn.Module) -> float:
+    """One step's CPU seconds, the garbage collected before."""
+    gc.collect()
+    start = time.process_time()
+    one_step(work, model)
+    return time.process_time() - start
+
+
 @dataclass
 class Measured:
     """One configuration: its measured kept bytes and step-time ratios (one per round)."""
@@ -179,17 +200,11 @@ def sweep(work: Any, rounds: int) -> SweepResult:
         models[name] = copy.deepcopy(model)
         install(models[name])
 
-    def one_step(m: nn.Module) -> None:
-        m.zero_grad(set_to_none=True)
-        work.loss(m).backward()
-
     nbytes = {}
     for name, m in models.items():
-        with checkpointing.saved_tensors_report() as report:
-            one_step(m)
-        nbytes[name] = report.activation_bytes
+        nbytes[name] = kept_bytes(work, m)
         for _ in range(WARM):
-            one_step(m)
+            one_step(work, m)
     gc.collect()
     gc.freeze()
     seconds: dict[str, list[float]] = {name: [] for name in models}
@@ -197,10 +212,7 @@ def sweep(work: Any, rounds: int) -> SweepResult:
     for round_ in range(rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            gc.collect()
-            start = time.process_time()
-            one_step(models[name])
-            seconds[name].append(time.process_time() - start)
+            seconds[name].append(sampled(work, models[name]))
     gc.unfreeze()
     measured = {
         name: Measured(
@@ -273,7 +285,7 @@ def quads_at_strategies(name: str, rounds: int) -> list[str]:
     the planner's cost model: ``hand_prices``, the plan's ``cost``) and measured in ``rounds``
     quads (A B B A, then B A A B; a sample one step's CPU time), beside the A/A control, as a
     table."""
-    from planner import describe, estimate, hand_prices, plan_installer, verdict
+    from planner import describe, estimate, hand_prices, plan_installer, quads, verdict
 
     from checkpointing._planning.search import _variants
 
@@ -285,16 +297,7 @@ def quads_at_strategies(name: str, rounds: int) -> list[str]:
         models[strategy] = copy.deepcopy(work.model)
         installers[strategy](models[strategy])
 
-    def one_step(m: nn.Module) -> None:
-        m.zero_grad(set_to_none=True)
-        work.loss(m).backward()
-
-    def kept(m: nn.Module) -> int:
-        with checkpointing.saved_tensors_report() as report:
-            one_step(m)
-        return report.activation_bytes
-
-    nbytes = {key: kept(m) for key, m in models.items()}
+    nbytes = {key: kept_bytes(work, m) for key, m in models.items()}
     step = profiled(
         "plan_sweep", work.model, work.args, [1.0], None, work.kwargs, work.loss_fn, None, "time", 0
     )
@@ -306,24 +309,14 @@ def quads_at_strategies(name: str, rounds: int) -> list[str]:
     for strategy, plan in plans.items():
         models[f"plan at {strategy}"] = copy.deepcopy(work.model)
         plan_installer(plan)(models[f"plan at {strategy}"])
-        nbytes[f"plan at {strategy}"] = kept(models[f"plan at {strategy}"])
+        nbytes[f"plan at {strategy}"] = kept_bytes(work, models[f"plan at {strategy}"])
     for m in models.values():
         for _ in range(WARM):
-            one_step(m)
+            one_step(work, m)
     pairs = [("none again", "none")] + [(f"plan at {s}", s) for s in BLOCK_STRATEGIES]
-    ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     gc.collect()
     gc.freeze()
-    for round_ in range(rounds):
-        shift = round_ % len(pairs)
-        for a, b in pairs[shift:] + pairs[:shift]:
-            seconds = {a: 0.0, b: 0.0}
-            for key in (a, b, b, a) if round_ % 2 == 0 else (b, a, a, b):
-                gc.collect()
-                start = time.process_time()
-                one_step(models[key])
-                seconds[key] += time.process_time() - start
-            ratios[(a, b)].append(seconds[a] / seconds[b])
+    ratios, _ = quads(models, lambda m: sampled(work, m), pairs, rounds)
     gc.unfreeze()
     control = estimate(ratios[pairs[0]])
     lines = [
