@@ -1159,12 +1159,12 @@ class _OpCount(_compat.TorchDispatchMode):  # type: ignore[misc]
 def cost_model() -> dict[str, float]:
     """``--cost-model``: the constants of ``checkpointing/_planning/measure/costs.py`` on this
     machine (one thread): a large ``mm``'s FLOP rate; a large ``add``'s bytes (read and written) per
-    second; a one-element ``add``'s seconds (dispatch and its autograd node); the selective
-    modes' price per op (a W2 block's forward inside the forward mode ``apply`` installs
-    against plain, doubled for the replay); what a checkpointed block costs beyond its ops,
-    per op (W2 steps with every block checkpointed against plain, less the blocks' forward);
-    and a recorded span call beyond its ops (a layer norm recorded between a product and a
-    linear layer, against unrecorded)."""
+    second; what a large ``bernoulli_`` costs per element beyond those bytes; a one-element
+    ``add``'s seconds (dispatch and its autograd node); the selective modes' price per op (a W2
+    block's forward inside the forward mode ``apply`` installs against plain, doubled for the
+    replay); what a checkpointed block costs beyond its ops, per op (W2 steps with every block
+    checkpointed against plain, less the blocks' forward); and a recorded span call beyond its
+    ops (a layer norm recorded between a product and a linear layer, against unrecorded)."""
     from checkpointing import checkpoint_module, gradient_checkpoint_scope
     from checkpointing._scope import gradient_checkpoint_session
 
@@ -1174,6 +1174,9 @@ def cost_model() -> dict[str, float]:
     found["flops_per_second"] = 2 * 512**3 / _best(lambda: torch.mm(a, b), 5)
     big = torch.randn(4 * 1024 * 1024)
     found["bytes_per_second"] = 3 * big.nbytes / _best(lambda: torch.add(big, big), 5)
+    # A draw beyond its bytes: bernoulli_ in place, priced as read and written like any op.
+    drawn = _best(lambda: big.bernoulli_(0.9), 5) - 2 * big.nbytes / found["bytes_per_second"]
+    found["random_seconds_per_element"] = max(0.0, drawn / big.numel())
     one = torch.randn(1, requires_grad=True)  # an autograd node, as in a training step
     found["dispatch_seconds"] = _best(lambda: torch.add(one, one), 2000)
     model, x = w2(4, 1)

@@ -32,10 +32,11 @@ __all__ = [
 ]
 
 Decision = Literal["saved", "recomputed", "offloaded", "compressed"]
-Kept = Literal["rng state", "keyword input", "nested input", "span output"]
+Kept = Literal["rng state", "keyword input", "nested input", "span output", "kept draw"]
 """What a region keeps by reference: an RNG state it captured, a tensor it received by keyword,
-one inside a container among its positional arguments, or the output of a kept span that its
-replay will be served (``checkpointing.keep``)."""
+one inside a container among its positional arguments, the output of a kept span that its
+replay will be served (``checkpointing.keep``), or what a random op drew in a planned region
+that keeps its draws."""
 
 
 class Listener(Protocol):

@@ -91,7 +91,7 @@ from ._determinism import (
 from ._errors import CheckpointError, internal_assert, internal_error
 from ._events import announce, announce_kept, current_region, listener
 from ._hook_marks import mark_recompute, mark_unpack_frame, unmark_recompute
-from ._kept_span import Span
+from ._kept_span import Span, held_outputs
 from ._options import CheckpointOptions, options_of
 from ._recompute_context import declared, hand_respect
 from ._regions import region_label
@@ -641,11 +641,14 @@ def frame_generator(
     if not completed:
         raise RuntimeError(_MSG_CONTEXT_SUPPRESSED)
     frame.forward_completed = True
-    if frame.spans is not None and frame.early_stop:  # NOTE [Kept spans], Rule 3
+    if frame.spans is not None:
         n_holders = len(frame.weak_holders)
         for span in frame.spans:
-            if span.start >= n_holders:
+            if frame.early_stop and span.start >= n_holders:  # NOTE [Kept spans], Rule 3
                 span.release()
+            elif span.label is not None:  # a watching report counts what is held for the replay
+                for held in held_outputs(span):
+                    announce_kept(held, span.label, "span output")
     if frame.state.device_initialized_during(preserve_rng_state):
         raise RuntimeError(_MSG_DEVICE_INIT)
 

@@ -26,7 +26,8 @@ NOTE [Kept spans]
           needs no annotation. An output changed in place after the span raises at replay.
           Outputs that are arguments or views of them are rebuilt from the replay's arguments,
           not held. With early stop, a span the replay cannot reach (no holder was made at or
-          after its start) drops its outputs when the forward ends.
+          after its start) drops its outputs when the forward ends; so a watching report is
+          told what the frame holds then, not when the span returns.
   Rule 4. With ``preserve_rng_state`` the CPU generator (and those of the devices the frame
           preserves) is read before and after the span; only a span that drew keeps its after
           states, and the replay sets them once it has skipped the span. Draws after a span
@@ -98,7 +99,7 @@ import torch
 from . import _compat, _compiled, _offload
 from ._compression import Compress
 from ._errors import CheckpointError, internal_error
-from ._events import announce, announce_kept
+from ._events import announce
 from ._frame import NULL_CONTEXT, Frame
 from ._hook_marks import RecomputePack, replaying_pack, watches_kept_spans
 from ._host_copy import HostCopy
@@ -447,9 +448,8 @@ def _forward_span(
         span.state_after = tuple(hook.snapshot() for hook in frame.state_hooks)  # Rule 5
     hold_outputs(span, outputs, leaves, hooks.ranges)
     frame.add_span(span)
-    if frame.observed:  # a watching report counts what the frame holds for the replay
-        for held in held_outputs(span):
-            announce_kept(held, hooks.region_label, "span output")
+    if frame.observed:  # the frame announces what it holds once its forward ends (Rule 3)
+        span.label = hooks.region_label
     return outputs
 
 

@@ -24,6 +24,7 @@ class Span:
     """What the forward of one span left for the replay (NOTE [Kept spans], Rules 2-5)."""
 
     __slots__ = (
+        "label",
         "name",
         "outputs",
         "released",
@@ -35,6 +36,7 @@ class Span:
 
     def __init__(self, name: str, start: int) -> None:
         self.name = name
+        self.label: str | None = None  # how a watching report names it (None: none watches)
         self.start = start  # holders the frame had when the span began (Rule 3)
         self.routed: list[Recipe] = []  # saved arguments, in the order they were saved
         self.outputs: Any = None  # the span's return value, tensors as ``Held``

@@ -26,6 +26,7 @@ from checkpointing import plan_checkpointing
 from checkpointing._planning import search as search_module
 from checkpointing._planning.measure.costs import costs_for
 from checkpointing._planning.measure.profile import profile_step
+from checkpointing._planning.measure.recorder import _drawn
 from checkpointing._planning.search import find_regions
 
 
@@ -84,6 +85,28 @@ def test_op_seconds_are_the_cost_model_s() -> None:
     nbytes = 4 * (32 * 64 + 128 * 64 + 128 + 32 * 128)  # input, weight, bias read; output written
     assert op.seconds == pytest.approx(costs.op(op.flops, nbytes), rel=1e-9)
     assert op.flops == 2 * 32 * 64 * 128
+
+
+def test_a_draw_is_priced_by_the_numbers_it_draws() -> None:
+    """Rule M8: a random op costs its bytes and, on the CPU, a price per number drawn (a CPU
+    draws ~10x slower than it moves the bytes): dropout's ``bernoulli_`` one per element; a fused
+    attention with dropout (CUDA's kernels) one per score, query rows times key rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).train()
+    x = torch.randn(32, 64, requires_grad=True)
+    profile = profile_step(model, find_regions(model, None), (x,), {}, None)
+    costs = costs_for("cpu")
+    assert costs.random_seconds_per_element > 0
+    assert "ns per random number drawn" in costs.describe()
+    (draw,) = [op for r in profile.regions for op in r.ops if op.kind == "random"]
+    assert "bernoulli" in draw.op
+    nbytes = 2 * 4 * 32 * 64  # its tensor read and written in place
+    assert draw.seconds == pytest.approx(costs.op(0, nbytes, drawn=32 * 64), rel=1e-9)
+    assert draw.seconds - costs.op(0, nbytes) == pytest.approx(32 * 64 * 6.5e-9, rel=1e-9)
+    assert costs_for("cuda").random_seconds_per_element == 0.0  # memory speed there
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 24, 8)
+    assert _drawn(fused, [q, k, k], (torch.empty(2, 4, 16, 8),)) == 2 * 4 * 16 * 24
 
 
 def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:

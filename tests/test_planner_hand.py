@@ -108,7 +108,7 @@ def test_w2_plan_at_each_hand_policy_s_bytes_is_predicted_no_slower() -> None:
 def test_w2_joins_two_blocks_where_checkpoint_sequential_s_bytes_need_it() -> None:
     """NOTE [Planner solve], Rule S9: at the bytes of torch's ``checkpoint_sequential`` with 2
     segments (12,592,064: one input and one RNG state for blocks 0-1), the plan joins two blocks
-    and is predicted level with it; without joins it was 7.5 % costlier (it cannot keep one
+    and is predicted level with it; without joins it is about 5 % costlier (it cannot keep one
     input for two blocks). At "every 2 layers"' bytes, where the blocks fit apart at the same
     cost, they stay apart (a join only where the budget needs it)."""
     problems, blocks = _problems("W2")
@@ -119,7 +119,7 @@ def test_w2_joins_two_blocks_where_checkpoint_sequential_s_bytes_need_it() -> No
     assert sum(c.joined for c in found.choices) == 1
     assert recompute_cost(problems[index], found.choices) <= price * (1 + 1e-12)
     apart = [dataclasses.replace(p, regions=_unjoined(p)) for p in problems]
-    assert _plan_cost(apart, nbytes, _GRID_POINTS)[1] > 1.05 * price
+    assert _plan_cost(apart, nbytes, _GRID_POINTS)[1] > 1.03 * price
     every_2 = prices["every 2 layers"][0]
     solved = [solve(problem, every_2) for problem in problems]
     assert not any(c.joined for c in search._cheapest_of(problems, solved, every_2)[1].choices)

@@ -70,19 +70,25 @@ def trains_as_planned(
     x: torch.Tensor,
     plan: checkpointing.ActivationPlan,
     plain: list[tuple[torch.Tensor, ...]],
-) -> None:
+) -> checkpointing.SavedTensorsReport:
     """Apply ``plan``: two steps give ``plain``'s gradients bitwise, and the allocator holds
-    after forward the plan's kept bytes; the plan is taken off again."""
+    after forward the plan's kept bytes, as does the report (less the parameter views it
+    counts; kept draws included), which is returned; the plan is taken off again."""
     plan.apply(model)
     try:
         grads = two_steps(model, x)
         held = allocator_held(lambda: model(x).sum())
+        with checkpointing.saved_tensors_report() as report:
+            loss = model(x).sum()
+        torch.autograd.grad(loss, list(model.parameters()))
     finally:
         plan.remove(model)
     for step, again in zip(plain, grads, strict=True):
         for a, b in zip(step, again, strict=True):
             assert torch.equal(a, b)
     assert held == plan.kept_bytes, str(plan)
+    assert report.activation_bytes - span_parameter_bytes(report) == held, str(plan)
+    return report
 
 
 def span_parameter_bytes(report: checkpointing.SavedTensorsReport) -> int:
@@ -171,13 +177,14 @@ def test_rule25_the_same_model_without_the_span_plans_and_runs_as_before() -> No
 def test_rule25_regions_that_keep_their_draws_keep_spans_too(choose: Chooser) -> None:
     """Rule S7's draws modes (alone, or under the selective ones) honour a kept span as the
     selective modes do: the span is skipped in the replay (no warning that it runs as a plain
-    call), gradients bitwise equal to the plain run's, the allocator's bytes after forward the
-    plan's (the draws' modes keep what no report sees)."""
+    call), gradients bitwise equal to the plain run's, the allocator's bytes after forward and
+    the report's the plan's (the report counts the kept draws: rows "kept draw")."""
     model, x = blocks(), inputs()
     plain = two_steps(model, x)
     plan = forced_plan(model, x, choose)
     assert all(r.keep_draws for r in plan.regions), str(plan)
-    trains_as_planned(model, x, plan, plain)
+    report = trains_as_planned(model, x, plan, plain)
+    assert sum(r.op == "kept draw" for r in report.records) >= len(plan.regions)
 
 
 class Ending(nn.Module):
@@ -231,7 +238,8 @@ def test_rule25_a_region_that_keeps_its_draws_runs_keeping_blocks_plainly() -> N
     plain = two_steps(model, x)
     plan = forced_plan(model, x, draws_only)
     assert all(r.keep_draws for r in plan.regions), str(plan)
-    trains_as_planned(model, x, plan, plain)
+    report = trains_as_planned(model, x, plan, plain)
+    assert sum(r.op == "kept draw" for r in report.records) >= len(plan.regions)
 
 
 @pytest.mark.usefixtures("gc_disabled")

@@ -171,6 +171,11 @@ def test_the_plan_names_the_device_it_is_priced_for() -> None:
         again = checkpointing.ActivationPlan.from_json(plan.to_json())
         assert again.costs == plan.costs
         assert again == plan
+        older = json.loads(plan.to_json())  # written before draws had a price of their own
+        del older["costs"]["random_seconds_per_element"]
+        read = checkpointing.ActivationPlan.from_json(json.dumps(older)).costs
+        assert read is not None
+        assert read.random_seconds_per_element == 0.0
     own = DeviceCosts(1e15, 3e12, 5e-6, 2e-5, 1.5e-5, 3e-4, name="mine")
     plan = checkpointing.plan_checkpointing(model, tokens, budget=0.5, device=own)
     assert plan.costs is own

@@ -4,9 +4,10 @@ for where the plan says there are none (Rule A3).
 Owns ``draw_contexts``: the pair of dispatch modes ``apply`` installs, below the selective
 modes where the region also keeps op outputs, on a region whose plan keeps its draws. In
 forward, the first keeps every random op's outputs (an out-of-place draw's output as it is, the
-values an in-place draw wrote as a copy, since the region's later in-place ops change them); in
-recompute, the second hands them out in order, one per random op, and draws nothing. Which ops
-draw is ``_selective``'s (``draws_random``); deciding to keep the group is ``solver``'s.
+values an in-place draw wrote as a copy, since the region's later in-place ops change them) and
+announces them to a watching report ("kept draw"); in recompute, the second hands them out in order,
+one per random op, and draws nothing. Which ops draw is ``_selective``'s (``draws_random``);
+deciding to keep the group is ``solver``'s.
 
 Why below the selective modes: selective checkpointing recomputes random ops whatever its policy
 says (NOTE [Selective checkpoint cache], Rule 10), so its recompute mode runs them again and the
@@ -38,6 +39,7 @@ import torch
 
 from ... import _compat
 from ..._errors import CheckpointError
+from ..._events import announce_kept, current_region
 from ..._recompute_context import DeclaredContext, declared
 from ..._selective import draws_random
 from ..._state import span_depth
@@ -99,11 +101,15 @@ class _KeepDraws(_compat.TorchDispatchMode, DeclaredContext):  # type: ignore[no
 
 
 def _keep(out: Any, inputs: list[torch.Tensor]) -> _Kept:
+    """One output of a random op, kept for the replay and announced to a watching report (a
+    "kept draw" of the region whose forward runs)."""
     if not isinstance(out, torch.Tensor):
         return ("value", out, None)
     written = next((i for i, t in enumerate(inputs) if t is out), None)
+    kept = out.detach().clone() if written is not None else out
+    announce_kept(kept, current_region.get() or "sac", "kept draw")
     if written is not None:  # an in-place draw: its values now, before later writes
-        return ("arg", written, out.detach().clone())
+        return ("arg", written, kept)
     return ("out", out, out._version)
 
 

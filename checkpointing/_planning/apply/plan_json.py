@@ -227,6 +227,9 @@ _COSTS: Final[dict[str, _Check]] = {
     "frame_seconds_per_op": _number,
     "span_call_seconds": _number,
 }
+_COSTS_LATER: Final[dict[str, tuple[_Check, Any]]] = {
+    "random_seconds_per_element": (_number, 0.0),
+}
 _PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "grid_bytes": (_count, 0),
     "objective": (_text, "time"),
@@ -234,5 +237,8 @@ _PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "peak_bytes": (_count, 0),
     "spans": (_list(_object(_SPAN)), []),
     "cost": (_number, 0.0),
-    "costs": (_object(_COSTS), None),  # the cost model's constants, named (None: not written)
+    "costs": (
+        _object(_COSTS, _COSTS_LATER),
+        None,
+    ),  # the cost model's constants, named (None: not written)
 }

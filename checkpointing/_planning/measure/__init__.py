@@ -48,7 +48,10 @@ NOTE [Planner measure]
            dispatch cost, its FLOPs (``flops.op_flops``) at the device class's FLOP rate, and the
            bytes it reads and writes (its tensor arguments' elements, none for an op that reads only
            metadata, and its outputs' in storages of their own or written in place; a view moves
-           none) at the class's bandwidth; summed over the region's calls. Why: the plan must be a
+           none) at the class's bandwidth, and the random numbers it draws at the class's price per
+           number (a CPU draws ~10x slower than it moves the bytes, so a replayed dropout priced by
+           its bytes alone made three selective blocks look as cheap as two whole ones, and they
+           were measurably slower); summed over the region's calls. Why: the plan must be a
            function of the model, the inputs, the budget and the options (two calls, two ranks, one
            plan), and measured op times made it one of the machine's noise as well; the model errs
            alike for every plan it compares. Identical blocks get equal prices by construction (the

@@ -40,15 +40,19 @@ class DeviceCosts:
     """The device class, as ``device=`` names it."""
     float32_flops_per_second: float = 0.0
     """Matrix work in float32 (and float64); 0: at ``flops_per_second``."""
+    random_seconds_per_element: float = 0.0
+    """What drawing one random number costs beyond the op's memory traffic (dropout's mask,
+    ``bernoulli_``, ``rand``); 0: draws run at memory speed."""
 
-    def op(self, flops: int, nbytes: int, float32: bool = False) -> float:
+    def op(self, flops: int, nbytes: int, float32: bool = False, drawn: int = 0) -> float:
         """Rule M8: the predicted seconds of one op call (``float32``: its matrix work is in
-        float32 or float64)."""
+        float32 or float64; ``drawn``: the random numbers it draws)."""
         rate = self.float32_flops_per_second if float32 else 0.0
         return (
             self.dispatch_seconds
             + flops / (rate or self.flops_per_second)
             + nbytes / self.bytes_per_second
+            + drawn * self.random_seconds_per_element
         )
 
     def describe(self) -> str:
@@ -58,6 +62,11 @@ class DeviceCosts:
             f"{self.name}: {self.flops_per_second / 1e12:g} TFLOP/s in 16-bit types, "
             f"{wide / 1e12:g} in float32, {self.bytes_per_second / 1e9:g} GB/s, "
             f"{self.dispatch_seconds * 1e6:g} us per op"
+            + (
+                f", {self.random_seconds_per_element * 1e9:g} ns per random number drawn"
+                if self.random_seconds_per_element
+                else ""
+            )
         )
 
 
@@ -65,7 +74,8 @@ class DeviceCosts:
 # 2.13 (RESULTS.md, "the planner's cost model": the machine was loaded, so the Python-side prices
 # take the middle of the ranges measured over several days, not one noisy run); the selective
 # policy's price per op from four runs on the quiet box, 2026-11-29 (RESULTS.md, "the plan across
-# a budget sweep", its reading): plans beside hand strategies had shown 20 us too low.
+# a budget sweep", its reading): plans beside hand strategies had shown 20 us too low; the price of
+# a random number from three runs on the quiet box, 2026-11-29 (5.8-7.0 ns beyond the bytes).
 _CPU: Final = DeviceCosts(
     flops_per_second=1.5e11,
     bytes_per_second=1.5e10,
@@ -74,11 +84,13 @@ _CPU: Final = DeviceCosts(
     frame_seconds_per_op=15e-6,
     span_call_seconds=280e-6,
     name="cpu",
+    random_seconds_per_element=6.5e-9,
 )
 # Accelerators: not measured by this project's machines; the orders of magnitude of a recent
 # data-centre GPU (hundreds of TFLOP/s of matrix work, a few TB/s, ~10 us per launch from Python),
-# the Python-side prices as on the CPU (the modes run on the host). The class of a plan made on an
-# accelerator whose class is not named below.
+# the Python-side prices as on the CPU (the modes run on the host), random numbers drawn at memory
+# speed (no price beyond their bytes). The class of a plan made on an accelerator whose class is
+# not named below.
 _ACCELERATOR: Final = DeviceCosts(
     flops_per_second=4.0e14,
     bytes_per_second=2.0e12,

@@ -237,7 +237,8 @@ class _Step:
         mutates = _compat.op_mutates_inputs(func)
         writes = not random and mutates
         moved = _moved_bytes(func, arguments, inputs, out, mutates, self.key)
-        seconds = self.costs.op(flops, moved, _float32(arguments))
+        drawn = _drawn(func, arguments, out) if random else 0
+        seconds = self.costs.op(flops, moved, _float32(arguments), drawn)
         self.forward_seconds += seconds
         if self.span is not None:
             # Every argument of an op without a schema (a higher-order one) counts as written.
@@ -347,6 +348,22 @@ def _moved_bytes(
         return 0
     read = sum(_nbytes(t) for t in arguments) if reads_values(func) else 0
     return read + sum(_nbytes(t) for t in written)
+
+
+def _drawn(func: Any, arguments: list[torch.Tensor], out: Any) -> int:
+    """Rule M8: the random numbers a drawing op draws: a fused attention with dropout (a
+    ``dropout_p`` argument) one per score, query rows times key rows; any other op one per element
+    of its first output (``bernoulli_``'s tensor, ``native_dropout``'s result, ``rand``'s)."""
+    if (
+        isinstance(func, _compat.OpOverload)
+        and _compat.argument_index(func, "dropout_p") is not None
+    ):
+        if len(arguments) < 2 or arguments[0].dim() < 2 or arguments[1].dim() < 2:
+            return 0
+        query, key = arguments[0], arguments[1]
+        return query.numel() // max(1, query.shape[-1]) * key.shape[-2]
+    first = next(iter(tensors(out)), None)
+    return 0 if first is None else first.numel()
 
 
 def _float32(arguments: list[torch.Tensor]) -> bool:
