@@ -497,5 +497,5 @@ def test_planner_page_quotes_the_real_size_measurement() -> None:
     section = results[results.index("## The planner at real size") :]
     section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else None]
     figures = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?", passage)
-    assert {"2.48-2.57", "10.9", "2.61"} <= set(figures)
+    assert {"2.37-2.58", "14.2", "2.71"} <= set(figures)
     assert [f for f in figures if f not in section] == []
