@@ -3,7 +3,9 @@
 Owns ``RecomputeContext`` (the typed protocol: the answers the frame and kept spans read off a
 checkpoint's recompute context), ``DeclaredContext`` (the base our recompute contexts derive
 from, which gives each answer's default once), ``declared`` (the one probe) and
-``hand_respect`` (the one write of ``respect_saved_tensors_hooks`` into a forward context).
+``hand_respect`` (the one write of ``respect_saved_tensors_hooks`` into a forward context), and
+the two protocols a report's graph walk reads off a context (``ComposedContext``, whose parts it
+reads one by one, and ``HoldsForReplay``, what a context keeps for the replay by reference).
 Who reads which answer: the frame's recompute (``passes_detach_through``, NOTE [Nestable
 checkpoint], Rule 9) and kept spans (``honours_kept_spans``, ``honours_kept_blocks``, NOTE
 [Kept spans], Rule 6). Imports nothing of the package: every room may import it.
@@ -28,9 +30,21 @@ not match).
 
 from __future__ import annotations
 
-from typing import Final, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
-__all__ = ["DeclaredContext", "RecomputeContext", "declared", "hand_respect"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ComposedContext",
+    "DeclaredContext",
+    "HoldsForReplay",
+    "RecomputeContext",
+    "context_parts",
+    "declared",
+    "hand_respect",
+]
 
 _RESPECT: Final = "respect_saved_tensors_hooks"  # torch's name, on its selective forward mode too
 
@@ -100,6 +114,32 @@ def declared(context: object) -> RecomputeContext:
     """``context``'s answers: its own if it derives from ``DeclaredContext``, else the defaults
     (Rule 1). Read once per recompute or span, never per tensor."""
     return context if isinstance(context, DeclaredContext) else _UNDECLARED
+
+
+@runtime_checkable
+class ComposedContext(Protocol):
+    """A recompute context made of others (a planned region's draws mode under its selective
+    mode): a report that walks the graph reads each part as if it stood alone."""
+
+    @property
+    def parts(self) -> tuple[object, ...]:
+        """The contexts it is made of."""
+
+
+@runtime_checkable
+class HoldsForReplay(Protocol):
+    """A recompute context that holds tensors for its region's replay by plain reference, out
+    of every hook's sight (a planned region's kept random draws): a report that walks the graph
+    asks it what it still holds."""
+
+    def held_for_replay(self) -> Iterator[torch.Tensor]:
+        """The tensors it holds for the replay that has not run yet."""
+
+
+def context_parts(context: object) -> tuple[object, ...]:
+    """The contexts ``context`` is made of (``ComposedContext``), or ``context`` alone. Read
+    by a report's walk, never per op: the ``isinstance`` probe is structural."""
+    return context.parts if isinstance(context, ComposedContext) else (context,)
 
 
 def hand_respect(forward_context: object, respect: bool | None) -> None:

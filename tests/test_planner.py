@@ -39,6 +39,7 @@ from planner_support import (
 from strategies import planner_problems
 from torch import nn
 
+import checkpointing
 from checkpointing import ActivationPlan, plan_checkpointing
 from checkpointing._planning.measure import costs as costs_module
 from checkpointing._planning.measure.profile import profile_step
@@ -185,6 +186,33 @@ def test_allocator_holds_what_the_plan_predicts_rng_states_included(budget: floa
         r.checkpoint and not r.joined for r in plan.regions
     )
     assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+
+
+@pytest.mark.usefixtures("free_policies")
+def test_both_reports_count_the_kept_draws() -> None:
+    """Rule S7: regions that keep their random draws, under a selective policy that keeps op
+    outputs too: the watched report and the walk of the graph from the loss give the same rows
+    ("kept draw" among them) and bytes, the plan's prediction (the walk reads the draws mode and
+    the selective cache beneath it, where it once saw neither)."""
+    torch.manual_seed(0)
+    model, x = transformer(), torch.randn(2, 16, 32, requires_grad=True)
+    plan = plan_checkpointing(model, x, budget=0.3)
+    kept = [r for r in plan.regions if r.keep_draws and r.save]
+    assert kept, str(plan)
+    plan.apply(model)
+    try:
+        torch.manual_seed(1)
+        with checkpointing.saved_tensors_report() as watched:
+            model(x).sum()
+        torch.manual_seed(1)
+        walked = checkpointing.saved_tensors_report(model(x).sum())
+    finally:
+        plan.remove(model)
+    draws = [[r for r in report.records if r.op == "kept draw"] for report in (watched, walked)]
+    assert len(draws[0]) == len(draws[1]) >= 4 * len(kept)
+    assert sum(r.nbytes for r in draws[0]) == sum(r.nbytes for r in draws[1])
+    assert watched.activation_bytes == walked.activation_bytes == plan.kept_bytes
+    assert watched.kept_bytes == walked.kept_bytes
 
 
 @pytest.mark.usefixtures("free_policies")

@@ -27,7 +27,9 @@ NOTE [Report from a graph]
           the outputs its kept spans hold for the replay ("span output", NOTE [Kept spans],
           Rule 3); and, when its recompute context is a selective checkpoint's, the cache's live
           entries: "saved" and "offloaded" rows in the frame's region, as the watched report
-          names them. Entries already handed out to a recompute are gone, and not listed.
+          names them; a context that holds tensors for the replay by reference (a planned
+          region's kept draws) gives "kept draw" rows; a context made of others is read part by
+          part. Entries already handed out to a recompute are gone, and not listed.
   Rule 4. Bytes: each storage counts once (``records.Tally``). Every kept storage is an
           activation except those of leaf tensors that require grad (and views of them: the
           transposed weight ``linear`` saves shares the parameter's storage) and, with
@@ -73,6 +75,7 @@ from .._events import Decision, Kept, tag_name
 from .._frame import Frame, Holder, unpack_holder
 from .._hook_marks import span_region, unpack_frame
 from .._keep import held_outputs
+from .._recompute_context import HoldsForReplay, context_parts
 from .._regions import RegionNames, naming
 from .._scope.router import _Delegated, _Passed
 from .._scope.tape import _ScopeHolder
@@ -396,9 +399,12 @@ class _Walk:
         for span in frame.spans or ():
             for tensor in held_outputs(span):
                 self.kept(tensor, (first, -300), f"keep({span.name}) in {region}", "span output")
-        context = frame.recompute_context
-        if isinstance(context, _CachedMode):
-            self.cache_rows(context, (last, 1_000_000), region)
+        for context in context_parts(frame.recompute_context):
+            if isinstance(context, _CachedMode):
+                self.cache_rows(context, (last, 1_000_000), region)
+            elif isinstance(context, HoldsForReplay):
+                for tensor in context.held_for_replay():
+                    self.kept(tensor, (last, 900_000), region, "kept draw")
 
     def cache_rows(self, context: _CachedMode, key: _Key, region: str) -> None:
         """The live entries of a selective checkpoint's cache (Rule 3)."""

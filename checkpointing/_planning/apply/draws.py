@@ -32,7 +32,7 @@ another thread's draws never raise it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import torch
@@ -129,6 +129,13 @@ class _ReplayDraws(_compat.TorchDispatchMode, DeclaredContext):  # type: ignore[
         super().__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
         return self
 
+    def held_for_replay(self) -> Iterator[torch.Tensor]:
+        """``HoldsForReplay``: the kept draws not handed out yet (a walking report's rows)."""
+        for entry in self.draws.kept:
+            for kind, value, extra in entry[0] if entry is not None else ():
+                if kind != "value":
+                    yield extra if kind == "arg" else value
+
     def __torch_dispatch__(
         self, func: Any, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
@@ -176,6 +183,11 @@ class _Stacked(contextlib.ExitStack, DeclaredContext):
     def __init__(self, below: Any, above: Any) -> None:
         super().__init__()
         self.below, self.above = below, above
+
+    @property
+    def parts(self) -> tuple[object, ...]:
+        """``ComposedContext``: the draws mode and the selective one."""
+        return (self.below, self.above)
 
     @property
     def respect_saved_tensors_hooks(self) -> bool | None:
