@@ -5,9 +5,10 @@ Owns ``draw_contexts``: the pair of dispatch modes ``apply`` installs, below the
 modes where the region also keeps op outputs, on a region whose plan keeps its draws. In
 forward, the first keeps every random op's outputs (an out-of-place draw's output as it is, the
 values an in-place draw wrote as a copy, since the region's later in-place ops change them) and
-announces them to a watching report ("kept draw"); in recompute, the second hands them out in order,
-one per random op, and draws nothing. Which ops draw is ``_selective``'s (``draws_random``);
-deciding to keep the group is ``solver``'s.
+announces them to a watching report ("kept draw"); in recompute, the second hands them out in
+order, one per random op, and draws nothing (and tells a report that walks the graph what it
+still holds, ``held_for_replay``). Which ops draw is ``_selective``'s (``draws_random``); deciding
+to keep the group is ``solver``'s.
 
 Why below the selective modes: selective checkpointing recomputes random ops whatever its policy
 says (NOTE [Selective checkpoint cache], Rule 10), so its recompute mode runs them again and the

@@ -237,8 +237,6 @@ _PLAN_LATER: Final[dict[str, tuple[_Check, Any]]] = {
     "peak_bytes": (_count, 0),
     "spans": (_list(_object(_SPAN)), []),
     "cost": (_number, 0.0),
-    "costs": (
-        _object(_COSTS, _COSTS_LATER),
-        None,
-    ),  # the cost model's constants, named (None: not written)
+    # The cost model's constants, named (None: not written).
+    "costs": (_object(_COSTS, _COSTS_LATER), None),
 }
