@@ -10,6 +10,7 @@ Usage (from the repository root)::
     python benchmarks/planner.py --from-results --plot PATH  # the W1/W2 tables of RESULTS.md
     python benchmarks/planner.py --sweep    # plan_sweep's 12 budgets against HAND, six families
     python benchmarks/planner.py --sweep-quads gpt2  # the plan at block strategies' bytes, quads
+    python benchmarks/planner.py --sweep-quads decoder --sweep-quads-at 18507722  # at a budget
     PYTHONPATH=old/checkout python benchmarks/planner.py --dump-plans DIR  # its W1/W2 plans
     python benchmarks/planner.py --ab DIR   # this checkout's plans against DIR's, timed
 
@@ -1412,6 +1413,12 @@ def main() -> None:
         help="the plan at each block strategy's bytes against it, in quads (planner_sweep.py)",
     )
     parser.add_argument(
+        "--sweep-quads-at",
+        metavar="BYTES",
+        help="--sweep-quads: the plans at these budgets (bytes, comma-separated) instead, each "
+        "against every block strategy",
+    )
+    parser.add_argument(
         "--hand", action="store_true", help="W2: the plan at each hand policy's bytes against it"
     )
     parser.add_argument(
@@ -1438,7 +1445,9 @@ def main() -> None:
     if args.sweep_quads:
         import planner_sweep
 
-        print("\n".join(planner_sweep.quads_at_strategies(args.sweep_quads, args.quads or 40)))
+        budgets = [int(b) for b in (args.sweep_quads_at or "").split(",") if b]
+        lines = planner_sweep.quads_at_strategies(args.sweep_quads, args.quads or 40, budgets)
+        print("\n".join(lines))
         return
     if args.sweep:  # the figure from RESULTS.md with --from-results, else the measured sweep
         import planner_sweep

@@ -35,7 +35,7 @@ import itertools
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,12 +279,13 @@ def table(result: SweepResult) -> list[str]:
 BLOCK_STRATEGIES = ("every 2 layers", "every 3 layers", "checkpoint_sequential, 2 segments")
 
 
-def quads_at_strategies(name: str, rounds: int) -> list[str]:
+def quads_at_strategies(name: str, rounds: int, budgets: Sequence[int] = ()) -> list[str]:
     """``--sweep-quads NAME``: on family ``name``, the plan (``plan_sweep`` from one profile) at
-    each of ``BLOCK_STRATEGIES``' measured kept bytes against that strategy, predicted (both by
-    the planner's cost model: ``hand_prices``, the plan's ``cost``) and measured in ``rounds``
-    quads (A B B A, then B A A B; a sample one step's CPU time), beside the A/A control, as a
-    table."""
+    each of ``BLOCK_STRATEGIES``' measured kept bytes against that strategy, or with ``budgets``
+    (``--sweep-quads-at``, in bytes: a sweep's budgets) the plan at each against every one of
+    them, predicted (both by the planner's cost model: ``hand_prices``, the plan's ``cost``) and
+    measured in ``rounds`` quads (A B B A, then B A A B; a sample one step's CPU time), beside
+    the A/A control, as a table."""
     from planner import describe, estimate, hand_prices, plan_installer, quads, verdict
 
     from checkpointing._planning.search import _variants
@@ -303,24 +304,29 @@ def quads_at_strategies(name: str, rounds: int) -> list[str]:
     )
     problem = _variants(step.measured, 1.0, 1.0, joins=True)[0][1]
     prices = hand_prices(problem, len(list(blocks_of(work.model))))
-    plans = dict(
-        zip(BLOCK_STRATEGIES, step.plans([nbytes[s] for s in BLOCK_STRATEGIES]), strict=True)
-    )
-    for strategy, plan in plans.items():
-        models[f"plan at {strategy}"] = copy.deepcopy(work.model)
-        plan_installer(plan)(models[f"plan at {strategy}"])
-        nbytes[f"plan at {strategy}"] = kept_bytes(work, models[f"plan at {strategy}"])
+    at = list(budgets) or [nbytes[s] for s in BLOCK_STRATEGIES]
+    names = [f"plan at {b:,} bytes" for b in budgets] or [f"plan at {s}" for s in BLOCK_STRATEGIES]
+    plans = dict(zip(names, step.plans(at), strict=True))
+    for key, plan in plans.items():
+        models[key] = copy.deepcopy(work.model)
+        plan_installer(plan)(models[key])
+        nbytes[key] = kept_bytes(work, models[key])
     for m in models.values():
         for _ in range(WARM):
             one_step(work, m)
-    pairs = [("none again", "none")] + [(f"plan at {s}", s) for s in BLOCK_STRATEGIES]
+    pairs = [("none again", "none")] + (
+        [(key, s) for key in names for s in BLOCK_STRATEGIES]
+        if budgets
+        else list(zip(names, BLOCK_STRATEGIES, strict=True))
+    )
     gc.collect()
     gc.freeze()
     ratios, _ = quads(models, lambda m: sampled(work, m), pairs, rounds)
     gc.unfreeze()
     control = estimate(ratios[pairs[0]])
+    where = "the given budgets" if budgets else "each block strategy's bytes"
     lines = [
-        f"#### {work.key}: the plan at each block strategy's bytes, {rounds} quads",
+        f"#### {work.key}: the plan at {where}, {rounds} quads",
         "",
         f"A/A control (none again / none): {control}.",
         "",
@@ -330,7 +336,7 @@ def quads_at_strategies(name: str, rounds: int) -> list[str]:
     ]
     for a, b in pairs[1:]:
         ratio = estimate(ratios[(a, b)])
-        plan = plans[b]
+        plan = plans[a]
         lines.append(
             f"| {a} | {b} | {nbytes[b]:,} | {prices[b][1]:.5f} | {nbytes[a]:,} | {plan.cost:.5f} "
             f"| {describe(plan)} | {ratio} | {verdict(ratio, control)} |"
